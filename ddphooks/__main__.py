@@ -1,0 +1,5 @@
+import sys
+
+from ddphooks.cli import main
+
+sys.exit(main())

@@ -1,0 +1,73 @@
+"""User knobs of ``SilentState``, validated in one place."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ddphooks.sketch import MAX_SKETCH_DIM, MIN_SKETCH_DIM
+
+TRANSPORTS = ("auto", "piggyback", "separate")
+
+
+def _check_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+
+
+@dataclass(frozen=True)
+class SilentConfig:
+    """Settings of the silent-inconsistency statistics; identical on every rank."""
+
+    sketch_dim: int = 256
+    """Entries of each rank's gradient sketch for the W x W cosine matrix (0: norms and losses only)."""
+
+    every: int = 1
+    """Instrument steps 0, every, 2*every, ...; the other steps run the plain allreduce."""
+
+    seed: int = 0
+    """Seed of the random projection (the same on every rank, independent of the global RNG)."""
+
+    transport: str = "auto"
+    """How statistics travel: "piggyback" on the last bucket's allreduce, "separate" in one small
+    allreduce per step (bitwise identical to allreduce_hook at any world size), or "auto"
+    (piggyback for fp32 buckets, separate otherwise)."""
+
+    log_rank: int | None = 0
+    """Rank that writes records to the sinks (None: every rank)."""
+
+    chunk_elems: int | None = None
+    """Elements per chunk of the statistics pass (None: 65536 on CPU, 16M on accelerators)."""
+
+    def __post_init__(self) -> None:
+        _check_int("sketch_dim", self.sketch_dim)
+        if self.sketch_dim < 0:
+            raise ValueError(f"sketch_dim={self.sketch_dim} is negative; use 0 to turn the sketch off, or 64 to 1024")
+        if 0 < self.sketch_dim < MIN_SKETCH_DIM:
+            raise ValueError(
+                f"sketch_dim={self.sketch_dim} is too small: cosine errors are about 1/sqrt(sketch_dim); "
+                f"use 0 (no sketch) or at least {MIN_SKETCH_DIM} (256 is the default)"
+            )
+        if self.sketch_dim > MAX_SKETCH_DIM:
+            raise ValueError(
+                f"sketch_dim={self.sketch_dim} is larger than {MAX_SKETCH_DIM}: every rank would send "
+                f"{self.sketch_dim} floats per step for a cosine error below 0.004; use 256 to 1024"
+            )
+        _check_int("every", self.every)
+        if self.every < 1:
+            raise ValueError(f"every={self.every} must be >= 1 (1 instruments every step, 10 every tenth)")
+        _check_int("seed", self.seed)
+        if self.seed < 0:
+            raise ValueError(f"seed={self.seed} must be >= 0")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport={self.transport!r} is not one of {', '.join(map(repr, TRANSPORTS))}")
+        if self.log_rank is not None:
+            _check_int("log_rank", self.log_rank)
+            if self.log_rank < 0:
+                raise ValueError(f"log_rank={self.log_rank} must be a rank (>= 0) or None for every rank")
+        if self.chunk_elems is not None:
+            _check_int("chunk_elems", self.chunk_elems)
+            if self.chunk_elems < 1024:
+                raise ValueError(f"chunk_elems={self.chunk_elems} must be >= 1024 (or None for the default)")
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,498 @@
+"""``silent_hook``: a DDP communication hook that measures silent inconsistency between ranks.
+
+This is the only module that talks to ``torch.distributed``; the numerical work lives in
+``ddphooks.sketch`` (local statistics) and ``ddphooks.stats`` (reconstruction).
+"""
+
+# No `from __future__ import annotations` here: DDP checks the hook's annotations at runtime
+# (bucket must be dist.GradBucket, the return torch.futures.Future[torch.Tensor]).
+import threading
+import warnings
+import weakref
+from collections import deque
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+from ddphooks.config import SilentConfig
+from ddphooks.sinks import Sink, SinkGroup
+from ddphooks.sketch import (
+    ACCELERATOR_CHUNK_ELEMS,
+    CPU_CHUNK_ELEMS,
+    BucketPlan,
+    BucketStatsKernel,
+    sketch_bins,
+    squared_norms,
+)
+from ddphooks.stats import BucketLayout, SilentStats, slot_size
+
+CommHook = Callable[[object, dist.GradBucket], torch.futures.Future]
+
+
+@dataclass
+class _BucketEntry:
+    """What the hook keeps per bucket layout: its chunk plan, names and a norms buffer."""
+
+    key: tuple
+    plan: BucketPlan
+    layout: BucketLayout
+    sq_norms: torch.Tensor  # fp32, one per parameter, rewritten on every instrumented step
+
+
+class _Step:
+    """One instrumented step, shared between the hook calls and the communication callbacks.
+
+    Bucket futures complete in any order and gloo runs their callbacks on its own threads, so
+    the step is complete only when every bucket has reported; ``lock`` guards the counter.
+    """
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.layouts: list[BucketLayout] = []
+        self.local_sq: list[torch.Tensor] = []
+        self.reduced_sq: list[torch.Tensor | None] = []
+        self.gathered: torch.Tensor | None = None
+        self.transport = ""
+        self.n_buckets: int | None = None  # set before the last bucket is launched
+        self.done = 0
+        self.error: BaseException | None = None
+        self.lock = threading.Lock()
+
+
+class SilentState:
+    r"""State of :func:`silent_hook`: settings, per-bucket plans, and the latest statistics.
+
+    Construct it on every rank with the same arguments, after ``init_process_group`` and
+    ``DistributedDataParallel``. Settings are compared across ranks here (one small
+    ``all_gather_object``), so a bad or mismatched value raises the same error on every rank
+    instead of hanging the first backward.
+
+    Args:
+        process_group: the DDP model's process group (None: the model's, else the default group).
+        model: the ``DistributedDataParallel`` module; gives parameter names and lets the
+            constructor check the process group and the gradient dtypes.
+        sketch_dim: entries of each rank's gradient sketch (0: norms and losses only).
+        every: instrument steps 0, every, 2*every, ...
+        seed: seed of the random projection, identical on every rank.
+        transport: "auto", "piggyback" or "separate" (see :class:`SilentConfig`).
+        sinks: where records go (``JsonlSink`` ...); written on ``log_rank`` only.
+        log_rank: rank that writes to the sinks (None: every rank).
+        comm_hook, comm_state: another DDP hook that does the gradient communication (e.g.
+            ``fp16_compress_hook`` with its process group); statistics then travel separately
+            and the reduced norms are those of what ``comm_hook`` returns.
+        chunk_elems: elements per chunk of the statistics pass (None: a device default).
+
+    Example::
+        >>> state = SilentState(model=ddp_model, sketch_dim=256, sinks=[JsonlSink("stats.jsonl")])
+        >>> ddp_model.register_comm_hook(state, silent_hook)
+        >>> loss = ddp_model(x).loss
+        >>> state.observe_loss(loss)
+        >>> loss.backward()
+        >>> state.latest.to_dict()["mean_cosine"]
+    """
+
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        model: torch.nn.Module | None = None,
+        sketch_dim: int = 256,
+        every: int = 1,
+        seed: int = 0,
+        transport: str = "auto",
+        sinks: Sink | list[Sink] | tuple[Sink, ...] = (),
+        log_rank: int | None = 0,
+        comm_hook: CommHook | None = None,
+        comm_state: object = None,
+        chunk_elems: int | None = None,
+    ) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "torch.distributed is not initialized: call torch.distributed.init_process_group(...) "
+                "and wrap the model in DistributedDataParallel before creating SilentState"
+            )
+        settings = dict(sketch_dim=sketch_dim, every=every, seed=seed, transport=transport, log_rank=log_rank, chunk_elems=chunk_elems)
+        group = process_group
+        problem = None
+        try:
+            self.config = SilentConfig(**settings)
+            group = _resolve_group(process_group, model, self.config, comm_hook)
+        except (TypeError, ValueError) as error:
+            problem = f"{type(error).__name__}: {error}"
+        settings["comm_hook"] = None if comm_hook is None else getattr(comm_hook, "__qualname__", repr(comm_hook))
+        _agree_across_ranks(group if problem is None else None, settings, problem)
+
+        # -- user knobs ------------------------------------------------------------------------
+        self.process_group = group if group is not None else dist.group.WORLD
+        self.comm_hook = comm_hook
+        self.comm_state = comm_state
+        self.sink = sinks if isinstance(sinks, Sink) else SinkGroup(sinks)
+        # -- internal --------------------------------------------------------------------------
+        self.rank = dist.get_rank(self.process_group)
+        self.world_size = dist.get_world_size(self.process_group)
+        self.bins = sketch_bins(self.config.sketch_dim)
+        self._writes = self.config.log_rank is None or self.config.log_rank == self.rank
+        if self._writes and hasattr(self.sink, "bind_rank"):
+            self.sink.bind_rank(self.rank)
+        self._names = {} if model is None else {id(p): name for name, p in model.module.named_parameters()}
+        self._buckets: dict[int, _BucketEntry] = {}
+        self._kernels: dict[torch.device, BucketStatsKernel] = {}
+        self._sketch: torch.Tensor | None = None  # this step's sketch accumulator (fp32, bins)
+        self._loss_sum: torch.Tensor | None = None  # sum of the losses observed this step
+        self._loss_count = 0
+        self._loss_pair: torch.Tensor | None = None  # [loss_sum, loss_count] packed into the slot
+        self._piggyback: torch.Tensor | None = None  # last bucket / W followed by W slots
+        self._separate: torch.Tensor | None = None  # W slots, for the separate transport
+        self._current: _Step | None = None
+        self._lock = threading.Lock()
+        # -- records ---------------------------------------------------------------------------
+        self.step = 0
+        """Synchronised steps seen so far (advances on the last bucket of every step)."""
+        self._latest: SilentStats | BaseException | None = None
+        self._pending: deque[SilentStats] = deque()  # complete, not yet written to the sinks
+        self._finalizer = weakref.finalize(self, _drain, self._pending, self.sink, self._lock, self._writes)
+
+    # -- public API ----------------------------------------------------------------------------
+    def observe_loss(self, loss: torch.Tensor) -> None:
+        """Record this rank's loss for the current step, without synchronising the device.
+
+        Call it before ``backward()``. With gradient accumulation (``no_sync()`` micro-steps),
+        the rank's loss of a step is the mean of the losses observed since the previous
+        synchronised step. On steps that are not instrumented it does nothing.
+        """
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError(f"observe_loss expects the scalar loss tensor you call backward() on, got {shape}; pass loss.mean()")
+        if not self._instrumented(self.step):
+            return
+        value = loss.detach().reshape(()).float()
+        if self._loss_sum is None or self._loss_sum.device != value.device:
+            self._loss_sum = torch.zeros((), dtype=torch.float32, device=value.device)
+        self._loss_sum.add_(value)
+        self._loss_count += 1
+
+    @property
+    def latest(self) -> SilentStats | None:
+        """Statistics of the most recent instrumented step (None before the first one).
+
+        Complete as soon as ``backward()`` returns on an instrumented step, and identical on
+        every rank. Reading it also writes completed records to the sinks.
+        """
+        self._emit_pending()
+        latest = self._latest
+        if isinstance(latest, BaseException):
+            raise RuntimeError(f"ddphooks could not compute the statistics of the latest instrumented step: {latest!r}") from latest
+        return latest
+
+    def flush(self) -> None:
+        """Write every completed record to the sinks and flush them."""
+        self._emit_pending()
+        if self._writes:
+            self.sink.flush()
+
+    def close(self) -> None:
+        """Flush and close the sinks."""
+        self.flush()
+        if self._writes:
+            self.sink.close()
+        self._finalizer.detach()
+
+    # -- helpers used by silent_hook -----------------------------------------------------------
+    def _instrumented(self, step: int) -> bool:
+        return step % self.config.every == 0
+
+    def _emit_pending(self) -> None:
+        _drain(self._pending, self.sink, self._lock, self._writes)
+
+    def _communicate(self, bucket: dist.GradBucket) -> torch.futures.Future:
+        """The gradient communication itself: ``allreduce_hook`` or the wrapped hook."""
+        if self.comm_hook is None:
+            return allreduce_hook(self.process_group, bucket)
+        return self.comm_hook(self.comm_state, bucket)
+
+    def _entry(self, bucket: dist.GradBucket, buffer: torch.Tensor) -> _BucketEntry:
+        """The plan of this bucket's layout; rebuilt when DDP rebuilds its buckets."""
+        params = bucket.parameters()
+        key = (buffer.numel(), buffer.dtype, buffer.device, tuple(id(p) for p in params))
+        entry = self._buckets.get(bucket.index())
+        if entry is not None and entry.key == key:
+            return entry
+        lengths = [p.numel() for p in params]
+        if sum(lengths) != buffer.numel():
+            raise RuntimeError(f"bucket {bucket.index()} holds {buffer.numel()} elements but its parameters have {sum(lengths)}")
+        kernel = self._kernel(buffer.device)
+        if entry is not None:
+            kernel.forget(entry.plan)
+        chunk = self.config.chunk_elems or (CPU_CHUNK_ELEMS if buffer.device.type == "cpu" else ACCELERATOR_CHUNK_ELEMS)
+        # Seed words are the same on every rank: DDP gives every rank the same bucket layout.
+        plan = BucketPlan(lengths, self.bins, (self.config.seed, bucket.index(), buffer.numel()), buffer.device, chunk)
+        names = tuple(self._names.get(id(p), f"bucket{bucket.index()}.param{j}") for j, p in enumerate(params))
+        sq = torch.empty(len(lengths), dtype=torch.float32, device=buffer.device)
+        entry = _BucketEntry(key, plan, BucketLayout(bucket.index(), names, tuple(lengths)), sq)
+        self._buckets[bucket.index()] = entry
+        return entry
+
+    def _kernel(self, device: torch.device) -> BucketStatsKernel:
+        if device not in self._kernels:
+            self._kernels[device] = BucketStatsKernel(self.bins, device)
+        return self._kernels[device]
+
+    def _open_step(self, device: torch.device) -> _Step:
+        self._current = _Step(self.step)
+        if self.bins:
+            if self._sketch is None or self._sketch.device != device:
+                self._sketch = torch.zeros(self.bins, dtype=torch.float32, device=device)
+            else:
+                self._sketch.zero_()
+        return self._current
+
+    def _end_step(self, last_index: int) -> None:
+        """After the last bucket: advance the step, reset the loss, drop stale bucket plans."""
+        self.step += 1
+        self._current = None
+        self._loss_count = 0
+        if self._loss_sum is not None:
+            self._loss_sum.zero_()
+        for index in [i for i in self._buckets if i > last_index]:
+            stale = self._buckets.pop(index)
+            self._kernel(stale.plan.device).forget(stale.plan)
+
+    def _pack_slot(self, record: _Step, slot: torch.Tensor) -> None:
+        """Write [loss_sum, loss_count, |g_p|^2 ..., sketch] of this rank into ``slot``."""
+        if self._loss_pair is None or self._loss_pair.device != slot.device:
+            self._loss_pair = torch.zeros(2, dtype=torch.float32, device=slot.device)
+        if self._loss_count:
+            self._loss_pair[0].copy_(self._loss_sum)
+        else:
+            self._loss_pair[0].zero_()
+        self._loss_pair[1].fill_(self._loss_count)
+        parts = [self._loss_pair, *record.local_sq]
+        if self.bins:
+            parts.append(self._sketch)
+        torch.cat(parts, out=slot)
+
+    def _stats_buffer(self, attribute: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A persistent communication buffer, reallocated only when its size changes."""
+        buffer = getattr(self, attribute)
+        if buffer is None or buffer.numel() != numel or buffer.dtype != dtype or buffer.device != device:
+            buffer = torch.empty(numel, dtype=dtype, device=device)
+            setattr(self, attribute, buffer)
+        return buffer
+
+    def _bucket_done(self, record: _Step) -> None:
+        """Count a reported bucket; the last one to report publishes the step's statistics."""
+        with record.lock:
+            record.done += 1
+            complete = record.n_buckets is not None and record.done == record.n_buckets
+        if not complete:
+            return
+        if record.error is None:
+            try:
+                result = SilentStats(
+                    record.step,
+                    self.world_size,
+                    record.layouts,
+                    record.gathered,
+                    torch.cat(record.reduced_sq),
+                    self.bins,
+                    record.transport,
+                )
+            except Exception as error:  # never let a statistics bug break the gradient future
+                result = error
+        else:
+            result = record.error
+        with self._lock:
+            self._latest = result
+            if isinstance(result, SilentStats) and self._writes:
+                self._pending.append(result)
+        if isinstance(result, BaseException):
+            warnings.warn(f"ddphooks: statistics of step {record.step} failed: {result!r}", RuntimeWarning, stacklevel=1)
+
+
+def _drain(pending: deque, sink: Sink, lock: threading.Lock, writes: bool) -> None:
+    """Write completed records to the sink, in step order (also run at interpreter exit)."""
+    if not writes or not pending:
+        return
+    with lock:
+        records = list(pending)
+        pending.clear()
+    for stats in records:
+        sink.write(stats.to_dict())
+
+
+def _resolve_group(
+    process_group: dist.ProcessGroup | None, model: torch.nn.Module | None, config: SilentConfig, comm_hook: CommHook | None
+) -> dist.ProcessGroup | None:
+    """Check the model and process group; return the group the hook must use."""
+    if model is None:
+        return process_group
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise TypeError(
+            f"model must be the DistributedDataParallel module the hook is registered on, got {type(model).__name__}; "
+            "pass model=DistributedDataParallel(module)"
+        )
+    if process_group is not None and process_group is not model.process_group:
+        raise ValueError(
+            f"process_group {process_group!r} is not the process group of the DDP model ({model.process_group!r}); "
+            "pass process_group=None to use the model's group"
+        )
+    if config.transport == "piggyback":
+        dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
+        if comm_hook is not None:
+            raise ValueError("transport='piggyback' cannot carry statistics through comm_hook; use transport='separate' or 'auto'")
+        if dtypes - {torch.float32}:
+            raise ValueError(
+                f"transport='piggyback' needs fp32 gradients to carry fp32 statistics, but the model has "
+                f"{sorted(str(d) for d in dtypes)}; use transport='auto' or 'separate'"
+            )
+    return model.process_group
+
+
+def _agree_across_ranks(group: dist.ProcessGroup | None, settings: dict, problem: str | None) -> None:
+    """Gather every rank's settings and local problem; raise the same error on every rank."""
+    world = dist.get_world_size(group)
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, (settings, problem), group=group)
+    problems = [f"rank {rank}: {p}" for rank, (_, p) in enumerate(gathered) if p is not None]
+    if problems:
+        raise ValueError("invalid SilentState arguments on " + "; ".join(problems))
+    if any(s != gathered[0][0] for s, _ in gathered):
+        described = "; ".join(f"rank {rank} has {s}" for rank, (s, _) in enumerate(gathered))
+        raise ValueError(f"SilentState settings differ across ranks ({described}); create it with the same arguments on every rank")
+
+
+def silent_hook(state: SilentState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    r"""DDP communication hook that averages gradients exactly like ``allreduce_hook`` and
+    measures how much the ranks' local gradients and losses disagree.
+
+    On an instrumented step (``state.step % every == 0``), for every bucket:
+
+    1. One chunked pass over the local gradient ``g`` computes ``|g_p|^2`` for each parameter
+       ``p`` and adds the bucket's sketch ``s_c += sum_{i mod P = c} sigma_i g_i`` (P prime, signs
+       shared by every rank) into the step's sketch.
+    2. Every bucket but the last is averaged like ``allreduce_hook``: divide by W first (to avoid
+       overflow), allreduce (SUM). Its callback computes ``|gbar_p|^2`` of the reduced gradient.
+    3. The last bucket also carries every rank's slot ``[loss_sum, loss_count, |g_p|^2, s]``:
+       with the fp32 "piggyback" transport the allreduce runs on one persistent buffer
+       ``[bucket / W | W slots]`` where each rank filled its own slot and zeroed the rest, so the
+       sum gathers all slots in the same collective; otherwise one small allreduce of the slots
+       follows the bucket's (the "separate" transport).
+    4. When every bucket has reported, ``state.latest`` becomes the step's ``SilentStats``:
+       dispersion of losses and norms, the exact norm-weighted mean cosine from
+       ``sum_{i!=j} <g_i,g_j> = W^2 |gbar|^2 - sum_i |g_i|^2``, and the sketched cosine matrix.
+
+    Other steps take the plain ``allreduce_hook`` path with no statistics work. The step counter
+    advances on ``bucket.is_last()``. Gradients are never modified beyond the average, and nothing
+    in the statistics raises inside the hook: non-finite values are reported in the record.
+
+    Example::
+        >>> state = SilentState(model=ddp_model)
+        >>> ddp_model.register_comm_hook(state, silent_hook)
+    """
+    if not isinstance(state, SilentState):
+        raise TypeError(f"silent_hook needs a SilentState as its state, got {type(state).__name__}")
+    if not isinstance(bucket, dist.GradBucket):
+        raise TypeError(
+            f"silent_hook received {type(bucket).__name__} instead of a GradBucket (compiled DDP's python reducer "
+            "passes per-parameter tuples); use eager DistributedDataParallel"
+        )
+    if bucket.index() == 0:
+        state._emit_pending()
+    if not state._instrumented(state.step):
+        future = state._communicate(bucket)
+        if bucket.is_last():
+            state._end_step(bucket.index())
+        return future
+
+    buffer = bucket.buffer()
+    if buffer.is_sparse:
+        raise NotImplementedError("silent_hook does not handle sparse gradients (nn.Embedding(sparse=True)); use dense gradients")
+    record = state._current or state._open_step(buffer.device)
+    entry = state._entry(bucket, buffer)
+    state._kernel(buffer.device).run(buffer, entry.plan, state._sketch if state.bins else None, entry.sq_norms)
+    position = len(record.layouts)
+    record.layouts.append(entry.layout)
+    record.local_sq.append(entry.sq_norms)
+    record.reduced_sq.append(None)
+
+    if not bucket.is_last():
+        return state._communicate(bucket).then(partial(_reduced_bucket, state, record, position))
+
+    # The last bucket: every other bucket's statistics are known, pack this rank's slot.
+    world = state.world_size
+    slot = slot_size(sum(len(layout.numels) for layout in record.layouts), state.bins)
+    piggyback = state.comm_hook is None and state.config.transport != "separate" and buffer.dtype == torch.float32
+    if state.config.transport == "piggyback" and not piggyback:
+        raise ValueError(f"transport='piggyback' needs fp32 gradient buckets, got {buffer.dtype}; use transport='auto'")
+    record.transport = "piggyback" if piggyback else "separate"
+    with record.lock:  # before launching: the last callback may run before this call returns
+        record.n_buckets = position + 1
+
+    if piggyback:
+        numel = buffer.numel()
+        combined = state._stats_buffer("_piggyback", numel + world * slot, buffer.dtype, buffer.device)
+        # Same division as allreduce_hook (divide first to avoid overflow), into the big buffer.
+        torch.div(buffer, world, out=combined[:numel])
+        slots = combined[numel:]
+        slots.zero_()
+        state._pack_slot(record, slots[state.rank * slot : (state.rank + 1) * slot])
+        future = dist.all_reduce(combined, group=state.process_group, async_op=True).get_future()
+        future = future.then(partial(_reduced_piggyback, state, record, position, numel, slot))
+    else:
+        gradient_future = state._communicate(bucket)
+        slots = state._stats_buffer("_separate", world * slot, torch.float32, buffer.device)
+        slots.zero_()
+        state._pack_slot(record, slots[state.rank * slot : (state.rank + 1) * slot])
+        slots_future = dist.all_reduce(slots, group=state.process_group, async_op=True).get_future()
+        both = torch.futures.collect_all([gradient_future, slots_future])
+        future = both.then(partial(_reduced_separate, state, record, position, slot))
+    state._end_step(bucket.index())
+    return future
+
+
+def _record_reduced(record: _Step, position: int, reduced: torch.Tensor) -> None:
+    layout = record.layouts[position]
+    out = torch.empty(len(layout.numels), dtype=torch.float32, device=reduced.device)
+    squared_norms(reduced, list(layout.numels), out)
+    record.reduced_sq[position] = out
+
+
+def _reduced_bucket(state: SilentState, record: _Step, position: int, future: torch.futures.Future) -> torch.Tensor:
+    reduced = future.value()
+    try:
+        _record_reduced(record, position, reduced)
+    except Exception as error:
+        record.error = error
+    state._bucket_done(record)
+    return reduced
+
+
+def _reduced_piggyback(
+    state: SilentState, record: _Step, position: int, numel: int, slot: int, future: torch.futures.Future
+) -> torch.Tensor:
+    combined = future.value()[0]
+    gradient = combined[:numel]
+    try:
+        # The buffer is reused next step: keep a copy of the gathered slots.
+        record.gathered = combined[numel:].view(state.world_size, slot).clone()
+        _record_reduced(record, position, gradient)
+    except Exception as error:
+        record.error = error
+    state._bucket_done(record)
+    return gradient
+
+
+def _reduced_separate(state: SilentState, record: _Step, position: int, slot: int, future: torch.futures.Future) -> torch.Tensor:
+    gradient_future, slots_future = future.value()
+    gradient = gradient_future.value()
+    try:
+        record.gathered = slots_future.value()[0].view(state.world_size, slot).clone()
+        _record_reduced(record, position, gradient)
+    except Exception as error:
+        record.error = error
+    state._bucket_done(record)
+    return gradient

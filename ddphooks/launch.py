@@ -1,0 +1,110 @@
+"""Spawn a gloo process group on this machine and run one function on every rank.
+
+Used by the demo, the experiment, the benchmarks and the tests. Ranks rendezvous through a
+file (no TCP port to collide on), every rank's result or traceback comes back to the caller, and
+a deadline kills all workers instead of hanging when one of them dies or blocks.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+#: Seconds to keep collecting reports from the other ranks once one rank has failed.
+FAILURE_GRACE_S = 5.0
+
+
+class WorkerError(RuntimeError):
+    """A spawned rank raised; the message carries its traceback."""
+
+
+def _worker(fn: Callable, rank: int, world: int, init_file: str, threads: int, timeout: float, args: tuple, results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+        try:
+            value = fn(rank, world, *args)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, True, value))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+        raise SystemExit(1)
+
+
+def spawn(fn: Callable, world: int, args: tuple = (), timeout: float = 300.0, threads: int = 1) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` in ``world`` fresh processes joined by a gloo group.
+
+    Args:
+        fn: a module-level function (it is pickled by reference into each process).
+        world: number of ranks.
+        args: extra picklable arguments.
+        timeout: seconds before every worker is killed and ``TimeoutError`` is raised; also the
+            process group's own timeout, so a stuck collective fails instead of waiting forever.
+        threads: torch intra-op threads per rank (keep ranks x threads <= cores).
+
+    Returns the value each rank returned, indexed by rank. Raises ``WorkerError`` with the
+    tracebacks of every rank that failed.
+    """
+    if world < 1:
+        raise ValueError(f"world={world} must be >= 1")
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    with tempfile.TemporaryDirectory(prefix="ddphooks-") as folder:
+        init_file = os.path.join(folder, "rendezvous")
+        processes = [
+            context.Process(target=_worker, args=(fn, rank, world, init_file, threads, timeout, args, results), daemon=True)
+            for rank in range(world)
+        ]
+        for process in processes:
+            process.start()
+        deadline = time.monotonic() + timeout
+        values: dict[int, Any] = {}
+        failures: dict[int, str] = {}
+        try:
+            while len(values) + len(failures) < world:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    if failures:
+                        break
+                    raise TimeoutError(f"{world - len(values)} of {world} ranks did not finish within {timeout:.0f} s")
+                if failures:
+                    # One rank failed: the others usually fail right after (a peer closed the
+                    # connection); collect them briefly so the report shows the root cause too.
+                    deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+                try:
+                    rank, ok, value = results.get(timeout=min(remaining, 1.0))
+                except queue.Empty:
+                    for rank, process in enumerate(processes):
+                        if process.exitcode not in (None, 0) and rank not in failures and results.empty():
+                            failures[rank] = f"exited with code {process.exitcode} without reporting"
+                    continue
+                if ok:
+                    values[rank] = value
+                else:
+                    failures[rank] = value
+        finally:
+            for process in processes:
+                if failures or len(values) < world:
+                    process.kill()
+                process.join(timeout=10)
+        if failures:
+            raise WorkerError("\n".join(f"rank {rank} failed:\n{text}" for rank, text in sorted(failures.items())))
+    return [values[rank] for rank in range(world)]

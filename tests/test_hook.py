@@ -1,0 +1,452 @@
+"""silent_hook on real gloo process groups, checked against the slow obvious reference.
+
+Each ``_check_*(rank, world, ...)`` function runs on every rank of a fresh process group (through
+``ddphooks.launch.spawn``). The reference: every rank computes its local gradient with a plain
+``autograd.grad`` on the unwrapped module, the full flattened gradients are ``all_gather``-ed, and
+losses, norms, per-bucket and per-parameter norms, the weighted mean cosine and the cosine matrix
+are computed directly from them in float64.
+"""
+
+import json
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook, fp16_compress_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddphooks import JsonlSink, SilentState, silent_hook
+from ddphooks.launch import WorkerError, spawn
+
+BUCKET_CAP_MB = 0.002  # about 500 fp32 elements per bucket: three buckets in the small model
+RTOL = 1e-5
+COSINE_ATOL = 1e-6
+TIMEOUT = 240
+
+
+class _Net(torch.nn.Module):
+    """A small MLP (about 6000 parameters) with an optional branch that never runs."""
+
+    def __init__(self, unused_branch: bool = False) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(16, 48)
+        self.hidden = torch.nn.Linear(48, 64)
+        self.out = torch.nn.Linear(64, 8)
+        self.unused = torch.nn.Linear(8, 8) if unused_branch else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.hidden(torch.tanh(self.inp(x)))))
+
+
+def _make_ddp(seed: int = 0, dtype: torch.dtype = torch.float32, unused: bool = False, **ddp_kwargs) -> DDP:
+    torch.manual_seed(seed)
+    module = _Net(unused_branch=unused).to(dtype)
+    return DDP(module, bucket_cap_mb=BUCKET_CAP_MB, **ddp_kwargs)
+
+
+def _batch(rank: int, step: int, micro: int = 0, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Different data on every rank (and a rank-dependent shift, so gradients really differ)."""
+    generator = torch.Generator().manual_seed(1000 * step + 100 * rank + micro)
+    x = torch.randn(32, 16, generator=generator) + 0.3 * rank
+    y = torch.randn(32, 8, generator=generator)
+    return x.to(dtype), y.to(dtype)
+
+
+def _loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def _reference(module: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
+    """Statistics of one step computed the slow way from all-gathered full local gradients."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    names = [n for n, p in module.named_parameters() if p.requires_grad]
+    grads = [torch.zeros_like(p, dtype=torch.float64) for p in params]
+    losses = []
+    for x, y in batches:
+        loss = _loss(module, x, y)
+        losses.append(loss.item())
+        for total, g in zip(grads, torch.autograd.grad(loss, params, allow_unused=True)):
+            if g is not None:
+                total += g.double()
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    full = torch.stack(gathered)  # W x D, float64
+    loss_tensor = torch.tensor([sum(losses) / len(losses)], dtype=torch.float64)
+    all_losses = [torch.empty_like(loss_tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(all_losses, loss_tensor)
+    gram = full @ full.T
+    norms = gram.diag().sqrt()
+    world = full.shape[0]
+    off = ~torch.eye(world, dtype=torch.bool)
+    per_param, offset = {}, 0
+    for name, p in zip(names, params):
+        per_param[name] = full[:, offset : offset + p.numel()]
+        offset += p.numel()
+    return {
+        "losses": torch.cat(all_losses).tolist(),
+        "grad_norms": norms.tolist(),
+        "cosine": (gram / torch.outer(norms, norms)).tolist(),
+        "weighted_mean_cosine": (gram[off].sum() / torch.outer(norms, norms)[off].sum()).item(),
+        "param_norms": {n: g.norm(dim=1).tolist() for n, g in per_param.items()},
+        "param_gradients": per_param,
+    }
+
+
+def _weighted_cosine(gradients: torch.Tensor) -> float:
+    gram = gradients @ gradients.T
+    norms = gram.diag().sqrt()
+    off = ~torch.eye(gram.shape[0], dtype=torch.bool)
+    return (gram[off].sum() / torch.outer(norms, norms)[off].sum()).item()
+
+
+def _compare(record: dict, ref: dict, sketch_dim: int) -> None:
+    def close(got, expected, atol: float = 0.0) -> None:
+        torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64), rtol=RTOL, atol=atol)
+
+    # The identity W^2|gbar|^2 - sum|g_i|^2 subtracts terms of the size of the norms, so a cosine
+    # near zero carries an absolute error of ~1e-7 (fp32 norms); cosines get atol=COSINE_ATOL.
+    cosine_close = lambda got, expected: close(got, expected, COSINE_ATOL)
+    close(record["losses"], ref["losses"])
+    close(record["grad_norms"], ref["grad_norms"])
+    cosine_close(record["weighted_mean_cosine"], ref["weighted_mean_cosine"])
+    by_name = {p["name"]: p for p in record["parameters"]}
+    assert set(by_name) == set(ref["param_norms"])
+    for name, norms in ref["param_norms"].items():
+        close(by_name[name]["grad_norms"], norms)
+        if min(norms) > 0:
+            cosine_close(by_name[name]["weighted_mean_cosine"], _weighted_cosine(ref["param_gradients"][name]))
+    for bucket in record["buckets"]:
+        gradients = torch.cat([ref["param_gradients"][name] for name in bucket["parameters"]], dim=1)
+        close(bucket["grad_norms"], gradients.norm(dim=1).tolist())
+        cosine_close(bucket["weighted_mean_cosine"], _weighted_cosine(gradients))
+    if sketch_dim:
+        # A single draw of the sketch: |error| <= 4 / sqrt(sketch_dim) (four standard deviations).
+        error = (torch.tensor(record["cosine"]) - torch.tensor(ref["cosine"])).abs().max().item()
+        assert error <= 4 / math.sqrt(sketch_dim), f"sketched cosine off by {error}"
+        assert record["cosine"][0][0] == 1.0
+    else:
+        assert record["cosine"] is None and record["mean_cosine"] is None
+
+
+def _check_reference(rank: int, world: int, sketch_dim: int, steps: int, ddp_kwargs: dict) -> list[dict]:
+    """Every instrumented step matches the all-gather reference."""
+    model = _make_ddp(**ddp_kwargs)
+    state = SilentState(model=model, sketch_dim=sketch_dim)
+    model.register_comm_hook(state, silent_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    records = []
+    for step in range(steps):
+        x, y = _batch(rank, step)
+        ref = _reference(model.module, [(x, y)])
+        loss = _loss(model, x, y)
+        state.observe_loss(loss)
+        loss.backward()
+        record = state.latest.to_dict()
+        json.dumps(record, allow_nan=False)  # strict JSON
+        assert record["step"] == step and record["world_size"] == world
+        _compare(record, ref, sketch_dim)
+        optimizer.step()
+        optimizer.zero_grad()
+        records.append(record)
+    return records
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_statistics_match_the_all_gather_reference(world):
+    records = spawn(_check_reference, world, args=(1024, 4, {}), timeout=TIMEOUT)
+    assert all(r == records[0] for r in records), "statistics must be identical on every rank"
+    assert len(records[0][-1]["buckets"]) >= 3, "the model must span several buckets"
+    assert records[0][-1]["transport"] == "piggyback"
+
+
+@pytest.mark.parametrize(
+    "ddp_kwargs",
+    [
+        {"gradient_as_bucket_view": True},
+        {"static_graph": True},
+        {"find_unused_parameters": True, "unused": True},
+    ],
+    ids=["bucket_view", "static_graph", "find_unused"],
+)
+def test_statistics_match_reference_under_ddp_options(ddp_kwargs):
+    records = spawn(_check_reference, 2, args=(256, 3, ddp_kwargs), timeout=TIMEOUT)
+    if "unused" in ddp_kwargs:
+        unused = [p for p in records[0][-1]["parameters"] if p["name"].startswith("unused.")]
+        assert unused and all(p["grad_norms"] == [0.0, 0.0] for p in unused)
+
+
+def test_sketch_dim_zero_gives_norms_and_losses_only():
+    records = spawn(_check_reference, 2, args=(0, 2, {}), timeout=TIMEOUT)
+    assert records[0][-1]["sketch_dim"] == 0
+
+
+def _check_sketch_exact(rank: int, world: int) -> None:
+    """The gathered sketches equal the projection of the full local gradients (float tolerance)."""
+    model = _make_ddp()
+    state = SilentState(model=model, sketch_dim=128)
+    model.register_comm_hook(state, silent_hook)
+    for step in range(2):  # the second step runs on the rebuilt buckets
+        x, y = _batch(rank, step)
+        ref = _reference(model.module, [(x, y)])
+        _loss(model, x, y).backward()
+        model.zero_grad()
+    stats = state.latest
+    expected = torch.zeros(world, state.bins, dtype=torch.float64)
+    for layout in stats.buckets:
+        plan = state._buckets[layout.index].plan
+        flat = torch.cat([ref["param_gradients"][name] for name in layout.names], dim=1)
+        bins = torch.arange(flat.shape[1]) % state.bins
+        expected.index_add_(1, bins, flat * plan.signs.double())
+    sketches = torch.from_numpy(stats._arrays[0][:, -state.bins :])
+    torch.testing.assert_close(sketches, expected, rtol=1e-4, atol=1e-6)
+
+
+def test_gathered_sketches_are_exact_projections():
+    spawn(_check_sketch_exact, 3, timeout=TIMEOUT)
+
+
+# -- training is numerically unchanged -----------------------------------------------------------
+def _train(rank: int, model: DDP, steps: int, dtype: torch.dtype = torch.float32, state: SilentState | None = None) -> list[torch.Tensor]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for step in range(steps):
+        x, y = _batch(rank, step, dtype=dtype)
+        loss = _loss(model, x, y)
+        if state is not None:
+            state.observe_loss(loss)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _check_parameters_unchanged(rank: int, world: int, hook_kwargs: dict, dtype: torch.dtype, ddp_kwargs: dict) -> tuple:
+    plain = _make_ddp(dtype=dtype, **ddp_kwargs)
+    plain.register_comm_hook(None, allreduce_hook)
+    expected = _train(rank, plain, 6, dtype)
+    model = _make_ddp(dtype=dtype, **ddp_kwargs)
+    state = SilentState(model=model, **hook_kwargs)
+    model.register_comm_hook(state, silent_hook)
+    got = _train(rank, model, 6, dtype, state)
+    bitwise = all(torch.equal(a, b) for a, b in zip(expected, got))
+    for a, b in zip(expected, got):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=0)
+    return bitwise, state.latest.transport
+
+
+@pytest.mark.parametrize("ddp_kwargs", [{}, {"gradient_as_bucket_view": True}], ids=["default", "bucket_view"])
+def test_parameters_bitwise_equal_to_allreduce_hook_on_two_ranks(ddp_kwargs):
+    results = spawn(_check_parameters_unchanged, 2, args=({"sketch_dim": 256}, torch.float32, ddp_kwargs), timeout=TIMEOUT)
+    assert results == [(True, "piggyback")] * 2
+
+
+def test_parameters_equal_to_rounding_on_three_ranks():
+    # assert_close(rtol=1e-5, atol=0) runs inside; the piggyback buffer may change the reduction order.
+    results = spawn(_check_parameters_unchanged, 3, args=({"sketch_dim": 256}, torch.float32, {}), timeout=TIMEOUT)
+    assert {transport for _, transport in results} == {"piggyback"}
+
+
+def test_separate_transport_is_bitwise_on_three_ranks():
+    results = spawn(_check_parameters_unchanged, 3, args=({"sketch_dim": 256, "transport": "separate"}, torch.float32, {}), timeout=TIMEOUT)
+    assert results == [(True, "separate")] * 3
+
+
+def _check_bf16(rank: int, world: int) -> None:
+    model = _make_ddp(dtype=torch.bfloat16)
+    state = SilentState(model=model, sketch_dim=256)
+    model.register_comm_hook(state, silent_hook)
+    for step in range(2):
+        x, y = _batch(rank, step, dtype=torch.bfloat16)
+        ref = _reference(model.module, [(x, y)])  # bf16 local gradients, compared in float64
+        loss = _loss(model, x, y)
+        state.observe_loss(loss)
+        loss.backward()
+        record = state.latest.to_dict()
+        assert record["transport"] == "separate"
+        torch.testing.assert_close(torch.tensor(record["grad_norms"]), torch.tensor(ref["grad_norms"]), rtol=RTOL, atol=0)
+        torch.testing.assert_close(torch.tensor(record["losses"]), torch.tensor(ref["losses"]), rtol=RTOL, atol=0)
+        # The reduced gradient itself is bf16: the identity is exact for it up to bf16 rounding.
+        assert abs(record["weighted_mean_cosine"] - ref["weighted_mean_cosine"]) < 2e-2
+        model.zero_grad()
+
+
+def test_bf16_model_gets_fp32_accurate_norms_and_unchanged_training():
+    spawn(_check_bf16, 2, timeout=TIMEOUT)
+    results = spawn(_check_parameters_unchanged, 2, args=({"sketch_dim": 256}, torch.bfloat16, {}), timeout=TIMEOUT)
+    assert results == [(True, "separate")] * 2
+
+
+def _check_wrapped_comm_hook(rank: int, world: int) -> tuple:
+    plain = _make_ddp()
+    plain.register_comm_hook(None, fp16_compress_hook)
+    expected = _train(rank, plain, 4)
+    model = _make_ddp()
+    state = SilentState(model=model, comm_hook=fp16_compress_hook, comm_state=None)
+    model.register_comm_hook(state, silent_hook)
+    got = _train(rank, model, 4, state=state)
+    return all(torch.equal(a, b) for a, b in zip(expected, got)), state.latest.transport
+
+
+def test_wrapping_another_comm_hook_keeps_its_result():
+    assert spawn(_check_wrapped_comm_hook, 2, timeout=TIMEOUT) == [(True, "separate")] * 2
+
+
+# -- sampling, accumulation, non-finite values ---------------------------------------------------
+def _check_every(rank: int, world: int) -> list:
+    model = _make_ddp()
+    state = SilentState(model=model, sketch_dim=64, every=3)
+    model.register_comm_hook(state, silent_hook)
+    seen = []
+    for step in range(7):
+        x, y = _batch(rank, step)
+        loss = _loss(model, x, y)
+        state.observe_loss(loss)
+        loss.backward()
+        model.zero_grad()
+        seen.append((state.step, state.latest.step))
+    return seen
+
+
+def test_every_instruments_one_step_in_n_and_keeps_the_last_record():
+    seen = spawn(_check_every, 2, timeout=TIMEOUT)
+    assert seen[0] == [(1, 0), (2, 0), (3, 0), (4, 3), (5, 3), (6, 3), (7, 6)]
+
+
+def _check_no_sync(rank: int, world: int) -> None:
+    model = _make_ddp()
+    state = SilentState(model=model, sketch_dim=512)
+    model.register_comm_hook(state, silent_hook)
+    for step in range(3):
+        batches = [_batch(rank, step, micro) for micro in range(3)]
+        ref = _reference(model.module, batches)  # summed local gradient, mean loss
+        with model.no_sync():
+            for x, y in batches[:-1]:
+                loss = _loss(model, x, y)
+                state.observe_loss(loss)
+                loss.backward()
+        loss = _loss(model, *batches[-1])
+        state.observe_loss(loss)
+        loss.backward()
+        record = state.latest.to_dict()
+        assert record["step"] == step
+        _compare(record, ref, 512)
+        model.zero_grad()
+
+
+def test_gradient_accumulation_with_no_sync():
+    spawn(_check_no_sync, 2, timeout=TIMEOUT)
+
+
+def _check_nonfinite(rank: int, world: int) -> dict:
+    model = _make_ddp()
+    state = SilentState(model=model, sketch_dim=64)
+    model.register_comm_hook(state, silent_hook)
+    if rank == 1:
+        model.module.hidden.weight.register_hook(lambda grad: grad * float("nan"))
+    x, y = _batch(rank, 0)
+    loss = _loss(model, x, y)
+    state.observe_loss(torch.tensor(float("inf")) if rank == 0 else loss)
+    loss.backward()  # must not raise
+    record = state.latest.to_dict()
+    json.dumps(record, allow_nan=False)
+    return record
+
+
+def test_non_finite_gradients_and_losses_are_reported_not_raised():
+    record = spawn(_check_nonfinite, 2, timeout=TIMEOUT)[0]
+    assert record["nonfinite"]["losses"] == [0]
+    bad = record["nonfinite"]["gradients"]
+    assert [(b["rank"], b["parameter"]) for b in bad] == [(1, "hidden.weight")]
+    assert record["losses"][0] is None and record["grad_norms"][1] is None
+
+
+# -- sinks ---------------------------------------------------------------------------------------
+def _check_jsonl(rank: int, world: int, folder: str) -> None:
+    model = _make_ddp()
+    sink = JsonlSink(f"{folder}/stats-{{rank}}.jsonl", header={"run": "test"})
+    state = SilentState(model=model, sketch_dim=64, sinks=[sink], every=2)
+    model.register_comm_hook(state, silent_hook)
+    for step in range(5):
+        x, y = _batch(rank, step)
+        loss = _loss(model, x, y)
+        state.observe_loss(loss)
+        loss.backward()
+        model.zero_grad()
+    state.close()
+
+
+def test_jsonl_sink_writes_one_flushed_line_per_instrumented_step_on_rank_zero(tmp_path):
+    spawn(_check_jsonl, 2, args=(str(tmp_path),), timeout=TIMEOUT)
+    assert not (tmp_path / "stats-1.jsonl").exists()
+    lines = (tmp_path / "stats-0.jsonl").read_text().splitlines()
+    assert json.loads(lines[0]) == {"header": {"run": "test"}}
+    records = [json.loads(line) for line in lines[1:]]
+    assert [r["step"] for r in records] == [0, 2, 4]
+    for key in ("losses", "grad_norms", "cosine", "loss_std", "grad_norm_cv", "mean_cosine", "weighted_mean_cosine"):
+        assert key in records[0]
+
+
+# -- bad input: the same clear error on every rank, never a hang --------------------------------
+def _check_bad_input(rank: int, world: int, case: str) -> str:
+    model = _make_ddp()
+    kwargs = {"model": model}
+    if case == "differ":
+        kwargs["sketch_dim"] = 256 if rank == 0 else 64
+    elif case == "invalid_on_one_rank":
+        kwargs["every"] = 0 if rank == 1 else 1
+    elif case == "other_group":
+        kwargs["process_group"] = dist.new_group(list(range(world)))
+    elif case == "not_ddp":
+        kwargs["model"] = model.module
+    elif case == "piggyback_bf16":
+        kwargs["model"] = _make_ddp(dtype=torch.bfloat16)
+        kwargs["transport"] = "piggyback"
+    try:
+        SilentState(**kwargs)
+    except (TypeError, ValueError) as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("differ", r"settings differ across ranks \(rank 0 has \{'sketch_dim': 256.*rank 1 has \{'sketch_dim': 64"),
+        ("invalid_on_one_rank", r"rank 1: ValueError: every=0 must be >= 1"),
+        ("other_group", r"is not the process group of the DDP model.*process_group=None"),
+        ("not_ddp", r"model must be the DistributedDataParallel module.*got _Net"),
+        ("piggyback_bf16", r"transport='piggyback' needs fp32 gradients.*torch.bfloat16.*'auto'"),
+    ],
+)
+def test_bad_input_raises_the_same_error_on_every_rank(case, message):
+    errors = spawn(_check_bad_input, 2, args=(case,), timeout=TIMEOUT)
+    assert errors[0] == errors[1]
+    assert errors[0] != "no error"
+    assert __import__("re").search(message, errors[0]), errors[0]
+
+
+def _check_observe_loss_rejects_a_vector(rank: int, world: int) -> None:
+    state = SilentState(model=_make_ddp())
+    with pytest.raises(ValueError, match=r"observe_loss expects the scalar loss tensor .* got \(3,\); pass loss.mean\(\)"):
+        state.observe_loss(torch.ones(3))
+
+
+def test_observe_loss_rejects_non_scalars():
+    spawn(_check_observe_loss_rejects_a_vector, 2, timeout=TIMEOUT)
+
+
+def test_state_without_process_group_explains_what_to_do():
+    with pytest.raises(RuntimeError, match="call torch.distributed.init_process_group"):
+        SilentState()
+
+
+def _check_worker_failure(rank: int, world: int) -> None:
+    if rank == 1:
+        raise KeyError("boom")
+    dist.barrier()
+
+
+def test_spawn_reports_a_failing_rank_instead_of_hanging():
+    with pytest.raises(WorkerError, match=r"(?s)rank 1 failed.*KeyError: 'boom'"):
+        spawn(_check_worker_failure, 2, timeout=60)
