@@ -42,7 +42,8 @@ def run_rank(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
     shard_x, shard_y = x[rank::world], y[rank::world]  # disjoint shards, as a DistributedSampler gives
     torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP broadcasts them anyway)
     model = DDP(_model(), bucket_cap_mb=0.1)
-    sinks = [JsonlSink(args.jsonl, header={"demo": vars(args)})] if args.jsonl else []
+    settings = {key: getattr(args, key) for key in ("nproc", "steps", "fault_step", "fault_rank", "sketch_dim", "seed")}
+    sinks = [JsonlSink(args.jsonl, header={"demo": settings})] if args.jsonl else []
     state = SilentState(model=model, sketch_dim=args.sketch_dim, sinks=sinks)
     model.register_comm_hook(state, silent_hook)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)

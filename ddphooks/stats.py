@@ -64,8 +64,9 @@ def _floats(values) -> list[float | None]:
 
 
 def _dispersion(values: np.ndarray) -> dict[str, float | None]:
-    mean = float(np.mean(values))
-    std = float(np.std(values))  # population std (ddof=0)
+    with np.errstate(invalid="ignore", over="ignore"):  # a non-finite value makes them NaN
+        mean = float(np.mean(values))
+        std = float(np.std(values))  # population std (ddof=0)
     return {
         "mean": mean,
         "std": std,
@@ -85,11 +86,11 @@ def weighted_mean_cosine(rank_sq: np.ndarray, reduced_sq: np.ndarray | float) ->
     zero gradient on all but one rank).
     """
     world = rank_sq.shape[0]
-    total_sq = rank_sq.sum(axis=0)
-    cross = world * world * np.asarray(reduced_sq) - total_sq
-    norms = np.sqrt(rank_sq)
-    pair_norms = norms.sum(axis=0) ** 2 - total_sq
-    with np.errstate(divide="ignore", invalid="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):  # non-finite norms give NaN
+        total_sq = rank_sq.sum(axis=0)
+        cross = world * world * np.asarray(reduced_sq) - total_sq
+        norms = np.sqrt(rank_sq)
+        pair_norms = norms.sum(axis=0) ** 2 - total_sq
         result = np.where(pair_norms > 0, cross / np.where(pair_norms > 0, pair_norms, 1.0), np.nan)
     return result if world > 1 else np.full_like(result, np.nan)
 
