@@ -42,7 +42,7 @@ MAX_SKETCH_DIM = 65536
 #: Smallest nonzero ``sketch_dim``: below it the cosine error (~1/sqrt(sketch_dim)) exceeds 0.25.
 MIN_SKETCH_DIM = 16
 #: Elements per chunk on the CPU: the chunk and its fp32 product stay in a 2 MB L2 cache.
-CPU_CHUNK_ELEMS = 1 << 16
+CPU_CHUNK_ELEMS = 1 << 17
 #: Elements per chunk on accelerators, where each chunk costs kernel launches rather than cache.
 ACCELERATOR_CHUNK_ELEMS = 1 << 24
 
@@ -146,7 +146,7 @@ class BucketPlan:
 class BucketStatsKernel:
     """Per-parameter squared norms and the sketch of flat buckets, in one chunked pass.
 
-    Per chunk (about 256 KB, so the work stays in the L2 cache): copy the chunk's int8 signs into
+    Per chunk (512 KB of fp32, so the work stays in the L2 cache): copy the chunk's int8 signs into
     an fp32 scratch buffer, multiply it in place by the gradient chunk (the only read from
     memory), add its rows into one partial sketch, and take the squared norm of each parameter
     segment from the product (``sigma^2 = 1``, so ``|sigma g|^2 = |g|^2``). Half-precision

@@ -1,0 +1,123 @@
+"""Cost of silent_hook's statistics work on one bucket, against the memory-bandwidth floor.
+
+For each bucket size and sketch_dim, in one process and one thread, interleaved round by round:
+  read pass    torch.dot(buf, buf): reads the bucket once (the floor for anything that looks at it)
+  divide       buf.div_(W): the pass allreduce_hook itself makes (context, not statistics work)
+  statistics   per-parameter squared norms + sketch + packing of the rank's slot (before the allreduce)
+  reduced      squared norms of the reduced bucket (after the allreduce, for the exact cosine)
+Ratios are medians of per-round ratios to the read pass of the same round.
+
+    python benchmarks/hook_cost.py            # 1, 25, 100 MB buckets
+    python benchmarks/hook_cost.py --quick    # 1 and 25 MB, fewer rounds
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from ddphooks.sketch import CPU_CHUNK_ELEMS, BucketPlan, BucketStatsKernel, sketch_bins, squared_norms
+from ddphooks.stats import slot_size
+
+# -- config ----------------------------------------------------------------------------------------
+BUCKET_MB = (1, 25, 100)
+SKETCH_DIMS = (0, 64, 256, 1024)
+PARAMS_PER_BUCKET = 8  # a bucket holds several parameters; norms are per parameter
+WORLD = 8  # only sets the divisor and the slot count; nothing is communicated
+ROUNDS, WARMUP = 15, 3
+
+
+def timed(fn):
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def bytes_allocated(fn):
+    """Bytes torch allocates during one call (an upper bound on its transient peak)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return sum(max(0, event.self_cpu_memory_usage) for event in prof.key_averages())
+
+
+def measure(bucket_mb, sketch_dim, rounds, chunk_elems):
+    numel = bucket_mb * 2**20 // 4
+    lengths = [numel // PARAMS_PER_BUCKET] * (PARAMS_PER_BUCKET - 1)
+    lengths.append(numel - sum(lengths))
+    bins = sketch_bins(sketch_dim)
+    buffer = torch.randn(numel)
+    plan = BucketPlan(lengths, bins, (0, 0, numel), torch.device("cpu"), chunk_elems)
+    kernel = BucketStatsKernel(bins, torch.device("cpu"))
+    sketch = torch.zeros(max(bins, 1))
+    sq = torch.empty(len(lengths))
+    slot = torch.empty(slot_size(len(lengths), bins))
+    loss = torch.zeros(2)
+    reduced_sq = torch.empty(len(lengths))
+
+    def statistics_work():
+        sketch.zero_()
+        kernel.run(buffer, plan, sketch if bins else None, sq)
+        torch.cat([loss, sq, sketch] if bins else [loss, sq], out=slot)
+
+    work = {
+        "read": lambda: torch.dot(buffer, buffer),
+        "divide": lambda: buffer.div_(1.0),
+        "statistics": statistics_work,
+        "reduced": lambda: squared_norms(buffer, lengths, reduced_sq),
+    }
+    samples = {name: [] for name in work}
+    for round_index in range(WARMUP + rounds):
+        for name, fn in work.items():
+            elapsed = timed(fn)
+            if round_index >= WARMUP:
+                samples[name].append(elapsed)
+    ratio = lambda name: statistics.median(t / r for t, r in zip(samples[name], samples["read"]))
+    persistent = plan.persistent_bytes() + kernel.persistent_bytes()
+    return {
+        "bucket_mb": bucket_mb,
+        "sketch_dim": sketch_dim,
+        "bins": bins,
+        "read_ms": 1e3 * statistics.median(samples["read"]),
+        "statistics_ms": 1e3 * statistics.median(samples["statistics"]),
+        "statistics_x_read": ratio("statistics"),
+        "reduced_x_read": ratio("reduced"),
+        "divide_x_read": ratio("divide"),
+        "persistent_bytes_per_element": persistent / numel,
+        "transient_bytes_per_call": bytes_allocated(statistics_work) + bytes_allocated(work["reduced"]),
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="1 and 25 MB buckets, 8 rounds")
+    parser.add_argument("--buckets", type=int, nargs="+", default=None, help="bucket sizes in MB")
+    parser.add_argument("--sketch-dims", type=int, nargs="+", default=SKETCH_DIMS)
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 15, 8 with --quick)")
+    parser.add_argument("--chunk-elems", type=int, default=CPU_CHUNK_ELEMS, help="elements per chunk of the pass")
+    parser.add_argument("--json", default=None, help="write the results to this file")
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # one rank's view: DDP ranks share the cores
+    buckets = args.buckets or ((1, 25) if args.quick else BUCKET_MB)
+    rounds = args.rounds or (8 if args.quick else ROUNDS)
+    print(f"statistics work per bucket, 1 thread, torch {torch.__version__}, chunks of {args.chunk_elems} elements, "
+          f"{PARAMS_PER_BUCKET} parameters per bucket, medians of {rounds} interleaved rounds\n")
+    print(f"{'bucket':>7} {'sketch':>6} {'read ms':>8} {'stats ms':>9} {'stats/read':>10} {'reduced/read':>12} "
+          f"{'(divide/read)':>13} {'persistent B/elem':>17} {'transient B/call':>16}")
+    results = []
+    for bucket_mb in buckets:
+        for sketch_dim in args.sketch_dims:
+            r = measure(bucket_mb, sketch_dim, rounds, args.chunk_elems)
+            results.append(r)
+            print(f"{bucket_mb:>5}MB {sketch_dim:>6} {r['read_ms']:8.2f} {r['statistics_ms']:9.2f} {r['statistics_x_read']:9.2f}x "
+                  f"{r['reduced_x_read']:11.2f}x {r['divide_x_read']:12.2f}x {r['persistent_bytes_per_element']:17.3f} "
+                  f"{r['transient_bytes_per_call']:16,d}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

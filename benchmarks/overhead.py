@@ -1,0 +1,244 @@
+"""End-to-end DDP training-step time with silent_hook, against every alternative, in one run.
+
+All configurations train their own replica of the same model on the same data; each timed round
+runs one step of every configuration in turn (A B C, then B C A, ...), so machine drift hits them
+alike, and overheads are medians of the per-round ratios to the baseline of the same round.
+
+    python benchmarks/overhead.py --quick                            # CPU, spawns 2 gloo workers
+    python benchmarks/overhead.py --json results.json                # CPU, the full table
+    torchrun --nproc-per-node 8 benchmarks/overhead.py --device cuda # 8 GPUs, NCCL
+    torchrun --nproc-per-node 8 benchmarks/overhead.py --device npu  # 8 Ascend NPUs, HCCL
+"""
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from datetime import date
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook, fp16_compress_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddphooks import SilentState, silent_hook
+from ddphooks.launch import spawn
+from ddphooks.models import mlp, parameter_count, tiny_llama
+
+# -- config ----------------------------------------------------------------------------------------
+BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+LLAMA_BATCH, LLAMA_TOKENS = 8, 128
+MLP_BATCH = 64
+SILENT_SKETCH_DIMS, SILENT_EVERY = (0, 64, 256, 1024), (1, 10)
+QUICK_CONFIGS = [("none", None, None), ("allreduce", None, None), ("norms_separate", None, None), ("silent", 256, 1), ("silent", 256, 10), ("silent", 0, 1)]
+
+
+def all_configs():
+    base = [("none", None, None), ("allreduce", None, None), ("fp16_compress", None, None), ("noop", None, None), ("norms_separate", None, None)]
+    return base + [("silent", k, e) for e in SILENT_EVERY for k in SILENT_SKETCH_DIMS]
+
+
+class NormsSeparateState:
+    """The anchor: local and global squared norms per bucket, one extra allreduce per step
+    (what k-diffusion's DDPGradientStatsHook does), no per-rank view, no direction."""
+
+    def __init__(self, group):
+        self.group = group
+        self.local, self.reduced = [], []
+
+
+def norms_separate_hook(state: NormsSeparateState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    state.local.append(bucket.buffer().pow(2).sum())
+    last = bucket.is_last()
+
+    def reduced(fut):
+        tensor = fut.value()
+        state.reduced.append(tensor.pow(2).sum())
+        if last and len(state.reduced) == len(state.local):  # every bucket is in: exchange two numbers
+            stats = torch.stack([torch.stack(state.local).sum(), torch.stack(state.reduced).sum()])
+            dist.all_reduce(stats, group=state.group)
+            state.local, state.reduced = [], []
+        return tensor
+
+    return allreduce_hook(state.group, bucket).then(reduced)
+
+
+def build(name, device):
+    if name == "tiny-llama":
+        return tiny_llama().to(device)
+    if name == "mlp":
+        return mlp().to(device)
+    if name == "tiny-mlp":  # seconds-long smoke runs of this script
+        return mlp(width=64, depth=3).to(device)
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(name).to(device)
+
+
+def make_batch(name, model, rank, device):
+    generator = torch.Generator().manual_seed(rank)
+    if name in ("mlp", "tiny-mlp"):
+        return {"x": torch.randn(MLP_BATCH, model.module[0].in_features, generator=generator).to(device)}
+    vocab = model.module.config.vocab_size
+    ids = torch.randint(0, vocab, (LLAMA_BATCH, LLAMA_TOKENS), generator=generator).to(device)
+    return {"input_ids": ids, "labels": ids}
+
+
+def loss_of(name, model, batch):
+    if name in ("mlp", "tiny-mlp"):
+        return model(batch["x"]).pow(2).mean()
+    return model(**batch).loss
+
+
+def register(model, config, group):
+    hook, sketch_dim, every = config
+    if hook == "allreduce":
+        model.register_comm_hook(group, allreduce_hook)
+    elif hook == "fp16_compress":
+        model.register_comm_hook(group, fp16_compress_hook)
+    elif hook == "noop":
+        model.register_comm_hook(None, noop_hook)
+    elif hook == "norms_separate":
+        model.register_comm_hook(NormsSeparateState(group), norms_separate_hook)
+    elif hook == "silent":
+        model.register_comm_hook(SilentState(model=model, sketch_dim=sketch_dim, every=every), silent_hook)
+
+
+def synchronize(device):
+    if device.type != "cpu":
+        getattr(torch, device.type).synchronize()
+
+
+def bench_model(rank, world, name, configs, args, device):
+    models, optimizers = [], []
+    for config in configs:
+        torch.manual_seed(0)
+        model = DDP(build(name, device), device_ids=None if device.type == "cpu" else [device])
+        register(model, config, None)
+        models.append(model)
+        optimizers.append(torch.optim.SGD(model.parameters(), lr=1e-5))
+    batch = make_batch(name, models[0], rank, device)
+    times = [[] for _ in configs]
+    gc.disable()  # a collection inside one configuration's step would be charged to it
+    for round_index in range(args.warmup + args.steps):
+        # Rotate the order every round so that no configuration always follows the same one.
+        order = [(round_index + i) % len(configs) for i in range(len(configs))]
+        for i in order:
+            synchronize(device)
+            start = time.perf_counter()
+            loss_of(name, models[i], batch).backward()
+            optimizers[i].step()
+            optimizers[i].zero_grad(set_to_none=False)
+            synchronize(device)
+            if round_index >= args.warmup:
+                times[i].append(time.perf_counter() - start)
+        gc.collect()
+    gc.enable()
+    # A step lasts as long as its slowest rank.
+    slowest = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    slowest = slowest.cpu().tolist()
+    params = parameter_count(models[0].module)
+    del models, optimizers
+    results = []
+    for config, samples in zip(configs, slowest):
+        hook, sketch_dim, every = config
+        results.append(
+            {
+                "config": {"hook": hook, "sketch_dim": sketch_dim, "every": every},
+                "world_size": world,
+                "model": name,
+                "parameters": params,
+                "device": device.type,
+                "median_step_s": statistics.median(samples),
+                "min_step_s": min(samples),
+                "max_step_s": max(samples),
+                "steps": len(samples),
+            }
+        )
+    # Overheads are medians of per-round ratios: each round pairs every configuration with the
+    # baseline measured seconds apart, which cancels the machine's slow drift.
+    baselines = {hook: slowest[i] for i, (hook, _, _) in enumerate(configs) if hook in ("allreduce", "none")}
+    for r, samples in zip(results, slowest):
+        for hook in ("allreduce", "none"):
+            base = baselines.get(hook)
+            ratios = sorted(t / b - 1 for t, b in zip(samples, base)) if base else None
+            r[f"overhead_vs_{hook}"] = statistics.median(ratios) if base else None
+            if base and len(ratios) >= 4:  # spread of the per-round ratios
+                quartiles = statistics.quantiles(ratios, n=4)
+                r[f"overhead_vs_{hook}_iqr"] = [quartiles[0], quartiles[2]]
+    return results
+
+
+def run(rank, world, args):
+    device = torch.device(args.device if args.device == "cpu" else f"{args.device}:{int(os.environ.get('LOCAL_RANK', rank))}")
+    if args.device == "npu":
+        import torch_npu  # noqa: F401  (registers the npu device; only imported when asked for)
+    if device.type != "cpu":
+        getattr(torch, device.type).set_device(device)
+    configs = QUICK_CONFIGS if args.quick else all_configs()
+    if args.configs:
+        configs = [c for c in configs if c[0] in args.configs]
+    results = []
+    for name in args.models:
+        results += bench_model(rank, world, name, configs, args, device)
+    return results
+
+
+def label(config):
+    hook, sketch_dim, every = config["hook"], config["sketch_dim"], config["every"]
+    return f"silent k={sketch_dim} every={every}" if hook == "silent" else hook
+
+
+def percent(x):
+    return "   -" if x is None else f"{100 * x:+6.1f}%"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=sorted(BACKENDS), default="cpu")
+    parser.add_argument("--nproc", type=int, default=2, help="workers to spawn on CPU when not under torchrun")
+    parser.add_argument("--models", nargs="+", default=None, help="tiny-llama, mlp, tiny-mlp (smoke test), or a Hugging Face causal LM path")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per configuration")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first")
+    parser.add_argument("--quick", action="store_true", help="a subset in under 3 minutes on a 2-core CPU")
+    parser.add_argument("--configs", nargs="+", default=None, help="only these hooks (none, allreduce, fp16_compress, noop, norms_separate, silent)")
+    parser.add_argument("--json", default=None, help="write the results to this file")
+    args = parser.parse_args()
+    args.models = args.models or (["tiny-llama"] if args.quick else ["tiny-llama", "mlp"])
+    if args.quick:
+        args.steps, args.warmup = min(args.steps, 12), min(args.warmup, 2)
+
+    if "RANK" in os.environ:  # under torchrun
+        dist.init_process_group(BACKENDS[args.device])
+        results = run(dist.get_rank(), dist.get_world_size(), args)
+        leader = dist.get_rank() == 0
+        dist.destroy_process_group()
+        if not leader:
+            return
+    else:
+        if args.device != "cpu":
+            sys.exit("spawning workers is for the CPU; use torchrun for cuda and npu")
+        results = spawn(run, args.nproc, args=(args,), timeout=3600, threads=max(1, torch.get_num_threads() // args.nproc))[0]
+
+    print(f"\nddphooks overhead, {date.today()}, torch {torch.__version__}, {platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} cores, {results[0]['world_size']} x {args.device}, {args.steps} timed steps after {args.warmup} warm-up rounds\n")
+    print(f"{'model':<12} {'configuration':<24} {'median ms':>10} {'min-max ms':>12} {'vs allreduce':>13} {'(IQR)':>17} {'vs none':>9}")
+    for r in results:
+        spread = f"{1e3 * r['min_step_s']:.0f}-{1e3 * r['max_step_s']:.0f}"
+        iqr = r.get("overhead_vs_allreduce_iqr")
+        iqr = f"[{percent(iqr[0]).strip()}, {percent(iqr[1]).strip()}]" if iqr else ""
+        print(f"{r['model']:<12} {label(r['config']):<24} {1e3 * r['median_step_s']:10.1f} {spread:>12} "
+              f"{percent(r['overhead_vs_allreduce']):>13} {iqr:>17} {percent(r['overhead_vs_none']):>9}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
