@@ -3,6 +3,8 @@
 All configurations train their own replica of the same model on the same data; each timed round
 runs one step of every configuration in turn (A B C, then B C A, ...), so machine drift hits them
 alike, and overheads are medians of the per-round ratios to the baseline of the same round.
+"in hook ms" is the time spent inside the hook's calls on the training thread per step (median,
+slowest rank): a far less noisy view of the hook's own work than step times on a shared machine.
 
     python benchmarks/overhead.py --quick                            # CPU, spawns 2 gloo workers
     python benchmarks/overhead.py --json results.json                # CPU, the full table
@@ -44,25 +46,29 @@ def all_configs():
 
 
 class NormsSeparateState:
-    """The anchor: local and global squared norms per bucket, one extra allreduce per step
-    (what k-diffusion's DDPGradientStatsHook does), no per-rank view, no direction."""
+    """The anchor: local and global squared norms per bucket, exchanged in one extra allreduce
+    per step from the training loop (what k-diffusion's DDPGradientStatsHook does with
+    get_stats()), no per-rank view, no direction."""
 
     def __init__(self, group):
         self.group = group
         self.local, self.reduced = [], []
 
+    def exchange(self):
+        """After backward, on the training thread: collectives issued from future callbacks
+        would run in a different order on different ranks."""
+        stats = torch.stack([torch.stack(self.local).sum(), torch.stack(self.reduced).sum()])
+        dist.all_reduce(stats, group=self.group)
+        self.local, self.reduced = [], []
+        return stats
+
 
 def norms_separate_hook(state: NormsSeparateState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     state.local.append(bucket.buffer().pow(2).sum())
-    last = bucket.is_last()
 
     def reduced(fut):
         tensor = fut.value()
         state.reduced.append(tensor.pow(2).sum())
-        if last and len(state.reduced) == len(state.local):  # every bucket is in: exchange two numbers
-            stats = torch.stack([torch.stack(state.local).sum(), torch.stack(state.reduced).sum()])
-            dist.all_reduce(stats, group=state.group)
-            state.local, state.reduced = [], []
         return tensor
 
     return allreduce_hook(state.group, bucket).then(reduced)
@@ -95,18 +101,42 @@ def loss_of(name, model, batch):
     return model(**batch).loss
 
 
-def register(model, config, group):
+class HookTimer:
+    """Seconds spent inside a hook's calls on the training thread (not in its future callbacks).
+
+    Far less noisy than step times on a shared machine, so it shows the hook's own work directly.
+    """
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def wrap(self, hook):
+        def timed_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+            start = time.perf_counter()
+            future = hook(state, bucket)
+            self.seconds += time.perf_counter() - start
+            return future
+
+        timed_hook.__name__ = hook.__name__
+        return timed_hook
+
+
+def register(model, config, group, timer):
+    """Register the configuration's hook; return what must run after each backward, if anything."""
     hook, sketch_dim, every = config
     if hook == "allreduce":
-        model.register_comm_hook(group, allreduce_hook)
+        model.register_comm_hook(group, timer.wrap(allreduce_hook))
     elif hook == "fp16_compress":
-        model.register_comm_hook(group, fp16_compress_hook)
+        model.register_comm_hook(group, timer.wrap(fp16_compress_hook))
     elif hook == "noop":
-        model.register_comm_hook(None, noop_hook)
+        model.register_comm_hook(None, timer.wrap(noop_hook))
     elif hook == "norms_separate":
-        model.register_comm_hook(NormsSeparateState(group), norms_separate_hook)
+        state = NormsSeparateState(group)
+        model.register_comm_hook(state, timer.wrap(norms_separate_hook))
+        return state.exchange
     elif hook == "silent":
-        model.register_comm_hook(SilentState(model=model, sketch_dim=sketch_dim, every=every), silent_hook)
+        model.register_comm_hook(SilentState(model=model, sketch_dim=sketch_dim, every=every), timer.wrap(silent_hook))
+    return None
 
 
 def synchronize(device):
@@ -115,41 +145,51 @@ def synchronize(device):
 
 
 def bench_model(rank, world, name, configs, args, device):
-    models, optimizers = [], []
+    models, optimizers, after_backward, timers = [], [], [], []
     for config in configs:
         torch.manual_seed(0)
         model = DDP(build(name, device), device_ids=None if device.type == "cpu" else [device])
-        register(model, config, None)
+        timers.append(HookTimer())
+        after_backward.append(register(model, config, None, timers[-1]))
         models.append(model)
         optimizers.append(torch.optim.SGD(model.parameters(), lr=1e-5))
     batch = make_batch(name, models[0], rank, device)
     times = [[] for _ in configs]
+    hook_times = [[] for _ in configs]
     gc.disable()  # a collection inside one configuration's step would be charged to it
     for round_index in range(args.warmup + args.steps):
         # Rotate the order every round so that no configuration always follows the same one.
         order = [(round_index + i) % len(configs) for i in range(len(configs))]
         for i in order:
             synchronize(device)
+            timers[i].seconds = 0.0
             start = time.perf_counter()
             loss_of(name, models[i], batch).backward()
+            if after_backward[i] is not None:
+                after_backward[i]()
             optimizers[i].step()
             optimizers[i].zero_grad(set_to_none=False)
             synchronize(device)
             if round_index >= args.warmup:
                 times[i].append(time.perf_counter() - start)
+                hook_times[i].append(timers[i].seconds)
         gc.collect()
     gc.enable()
     # A step lasts as long as its slowest rank.
     slowest = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     slowest = slowest.cpu().tolist()
+    hooks = torch.tensor(hook_times, dtype=torch.float64, device=device)
+    dist.all_reduce(hooks, op=dist.ReduceOp.MAX)
+    hooks = hooks.cpu().tolist()
     params = parameter_count(models[0].module)
     del models, optimizers
     results = []
-    for config, samples in zip(configs, slowest):
+    for config, samples, hook_samples in zip(configs, slowest, hooks):
         hook, sketch_dim, every = config
         results.append(
             {
+                "hook_s_per_step": statistics.median(hook_samples),
                 "config": {"hook": hook, "sketch_dim": sketch_dim, "every": every},
                 "world_size": world,
                 "model": name,
@@ -228,13 +268,13 @@ def main():
 
     print(f"\nddphooks overhead, {date.today()}, torch {torch.__version__}, {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} cores, {results[0]['world_size']} x {args.device}, {args.steps} timed steps after {args.warmup} warm-up rounds\n")
-    print(f"{'model':<12} {'configuration':<24} {'median ms':>10} {'min-max ms':>12} {'vs allreduce':>13} {'(IQR)':>17} {'vs none':>9}")
+    print(f"{'model':<12} {'configuration':<24} {'median ms':>10} {'min-max ms':>12} {'vs allreduce':>13} {'(IQR)':>17} {'vs none':>9} {'in hook ms':>11}")
     for r in results:
         spread = f"{1e3 * r['min_step_s']:.0f}-{1e3 * r['max_step_s']:.0f}"
         iqr = r.get("overhead_vs_allreduce_iqr")
         iqr = f"[{percent(iqr[0]).strip()}, {percent(iqr[1]).strip()}]" if iqr else ""
         print(f"{r['model']:<12} {label(r['config']):<24} {1e3 * r['median_step_s']:10.1f} {spread:>12} "
-              f"{percent(r['overhead_vs_allreduce']):>13} {iqr:>17} {percent(r['overhead_vs_none']):>9}")
+              f"{percent(r['overhead_vs_allreduce']):>13} {iqr:>17} {percent(r['overhead_vs_none']):>9} {1e3 * r['hook_s_per_step']:11.1f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -401,6 +401,11 @@ def silent_hook(state: SilentState, bucket: dist.GradBucket) -> torch.futures.Fu
             "passes per-parameter tuples); use eager DistributedDataParallel"
         )
     if bucket.index() == 0:
+        if state._current is not None:
+            raise RuntimeError(
+                f"silent_hook received bucket 0 of a new step before the last bucket of step {state._current.step}: "
+                "use one SilentState per DDP model"
+            )
         state._emit_pending()
     if not state._instrumented(state.step):
         future = state._communicate(bucket)

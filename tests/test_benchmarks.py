@@ -26,6 +26,7 @@ def test_overhead_json_fields(tmp_path):
     for r in results:
         assert set(r["config"]) == {"hook", "sketch_dim", "every"}
         assert r["world_size"] == 2 and r["model"] == "tiny-mlp" and r["median_step_s"] > 0
+        assert (r["hook_s_per_step"] > 0) == (r["config"]["hook"] != "none")
         assert isinstance(r["overhead_vs_allreduce"], float)
         if r["config"]["hook"] != "silent":
             assert r["config"]["sketch_dim"] is None and r["config"]["every"] is None

