@@ -124,7 +124,9 @@ class SilentState:
         except (TypeError, ValueError) as error:
             problem = f"{type(error).__name__}: {error}"
         settings["comm_hook"] = None if comm_hook is None else getattr(comm_hook, "__qualname__", repr(comm_hook))
-        _agree_across_ranks(group if problem is None else None, settings, problem)
+        # Exchange over a group every rank derives the same way, even where its own checks failed.
+        exchange_group = process_group if process_group is not None else getattr(model, "process_group", None)
+        _agree_across_ranks(exchange_group, settings, problem)
 
         # -- user knobs ------------------------------------------------------------------------
         self.process_group = group if group is not None else dist.group.WORLD

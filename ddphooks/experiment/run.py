@@ -238,7 +238,7 @@ def train_rank(rank: int, world: int, config: ExperimentConfig) -> dict:
 # -- command line ----------------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = ExperimentConfig()
-    parser.add_argument("--setting", default="sync", help=f"one of {', '.join(SETTINGS)}, or 'all' to run them in sequence")
+    parser.add_argument("--setting", default="sync", help=f"one of {', '.join(SETTINGS)}; several separated by commas, or 'all', run in sequence")
     parser.add_argument("--nproc", type=int, default=2, help="gloo worker processes to spawn on the CPU (ignored under torchrun)")
     parser.add_argument("--data", default=defaults.data, help="'embedded', a local JSON/JSON-lines file, or a hub dataset such as tatsu-lab/alpaca")
     parser.add_argument("--model", default=defaults.model, help=f"'embedded', '{SMOLLM2}', a .gguf file, or a Hugging Face model path")
@@ -258,7 +258,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    settings = SETTINGS if args.setting == "all" else (args.setting,)
+    settings = SETTINGS if args.setting == "all" else tuple(args.setting.split(","))
+    for setting in settings:
+        if setting not in SETTINGS:
+            raise SystemExit(f"--setting {setting!r} is not one of {', '.join(SETTINGS)} (or 'all')")
     under_torchrun = "RANK" in os.environ
     if under_torchrun:
         dist.init_process_group(BACKENDS[args.device])
