@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ddphooks.experiment.data import IGNORE_INDEX, collate, embedded_rows, encode, load_rows, prompt
-from ddphooks.experiment.report import read_run, write_report
+from ddphooks.experiment.report import rank_rows, read_run, write_report
 from ddphooks.experiment.run import ExperimentConfig, load_tokenizer, train_embedded_tokenizer
 from ddphooks.experiment.settings import SETTINGS, rank_batches, seeds_for
 
@@ -114,6 +114,7 @@ def test_experiment_and_report_end_to_end(tmp_path):
     assert (report / "cosine-sync-x2.png").exists()
     summary = (report / "summary.md").read_text()
     assert "| sync x2 | all |" in summary and "![signals](signals.png)" in summary
+    assert "| sync x2 | 1 |" in summary  # the per-rank table
     table = json.loads((report / "summary.json").read_text())
     assert table[0]["run"] == "sync x2" and set(table[0]) >= {"loss_std", "mean_cosine"}
 
@@ -136,6 +137,9 @@ def test_fault_makes_the_corrupted_rank_stand_out(tmp_path):
     assert mean(after, cosine) < mean(before, cosine) - 0.08
     spread = lambda r: r["grad_norm_std"]
     assert mean(after, spread) > 1.5 * mean(before, spread)
+    ranks = rank_rows(read_run(tmp_path / "run-fault-w2.jsonl"), skip=0.1)  # from the fault on
+    assert ranks[1]["loss_minus_mean"] > 0.1 > ranks[0]["loss_minus_mean"]
+    assert ranks[1]["norm_over_mean"] > 1.1 > ranks[0]["norm_over_mean"]
 
 
 def test_all_settings_are_accepted_and_bad_ones_rejected(tmp_path):

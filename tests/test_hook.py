@@ -293,17 +293,22 @@ def test_wrapping_another_comm_hook_keeps_its_result():
 
 
 # -- sampling, accumulation, non-finite values ---------------------------------------------------
+def _observed_step(model: DDP, state: SilentState, rank: int, step: int) -> None:
+    """Forward, observe the loss, backward; gradients cleared (no optimizer: statistics only)."""
+    x, y = _batch(rank, step)
+    loss = _loss(model, x, y)
+    state.observe_loss(loss)
+    loss.backward()
+    model.zero_grad()
+
+
 def _check_every(rank: int, world: int) -> list:
     model = _make_ddp()
     state = SilentState(model=model, sketch_dim=64, every=3)
     model.register_comm_hook(state, silent_hook)
     seen = []
     for step in range(7):
-        x, y = _batch(rank, step)
-        loss = _loss(model, x, y)
-        state.observe_loss(loss)
-        loss.backward()
-        model.zero_grad()
+        _observed_step(model, state, rank, step)
         seen.append((state.step, state.latest.step))
     return seen
 
@@ -368,11 +373,7 @@ def _check_jsonl(rank: int, world: int, folder: str) -> None:
     state = SilentState(model=model, sketch_dim=64, sinks=[sink], every=2)
     model.register_comm_hook(state, silent_hook)
     for step in range(5):
-        x, y = _batch(rank, step)
-        loss = _loss(model, x, y)
-        state.observe_loss(loss)
-        loss.backward()
-        model.zero_grad()
+        _observed_step(model, state, rank, step)
     state.close()
 
 

@@ -125,6 +125,27 @@ def _smooth(values: list[float], window: int) -> list[float]:
     return smoothed
 
 
+def rank_rows(run: Run, skip: float) -> list[dict]:
+    """Per rank: how far its loss sits from the step's mean, its gradient norm relative to the
+    mean norm, and its mean cosine to the other ranks (after the fault, in fault runs). The rank
+    that stands out is the one to look at."""
+    last = run.records[-1]["step"]
+    start = run.fault_step if run.fault_step is not None else int(skip * (last + 1))
+    chosen = [r for r in run.records if r["step"] >= start]
+    world = len(chosen[0]["grad_norms"]) if chosen else 0
+    rows = []
+    for rank in range(world):
+        loss_gap = [r["losses"][rank] - r["loss_mean"] for r in chosen if r.get("losses") and r["losses"][rank] is not None and r["loss_mean"] is not None]
+        norm_ratio = [r["grad_norms"][rank] / r["grad_norm_mean"] for r in chosen if r["grad_norms"][rank] is not None and r.get("grad_norm_mean")]
+        cosines = [
+            sum(r["cosine"][rank][j] for j in range(world) if j != rank) / (world - 1)
+            for r in chosen
+            if r.get("cosine") and world > 1 and all(r["cosine"][rank][j] is not None for j in range(world))
+        ]
+        rows.append({"run": run.name, "rank": rank, "loss_minus_mean": _mean(loss_gap), "norm_over_mean": _mean(norm_ratio), "cosine_to_others": _mean(cosines)})
+    return rows
+
+
 def _plot_signals(runs: list[Run], out: Path, window: int) -> Path:
     import matplotlib
 
@@ -220,6 +241,21 @@ def write_report(paths: list[str], out: str | Path, skip: float = 0.1, heatmaps:
         "|---|---|---|" + "---|" * len(TABLE_KEYS),
     ]
     lines += [f"| {r['run']} | {r['steps']} | {r['n']} | " + " | ".join(_fmt(r[k]) for k in TABLE_KEYS) + " |" for r in rows]
+    lines += [
+        "",
+        "## Per rank",
+        "",
+        "Means over the same steps (fault runs: from the fault on): loss minus the step's mean loss, gradient norm over the",
+        "step's mean norm, and mean sketched cosine to the other ranks.",
+        "",
+        "| run | rank | loss - mean | norm / mean | cosine to others |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['run']} | {r['rank']} | {_fmt(r['loss_minus_mean'])} | {_fmt(r['norm_over_mean'])} | {_fmt(r['cosine_to_others'])} |"
+        for run in runs
+        for r in rank_rows(run, skip)
+    ]
     lines += ["", "## Runs", ""]
     for run in runs:
         config = run.header.get("config", {})

@@ -157,7 +157,7 @@ def load_model(config: ExperimentConfig, tokenizer) -> torch.nn.Module:
             layer.self_attn.attention_dropout = config.dropout
         return model
     gguf = _gguf_location(config.model)
-    kwargs = {"attention_dropout": config.dropout, "torch_dtype": torch.float32}
+    kwargs = {"attention_dropout": config.dropout, "dtype": torch.float32}
     if gguf:
         return AutoModelForCausalLM.from_pretrained(gguf[0], gguf_file=gguf[1], **kwargs)
     return AutoModelForCausalLM.from_pretrained(config.model, **kwargs)
