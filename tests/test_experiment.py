@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import warnings
@@ -117,6 +118,19 @@ def test_experiment_and_report_end_to_end(tmp_path):
     assert "| sync x2 | 1 |" in summary  # the per-rank table
     table = json.loads((report / "summary.json").read_text())
     assert table[0]["run"] == "sync x2" and set(table[0]) >= {"loss_std", "mean_cosine"}
+
+
+def test_experiment_under_torchrun(tmp_path):
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "ddphooks", "experiment", "--setting", "desync-all,fault", "--max-steps", "3", "--limit", "200",
+        "--out", str(tmp_path), "--no-progress",
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-4000:]
+    for setting in ("desync-all", "fault"):
+        run = read_run(tmp_path / f"run-{setting}-w2.jsonl")
+        assert run.header["world_size"] == 2 and [r["step"] for r in run.records] == [0, 1, 2]
 
 
 def test_fault_makes_the_corrupted_rank_stand_out(tmp_path):

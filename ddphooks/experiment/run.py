@@ -264,6 +264,10 @@ def main(args: argparse.Namespace) -> int:
             raise SystemExit(f"--setting {setting!r} is not one of {', '.join(SETTINGS)} (or 'all')")
     under_torchrun = "RANK" in os.environ
     if under_torchrun:
+        if args.device != "cpu":
+            if args.device == "npu":
+                import torch_npu  # noqa: F401  (only imported when the npu device is asked for)
+            getattr(torch, args.device).set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(BACKENDS[args.device])
     world = dist.get_world_size() if under_torchrun else args.nproc
     if world < 2:
