@@ -150,7 +150,8 @@ class BucketStatsKernel:
     an fp32 scratch buffer, multiply it in place by the gradient chunk (the only read from
     memory), add its rows into one partial sketch, and take the squared norm of each parameter
     segment from the product (``sigma^2 = 1``, so ``|sigma g|^2 = |g|^2``). Half-precision
-    gradients are promoted to fp32 by the multiply itself.
+    gradients are promoted to fp32 by the multiply itself. Without a sketch (``bins == 0``) the
+    kernel only takes one squared norm per parameter (``squared_norms``).
 
     The scratch is shared by all buckets: DDP calls the hook for one bucket after the other on
     one thread, so it is never used concurrently. Views into it are prepared once per plan, which
@@ -172,7 +173,7 @@ class BucketStatsKernel:
         f32 = dict(dtype=torch.float32, device=self.device)
         self._scratch_elems = max(plan.chunk_elems for plan in plans)
         self._product = torch.empty(self._scratch_elems, **f32)  # sign * gradient, one chunk
-        self._colsums = torch.empty(max(len(plan.chunks) for plan in plans), max(self.bins, 1), **f32)
+        self._colsums = torch.empty(max(len(plan.chunks) for plan in plans), self.bins, **f32)
         self._partials = torch.empty(max(plan.n_segments for plan in plans), **f32)
         self._prepared = {id(plan): (plan, self._prepare(plan)) for plan in plans}
 
@@ -182,22 +183,13 @@ class BucketStatsKernel:
         for ci, chunk in enumerate(plan.chunks):
             length = chunk.end - chunk.begin
             product = self._product[:length]
-            full = length - length % self.bins if self.bins else length
+            full = length - length % self.bins
             segments = []
             for seg in chunk.segments:
                 segments.append((product[seg.begin : seg.end], self._partials[k]))
                 k += 1
-            prepared.append(
-                (
-                    chunk.begin,
-                    chunk.end,
-                    plan.signs[chunk.begin : chunk.end] if self.bins else None,
-                    product,
-                    product[:full].view(-1, self.bins) if self.bins else None,
-                    self._colsums[ci],
-                    segments,
-                )
-            )
+            rows = product[:full].view(-1, self.bins)
+            prepared.append((chunk.begin, chunk.end, plan.signs[chunk.begin : chunk.end], product, rows, self._colsums[ci], segments))
         return prepared
 
     def persistent_bytes(self) -> int:
@@ -224,37 +216,25 @@ class BucketStatsKernel:
             raise ValueError(f"bucket has {flat.numel()} elements but its plan expects {plan.numel}")
         if plan.bins != self.bins:
             raise ValueError(f"plan has {plan.bins} bins but this kernel sketches into {self.bins}")
-        if sketch_acc is None and flat.dtype in (torch.float32, torch.float64):
-            # Norms only, full precision already: one reduction per parameter, no scratch.
-            offset = 0
-            for j, length in enumerate(plan.lengths):
-                segment = flat[offset : offset + length]
-                sq_norms[j] = torch.dot(segment, segment)
-                offset += length
+        if sketch_acc is None or not self.bins:
+            squared_norms(flat, plan.lengths, sq_norms)  # norms only: one reduction per parameter
             return
         entry = self._prepared.get(id(plan))
         if entry is None or entry[0] is not plan:
             self._allocate([p for p, _ in self._prepared.values()] + [plan])
             entry = self._prepared[id(plan)]
         for begin, end, signs, product, rows, colsum, segments in entry[1]:
-            chunk = flat[begin:end]
-            if sketch_acc is None:
-                product.copy_(chunk)  # half precision: promote to fp32 for the norms
-                for part, partial in segments:
-                    torch.dot(part, part, out=partial)
-                continue
             product.copy_(signs)
-            product.mul_(chunk)
+            product.mul_(flat[begin:end])
             torch.sum(rows, 0, out=colsum)
             for part, partial in segments:
                 torch.dot(part, part, out=partial)
         sq_norms.zero_().index_add_(0, plan.segment_owner, self._partials[: plan.n_segments])
-        if sketch_acc is not None:
-            sketch_acc.add_(self._colsums[: len(plan.chunks)].sum(0))
-            last_length = plan.chunks[-1].end - plan.chunks[-1].begin
-            tail = last_length % self.bins
-            if tail:  # the last chunk of a bucket may end in the middle of a row
-                sketch_acc[:tail].add_(self._product[last_length - tail : last_length])
+        sketch_acc.add_(self._colsums[: len(plan.chunks)].sum(0))
+        last_length = plan.chunks[-1].end - plan.chunks[-1].begin
+        tail = last_length % self.bins
+        if tail:  # the last chunk of a bucket may end in the middle of a row
+            sketch_acc[:tail].add_(self._product[last_length - tail : last_length])
 
 
 def squared_norms(flat: torch.Tensor, lengths: list[int], out: torch.Tensor) -> None:
