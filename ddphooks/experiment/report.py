@@ -173,7 +173,7 @@ def _plot_signals(runs: list[Run], out: Path, window: int) -> Path:
         axis.set_ylabel(title, fontsize=8)
         axis.grid(alpha=0.3)
     axes[-1].set_xlabel(f"step (thick: mean of the last {window} steps; faint: every step; dotted: fault)")
-    figure.suptitle("The global mean loss looks alike; the worker-level signals below tell the settings apart", fontsize=10, y=0.99)
+    figure.suptitle("Global mean loss (top) and the worker-level signals of silent inconsistency (below)", fontsize=10, y=0.99)
     figure.legend(*axes[0].get_legend_handles_labels(), loc="upper center", bbox_to_anchor=(0.5, 0.965), ncol=min(len(runs), 4), fontsize=8, frameon=False)
     figure.tight_layout(rect=(0, 0, 1, 0.92))
     path = out / "signals.png"
