@@ -192,3 +192,6 @@ def test_report_skips_a_truncated_last_line_and_rejects_bad_lines(tmp_path):
     path.write_text('{"step": 0, "loss_mean": "__import__(\'os\')"}\n')
     with pytest.raises(ValueError, match="'loss_mean' must be a number or null"):
         read_run(path)
+    path.write_text('{"step": 0, "losses": "1, 2"}\n')
+    with pytest.raises(ValueError, match="'losses' must be a list of numbers"):
+        read_run(path)

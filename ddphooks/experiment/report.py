@@ -50,6 +50,10 @@ def _check_record(path: Path, number: int, record: object) -> dict:
         value = record.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise ValueError(f"{path}:{number}: '{key}' must be a number or null, got {value!r}")
+    for key in ("losses", "grad_norms"):
+        values = record.get(key)
+        if values is not None and not (isinstance(values, list) and all(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in values)):
+            raise ValueError(f"{path}:{number}: '{key}' must be a list of numbers (or nulls), or null")
     cosine = record.get("cosine")
     if cosine is not None and not (isinstance(cosine, list) and all(isinstance(row, list) for row in cosine)):
         raise ValueError(f"{path}:{number}: 'cosine' must be a list of rows or null")
@@ -131,11 +135,11 @@ def rank_rows(run: Run, skip: float) -> list[dict]:
     that stands out is the one to look at."""
     last = run.records[-1]["step"]
     start = run.fault_step if run.fault_step is not None else int(skip * (last + 1))
-    chosen = [r for r in run.records if r["step"] >= start]
+    chosen = [r for r in run.records if r["step"] >= start and isinstance(r.get("grad_norms"), list)]
     world = len(chosen[0]["grad_norms"]) if chosen else 0
     rows = []
     for rank in range(world):
-        loss_gap = [r["losses"][rank] - r["loss_mean"] for r in chosen if r.get("losses") and r["losses"][rank] is not None and r["loss_mean"] is not None]
+        loss_gap = [r["losses"][rank] - r["loss_mean"] for r in chosen if r.get("losses") and r["losses"][rank] is not None and r.get("loss_mean") is not None]
         norm_ratio = [r["grad_norms"][rank] / r["grad_norm_mean"] for r in chosen if r["grad_norms"][rank] is not None and r.get("grad_norm_mean")]
         cosines = [
             sum(r["cosine"][rank][j] for j in range(world) if j != rank) / (world - 1)

