@@ -32,6 +32,10 @@ class SilentConfig:
     allreduce per step (bitwise identical to allreduce_hook at any world size), or "auto"
     (piggyback for fp32 buckets, separate otherwise)."""
 
+    piggyback_limit_mb: float = 32.0
+    """With transport="auto", a last bucket larger than this travels with the separate transport
+    instead, so the piggyback buffer (a copy of the last bucket) stays bounded."""
+
     log_rank: int | None = 0
     """Rank that writes records to the sinks (None: every rank)."""
 
@@ -60,6 +64,8 @@ class SilentConfig:
             raise ValueError(f"seed={self.seed} must be >= 0")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport={self.transport!r} is not one of {', '.join(map(repr, TRANSPORTS))}")
+        if isinstance(self.piggyback_limit_mb, bool) or not isinstance(self.piggyback_limit_mb, (int, float)) or self.piggyback_limit_mb < 0:
+            raise ValueError(f"piggyback_limit_mb={self.piggyback_limit_mb!r} must be a number of megabytes >= 0")
         if self.log_rank is not None:
             _check_int("log_rank", self.log_rank)
             if self.log_rank < 0:

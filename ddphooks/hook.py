@@ -79,6 +79,7 @@ class SilentState:
         every: instrument steps 0, every, 2*every, ...
         seed: seed of the random projection, identical on every rank.
         transport: "auto", "piggyback" or "separate" (see :class:`SilentConfig`).
+        piggyback_limit_mb: with "auto", a last bucket above this size uses the separate transport.
         sinks: where records go (``JsonlSink`` ...); written on ``log_rank`` only.
         log_rank: rank that writes to the sinks (None: every rank).
         comm_hook, comm_state: another DDP hook that does the gradient communication (e.g.
@@ -104,6 +105,7 @@ class SilentState:
         every: int = 1,
         seed: int = 0,
         transport: str = "auto",
+        piggyback_limit_mb: float = 32.0,
         sinks: Sink | list[Sink] | tuple[Sink, ...] = (),
         log_rank: int | None = 0,
         comm_hook: CommHook | None = None,
@@ -115,7 +117,10 @@ class SilentState:
                 "torch.distributed is not initialized: call torch.distributed.init_process_group(...) "
                 "and wrap the model in DistributedDataParallel before creating SilentState"
             )
-        settings = dict(sketch_dim=sketch_dim, every=every, seed=seed, transport=transport, log_rank=log_rank, chunk_elems=chunk_elems)
+        settings = dict(
+            sketch_dim=sketch_dim, every=every, seed=seed, transport=transport,
+            piggyback_limit_mb=piggyback_limit_mb, log_rank=log_rank, chunk_elems=chunk_elems,
+        )  # fmt: skip
         group = process_group
         problem = None
         try:
@@ -432,9 +437,12 @@ def silent_hook(state: SilentState, bucket: dist.GradBucket) -> torch.futures.Fu
     # The last bucket: every other bucket's statistics are known, pack this rank's slot.
     world = state.world_size
     slot = slot_size(sum(len(layout.numels) for layout in record.layouts), state.bins)
-    piggyback = state.comm_hook is None and state.config.transport != "separate" and buffer.dtype == torch.float32
-    if state.config.transport == "piggyback" and not piggyback:
+    transport = state.config.transport
+    piggyback = state.comm_hook is None and transport != "separate" and buffer.dtype == torch.float32
+    if transport == "piggyback" and not piggyback:
         raise ValueError(f"transport='piggyback' needs fp32 gradient buckets, got {buffer.dtype}; use transport='auto'")
+    if transport == "auto" and buffer.numel() * buffer.element_size() > state.config.piggyback_limit_mb * 2**20:
+        piggyback = False  # keep the persistent copy of the last bucket bounded (a large embedding, say)
     record.transport = "piggyback" if piggyback else "separate"
     with record.lock:  # before launching: the last callback may run before this call returns
         record.n_buckets = position + 1

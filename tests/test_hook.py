@@ -247,6 +247,12 @@ def test_parameters_equal_to_rounding_on_three_ranks():
     assert {transport for _, transport in results} == {"piggyback"}
 
 
+def test_auto_transport_keeps_the_piggyback_buffer_bounded():
+    # The last bucket holds ~500 fp32 elements (2 KB): a 1 KB limit sends the slots separately.
+    results = spawn(_check_parameters_unchanged, 2, args=({"sketch_dim": 64, "piggyback_limit_mb": 0.001}, torch.float32, {}), timeout=TIMEOUT)
+    assert results == [(True, "separate")] * 2
+
+
 def test_separate_transport_is_bitwise_on_three_ranks():
     results = spawn(_check_parameters_unchanged, 3, args=({"sketch_dim": 256, "transport": "separate"}, torch.float32, {}), timeout=TIMEOUT)
     assert results == [(True, "separate")] * 3

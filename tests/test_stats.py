@@ -102,6 +102,7 @@ def test_a_slot_of_the_wrong_shape_is_rejected():
         ({"seed": -3}, ValueError, r"seed=-3 must be >= 0"),
         ({"transport": "udp"}, ValueError, r"transport='udp' is not one of 'auto', 'piggyback', 'separate'"),
         ({"log_rank": -1}, ValueError, r"log_rank=-1 must be a rank"),
+        ({"piggyback_limit_mb": -1}, ValueError, r"piggyback_limit_mb=-1 must be a number of megabytes >= 0"),
         ({"chunk_elems": 10}, ValueError, r"chunk_elems=10 must be >= 1024"),
     ],
 )
