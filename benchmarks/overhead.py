@@ -264,7 +264,7 @@ def main():
     else:
         if args.device != "cpu":
             sys.exit("spawning workers is for the CPU; use torchrun for cuda and npu")
-        results = spawn(run, args.nproc, args=(args,), timeout=3600, threads=max(1, torch.get_num_threads() // args.nproc))[0]
+        results = spawn(run, args.nproc, args=(args,), timeout=3600)[0]
 
     print(f"\nddphooks overhead, {date.today()}, torch {torch.__version__}, {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} cores, {results[0]['world_size']} x {args.device}, {args.steps} timed steps after {args.warmup} warm-up rounds\n")

@@ -102,7 +102,7 @@ def main(args: argparse.Namespace) -> int:
     if not 0 <= args.fault_rank < args.nproc:
         raise SystemExit(f"--fault-rank {args.fault_rank} is not a rank of --nproc {args.nproc}")
     print(f"ddphooks demo: {args.nproc} gloo processes, {args.steps} steps, rank {args.fault_rank} corrupted from step {args.fault_step}\n")
-    rows = spawn(run_rank, args.nproc, args=(args,), timeout=600, threads=max(1, (torch.get_num_threads()) // args.nproc))[0]
+    rows = spawn(run_rank, args.nproc, args=(args,), timeout=600)[0]
     print_table(rows, args.fault_step, args.fault_rank)
     before, after = rows[: args.fault_step], rows[args.fault_step :]
     print("\nmean over steps          before fault   after fault")

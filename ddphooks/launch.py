@@ -49,7 +49,7 @@ def _worker(fn: Callable, rank: int, world: int, init_file: str, threads: int, t
         raise SystemExit(1)
 
 
-def spawn(fn: Callable, world: int, args: tuple = (), timeout: float = 300.0, threads: int = 1) -> list[Any]:
+def spawn(fn: Callable, world: int, args: tuple = (), timeout: float = 300.0, threads: int | None = None) -> list[Any]:
     """Run ``fn(rank, world, *args)`` in ``world`` fresh processes joined by a gloo group.
 
     Args:
@@ -58,13 +58,15 @@ def spawn(fn: Callable, world: int, args: tuple = (), timeout: float = 300.0, th
         args: extra picklable arguments.
         timeout: seconds before every worker is killed and ``TimeoutError`` is raised; also the
             process group's own timeout, so a stuck collective fails instead of waiting forever.
-        threads: torch intra-op threads per rank (keep ranks x threads <= cores).
+        threads: torch intra-op threads per rank (None: the cores shared out, at least 1).
 
     Returns the value each rank returned, indexed by rank. Raises ``WorkerError`` with the
     tracebacks of every rank that failed.
     """
     if world < 1:
         raise ValueError(f"world={world} must be >= 1")
+    if threads is None:
+        threads = max(1, (os.cpu_count() or 1) // world)  # ranks x threads <= cores
     context = mp.get_context("spawn")
     results = context.Queue()
     with tempfile.TemporaryDirectory(prefix="ddphooks-") as folder:

@@ -288,8 +288,7 @@ def main(args: argparse.Namespace) -> int:
             dist.barrier()  # the tokenizer file exists before any rank reads it
             summary = train_rank(dist.get_rank(), world, config)
         else:
-            threads = max(1, (os.cpu_count() or 1) // world)
-            summary = spawn(train_rank, world, args=(config,), timeout=24 * 3600, threads=threads)[0]
+            summary = spawn(train_rank, world, args=(config,), timeout=24 * 3600)[0]
         paths.append(summary["path"])
         if not under_torchrun or dist.get_rank() == 0:
             print(f"{setting}: final mean loss {summary['final_loss']:.4f} -> {summary['path']}", flush=True)
