@@ -59,7 +59,7 @@ def run_rank(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        rows.append(state.latest.to_dict())
+        rows.append(state.latest.to_dict(detail=False))
     state.close()
     return rows if rank == 0 else []
 

@@ -6,10 +6,10 @@ This is the only module that talks to ``torch.distributed``; the numerical work 
 
 # No `from __future__ import annotations` here: DDP checks the hook's annotations at runtime
 # (bucket must be dist.GradBucket, the return torch.futures.Future[torch.Tensor]).
+import logging
 import threading
 import warnings
 import weakref
-from collections import deque
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable
@@ -19,7 +19,9 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from ddphooks.config import SilentConfig
-from ddphooks.sinks import Sink, SinkGroup
+from ddphooks.loss import LossTracker
+from ddphooks.records import RecordBuilder
+from ddphooks.sinks import Sink
 from ddphooks.sketch import (
     ACCELERATOR_CHUNK_ELEMS,
     CPU_CHUNK_ELEMS,
@@ -29,6 +31,12 @@ from ddphooks.sketch import (
     squared_norms,
 )
 from ddphooks.stats import BucketLayout, SilentStats, slot_size
+from ddphooks.writer import RecordWriter
+
+logger = logging.getLogger("ddphooks")
+
+#: Seconds ``flush`` / ``close`` (and the exit handler) wait for the sinks before giving up.
+CLOSE_TIMEOUT_S = 30.0
 
 CommHook = Callable[[object, dist.GradBucket], torch.futures.Future]
 
@@ -66,15 +74,23 @@ class _Step:
 class SilentState:
     r"""State of :func:`silent_hook`: settings, per-bucket plans, and the latest statistics.
 
-    Construct it on every rank with the same arguments, after ``init_process_group`` and
-    ``DistributedDataParallel``. Settings are compared across ranks here (one small
-    ``all_gather_object``), so a bad or mismatched value raises the same error on every rank
-    instead of hanging the first backward.
+    Construct it on every rank with the same arguments. It may be created before
+    ``init_process_group`` and before the DDP wrap exists (Lightning builds its strategy, and
+    pickles it for spawned workers, before the process group), like PyTorch's ``PowerSGDState``:
+    it then binds to its process group and model lazily, on ``bind(ddp_model)`` (``attach`` and
+    the integrations call it) or on the first hook call. Created after ``init_process_group`` it
+    binds at once. Binding compares the settings across ranks (one small ``all_gather_object``),
+    so a mismatched value raises the same ``ValueError`` on every rank instead of hanging the
+    first backward. A value that is invalid in itself raises at construction.
+
+    Records go to the sinks from a background writer thread on the log rank (``ddphooks.writer``):
+    the training thread never waits for serialisation or I/O, and a failing or slow sink is
+    reported and counted (``dropped_records``), never raised into training.
 
     Args:
         process_group: the DDP model's process group (None: the model's, else the default group).
-        model: the ``DistributedDataParallel`` module; gives parameter names and lets the
-            constructor check the process group and the gradient dtypes.
+        model: the ``DistributedDataParallel`` module; gives parameter names and lets binding
+            check the process group and the gradient dtypes.
         sketch_dim: entries of each rank's gradient sketch (0: norms and losses only).
         every: instrument steps 0, every, 2*every, ...
         seed: seed of the random projection, identical on every rank.
@@ -86,6 +102,8 @@ class SilentState:
             ``fp16_compress_hook`` with its process group); statistics then travel separately
             and the reduced norms are those of what ``comm_hook`` returns.
         chunk_elems: elements per chunk of the statistics pass (None: a device default).
+        detail_every, detail_max_world, max_pending_records: record detail and the writer's
+            queue (see :class:`SilentConfig`).
 
     Example::
         >>> state = SilentState(model=ddp_model, sketch_dim=256, sinks=[JsonlSink("stats.jsonl")])
@@ -93,7 +111,7 @@ class SilentState:
         >>> loss = ddp_model(x).loss
         >>> state.observe_loss(loss)
         >>> loss.backward()
-        >>> state.latest.to_dict()["mean_cosine"]
+        >>> state.latest.summary()["mean_cosine"]
     """
 
     def __init__(
@@ -111,57 +129,118 @@ class SilentState:
         comm_hook: CommHook | None = None,
         comm_state: object = None,
         chunk_elems: int | None = None,
+        detail_every: int = 100,
+        detail_max_world: int = 64,
+        max_pending_records: int = 1024,
     ) -> None:
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError(
-                "torch.distributed is not initialized: call torch.distributed.init_process_group(...) "
-                "and wrap the model in DistributedDataParallel before creating SilentState"
-            )
-        settings = dict(
-            sketch_dim=sketch_dim, every=every, seed=seed, transport=transport,
-            piggyback_limit_mb=piggyback_limit_mb, log_rank=log_rank, chunk_elems=chunk_elems,
+        self._settings = dict(
+            sketch_dim=sketch_dim, every=every, seed=seed, transport=transport, piggyback_limit_mb=piggyback_limit_mb,
+            log_rank=log_rank, chunk_elems=chunk_elems, detail_every=detail_every, detail_max_world=detail_max_world,
+            max_pending_records=max_pending_records,
         )  # fmt: skip
-        group = process_group
+        initialized = dist.is_available() and dist.is_initialized()
         problem = None
         try:
-            self.config = SilentConfig(**settings)
-            group = _resolve_group(process_group, model, self.config, comm_hook)
+            self.config = SilentConfig(**self._settings)
         except (TypeError, ValueError) as error:
+            if not initialized:
+                raise  # no group to tell yet: every rank runs this line with the same values
             problem = f"{type(error).__name__}: {error}"
-        settings["comm_hook"] = None if comm_hook is None else getattr(comm_hook, "__qualname__", repr(comm_hook))
-        # Exchange over a group every rank derives the same way, even where its own checks failed.
-        exchange_group = process_group if process_group is not None else getattr(model, "process_group", None)
-        _agree_across_ranks(exchange_group, settings, problem)
-
         # -- user knobs ------------------------------------------------------------------------
-        self.process_group = group if group is not None else dist.group.WORLD
+        self.process_group = process_group
         self.comm_hook = comm_hook
         self.comm_state = comm_state
-        self.sink = sinks if isinstance(sinks, Sink) else SinkGroup(sinks)
-        # -- internal --------------------------------------------------------------------------
+        self.sinks = [sinks] if isinstance(sinks, Sink) else list(sinks)
+        for sink in self.sinks:
+            if not isinstance(sink, Sink):
+                raise TypeError(f"sinks must be ddphooks.Sink instances, got {type(sink).__name__}")
+        # -- across steps ----------------------------------------------------------------------
+        self.step = 0
+        """Synchronised steps seen so far (advances on the last bucket of every step)."""
+        self._losses = LossTracker()
+        self._bound = False
+        if initialized:
+            self._bind(model, problem)
+
+    # -- binding -------------------------------------------------------------------------------
+    @property
+    def bound(self) -> bool:
+        """Whether the state knows its process group (after ``bind`` or the first hook call)."""
+        return self._bound
+
+    def bind(self, model: torch.nn.Module | None = None) -> "SilentState":
+        """Bind to the process group (and the DDP ``model``, for parameter names and checks).
+
+        A collective: call it on every rank, after ``init_process_group``. Binding twice is a
+        no-op for the same model and an error for another one.
+        """
+        if self._bound:
+            if model is None or model is self._model:
+                return self
+            if self._model is not None:
+                raise RuntimeError("this SilentState is already bound to another DDP model: create one SilentState per model")
+            # Bound without a model (created after init_process_group): adopt its parameter names.
+            _resolve_group(self.process_group, model, self.config, self.comm_hook)
+            self._model = model
+            self._names = {id(p): name for name, p in model.module.named_parameters()}
+            return self
+        self._bind(model, None)
+        return self
+
+    def _bind(self, model: torch.nn.Module | None, problem: str | None) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "torch.distributed is not initialized: call torch.distributed.init_process_group(...) and wrap the "
+                "model in DistributedDataParallel before the SilentState is bound (its first backward, or bind/attach)"
+            )
+        group = self.process_group
+        if problem is None:
+            try:
+                group = _resolve_group(self.process_group, model, self.config, self.comm_hook)
+            except (TypeError, ValueError) as error:
+                problem = f"{type(error).__name__}: {error}"
+        settings = dict(self._settings, comm_hook=None if self.comm_hook is None else getattr(self.comm_hook, "__qualname__", repr(self.comm_hook)))
+        # Exchange over a group every rank derives the same way, even where its own checks failed.
+        exchange_group = self.process_group if self.process_group is not None else getattr(model, "process_group", None)
+        _agree_across_ranks(exchange_group, settings, problem)
+
+        self.process_group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.process_group)
         self.world_size = dist.get_world_size(self.process_group)
         self.bins = sketch_bins(self.config.sketch_dim)
-        self._writes = self.config.log_rank is None or self.config.log_rank == self.rank
-        if self._writes and hasattr(self.sink, "bind_rank"):
-            self.sink.bind_rank(self.rank)
+        self._model = model
         self._names = {} if model is None else {id(p): name for name, p in model.module.named_parameters()}
         self._buckets: dict[int, _BucketEntry] = {}
         self._kernels: dict[torch.device, BucketStatsKernel] = {}
         self._sketch: torch.Tensor | None = None  # this step's sketch accumulator (fp32, bins)
-        self._loss_sum: torch.Tensor | None = None  # sum of the losses observed this step
-        self._loss_count = 0
         self._loss_pair: torch.Tensor | None = None  # [loss_sum, loss_count] packed into the slot
         self._piggyback: torch.Tensor | None = None  # last bucket / W followed by W slots
         self._separate: torch.Tensor | None = None  # W slots, for the separate transport
         self._current: _Step | None = None
-        self._lock = threading.Lock()
-        # -- records ---------------------------------------------------------------------------
-        self.step = 0
-        """Synchronised steps seen so far (advances on the last bucket of every step)."""
         self._latest: SilentStats | BaseException | None = None
-        self._pending: deque[SilentStats] = deque()  # complete, not yet written to the sinks
-        self._finalizer = weakref.finalize(self, _drain, self._pending, self.sink, self._lock, self._writes)
+        self._latest_lock = threading.Lock()
+        self._writer: RecordWriter | None = None
+        writes = self.config.log_rank is None or self.config.log_rank == self.rank
+        if writes:
+            for sink in self.sinks:
+                bind_rank = getattr(sink, "bind_rank", None)
+                if bind_rank is not None:
+                    bind_rank(self.rank)
+            self._records = RecordBuilder(self.config.every, self.config.detail_every, self.config.detail_max_world)
+            if getattr(self, "_restored_records", None):
+                self._records.load_state_dict(self._restored_records)
+            self._writer = RecordWriter(self.sinks, self._records.build, self.config.max_pending_records)
+            # At interpreter exit, write what is still queued (bounded: a stuck sink cannot hang the exit).
+            self._finalizer = weakref.finalize(self, self._writer.close, CLOSE_TIMEOUT_S)
+        self._bound = True
+
+    def __getstate__(self) -> dict:
+        if self._bound:
+            raise TypeError(
+                "a bound SilentState holds a process group, buffers and a writer thread and cannot be pickled; "
+                "pickle it before it is bound (as Lightning does with its strategy) or create one in each process"
+            )
+        return self.__dict__.copy()
 
     # -- public API ----------------------------------------------------------------------------
     def observe_loss(self, loss: torch.Tensor) -> None:
@@ -169,51 +248,76 @@ class SilentState:
 
         Call it before ``backward()``. With gradient accumulation (``no_sync()`` micro-steps),
         the rank's loss of a step is the mean of the losses observed since the previous
-        synchronised step. On steps that are not instrumented it does nothing.
+        synchronised step. Losses given here win over those ``attach`` captures from the
+        forward output. On steps that are not instrumented it does nothing.
         """
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise ValueError(f"observe_loss expects the scalar loss tensor you call backward() on, got {shape}; pass loss.mean()")
-        if not self._instrumented(self.step):
-            return
-        value = loss.detach().reshape(()).float()
-        if self._loss_sum is None or self._loss_sum.device != value.device:
-            self._loss_sum = torch.zeros((), dtype=torch.float32, device=value.device)
-        self._loss_sum.add_(value)
-        self._loss_count += 1
+        if self._instrumented(self.step):
+            self._losses.observe(loss, explicit=True)
 
     @property
     def latest(self) -> SilentStats | None:
         """Statistics of the most recent instrumented step (None before the first one).
 
         Complete as soon as ``backward()`` returns on an instrumented step, and identical on
-        every rank. Reading it also writes completed records to the sinks.
+        every rank. Its values are computed when first read (``summary()`` is cheap; the
+        per-parameter ``to_dict()`` is not meant for every step).
         """
-        self._emit_pending()
+        if not self._bound:
+            return None
         latest = self._latest
         if isinstance(latest, BaseException):
             raise RuntimeError(f"ddphooks could not compute the statistics of the latest instrumented step: {latest!r}") from latest
         return latest
 
-    def flush(self) -> None:
-        """Write every completed record to the sinks and flush them."""
-        self._emit_pending()
-        if self._writes:
-            self.sink.flush()
+    @property
+    def dropped_records(self) -> dict[str, int]:
+        """Records a sink did not get, per sink label (``"queue"``: dropped before any sink,
+        because the sinks were slower than training); ``{}`` while everything is written."""
+        return {} if not self._bound or self._writer is None else self._writer.dropped
 
-    def close(self) -> None:
-        """Flush and close the sinks."""
-        self.flush()
-        if self._writes:
-            self.sink.close()
-        self._finalizer.detach()
+    def flush(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Wait (at most ``timeout`` seconds) until every completed record is written and the
+        sinks are flushed."""
+        if self._bound and self._writer is not None and not self._writer.flush(timeout):
+            logger.warning("ddphooks: flush() gave up after %.0f s: a sink is still busy", timeout)
+
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Write what is queued, flush and close the sinks (at most ``timeout`` seconds)."""
+        if self._bound and self._writer is not None:
+            self._finalizer.detach()
+            self._writer.close(timeout)
+
+    def state_dict(self) -> dict:
+        """What a resumed run needs to continue: the step count (so numbering and the ``every``
+        phase go on) and the smoothed noise scale."""
+        state = {"format": 1, "step": self.step, "every": self.config.every}
+        records = getattr(self, "_records", None) if self._bound else None
+        if records is not None:
+            state["records"] = records.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state_dict()`` of a checkpoint; call it before the first resumed step."""
+        if not isinstance(state, dict) or not isinstance(state.get("step"), int) or isinstance(state.get("step"), bool) or state["step"] < 0:
+            raise ValueError(f"not a SilentState state_dict (needs a non-negative integer 'step'): {state!r}")
+        if getattr(self, "_current", None) is not None:
+            raise RuntimeError("load_state_dict was called in the middle of a step; call it before the first backward of the resumed run")
+        if state.get("every", self.config.every) != self.config.every:
+            logger.warning(
+                "ddphooks: the checkpoint was taken with every=%s, this state has every=%s; steps are renumbered from %d",
+                state.get("every"), self.config.every, state["step"],
+            )  # fmt: skip
+        self.step = state["step"]
+        self._restored_records = state.get("records")
+        if self._bound and self._restored_records and getattr(self, "_records", None) is not None:
+            self._records.load_state_dict(self._restored_records)
 
     # -- helpers used by silent_hook -----------------------------------------------------------
     def _instrumented(self, step: int) -> bool:
         return step % self.config.every == 0
-
-    def _emit_pending(self) -> None:
-        _drain(self._pending, self.sink, self._lock, self._writes)
 
     def _communicate(self, bucket: dist.GradBucket) -> torch.futures.Future:
         """The gradient communication itself: ``allreduce_hook`` or the wrapped hook."""
@@ -261,9 +365,7 @@ class SilentState:
         """After the last bucket: advance the step, reset the loss, drop stale bucket plans."""
         self.step += 1
         self._current = None
-        self._loss_count = 0
-        if self._loss_sum is not None:
-            self._loss_sum.zero_()
+        self._losses.reset()
         for index in [i for i in self._buckets if i > last_index]:
             stale = self._buckets.pop(index)
             self._kernel(stale.plan.device).forget(stale.plan)
@@ -272,11 +374,7 @@ class SilentState:
         """Write [loss_sum, loss_count, |g_p|^2 ..., sketch] of this rank into ``slot``."""
         if self._loss_pair is None or self._loss_pair.device != slot.device:
             self._loss_pair = torch.zeros(2, dtype=torch.float32, device=slot.device)
-        if self._loss_count:
-            self._loss_pair[0].copy_(self._loss_sum)
-        else:
-            self._loss_pair[0].zero_()
-        self._loss_pair[1].fill_(self._loss_count)
+        self._losses.pack(self._loss_pair)
         parts = [self._loss_pair, *record.local_sq]
         if self.bins:
             parts.append(self._sketch)
@@ -312,23 +410,12 @@ class SilentState:
                 result = error
         else:
             result = record.error
-        with self._lock:
+        with self._latest_lock:
             self._latest = result
-            if isinstance(result, SilentStats) and self._writes:
-                self._pending.append(result)
+        if isinstance(result, SilentStats) and self._writer is not None:
+            self._writer.submit(result)  # O(1): the record is built and written on the writer thread
         if isinstance(result, BaseException):
             warnings.warn(f"ddphooks: statistics of step {record.step} failed: {result!r}", RuntimeWarning, stacklevel=1)
-
-
-def _drain(pending: deque, sink: Sink, lock: threading.Lock, writes: bool) -> None:
-    """Write completed records to the sink, in step order (also run at interpreter exit)."""
-    if not writes or not pending:
-        return
-    with lock:
-        records = list(pending)
-        pending.clear()
-    for stats in records:
-        sink.write(stats.to_dict())
 
 
 def _resolve_group(
@@ -407,13 +494,13 @@ def silent_hook(state: SilentState, bucket: dist.GradBucket) -> torch.futures.Fu
             f"silent_hook received {type(bucket).__name__} instead of a GradBucket (compiled DDP's python reducer "
             "passes per-parameter tuples); use eager DistributedDataParallel"
         )
-    if bucket.index() == 0:
-        if state._current is not None:
-            raise RuntimeError(
-                f"silent_hook received bucket 0 of a new step before the last bucket of step {state._current.step}: "
-                "use one SilentState per DDP model"
-            )
-        state._emit_pending()
+    if not state._bound:
+        state.bind()  # created before the process group: bind on the first hook call (every rank is here too)
+    if bucket.index() == 0 and state._current is not None:
+        raise RuntimeError(
+            f"silent_hook received bucket 0 of a new step before the last bucket of step {state._current.step}: "
+            "use one SilentState per DDP model"
+        )
     if not state._instrumented(state.step):
         future = state._communicate(bucket)
         if bucket.is_last():

@@ -14,10 +14,19 @@ are zero, so the sum is a gather). Together with the squared norms of the *reduc
    ``sum_{i != j} <g_i, g_j> = W^2 |gbar|^2 - sum_i |g_i|^2``, divided by
    ``sum_{i != j} |g_i| |g_j| = (sum_i |g_i|)^2 - sum_i |g_i|^2``; per parameter, per bucket and
    over the whole model, with no sketch involved;
-3. the W x W cosine matrix estimated from the sketches, ``<s_i, s_j> / (|s_i| |s_j|)``.
+3. the W x W cosine matrix estimated from the sketches, ``<s_i, s_j> / (|s_i| |s_j|)``, and in
+   O(W k) without the matrix: each rank's mean cosine to the others and their overall mean, from
+   the unit sketches ``u_i = s_i / |s_i|`` and ``U = sum_i u_i``:
+   ``sum_{j != i} <u_i, u_j> = <u_i, U> - 1`` and ``sum_{i != j} <u_i, u_j> = |U|^2 - W``;
+4. the gradient noise scale (McCandlish et al. 2018) in units of one rank's batch, from
+   ``|G_s|^2 = mean_i |g_i|^2`` and ``|G_b|^2 = |gbar|^2``:
+   ``tr(Sigma) ~ W (|G_s|^2 - |G_b|^2) / (W - 1)``, ``|G|^2 ~ (W |G_b|^2 - |G_s|^2) / (W - 1)``,
+   ``B_simple = tr(Sigma) / |G|^2``.
 
-Everything is computed lazily in float64 on the host the first time it is read, so building a
-``SilentStats`` inside a communication callback never synchronises an accelerator.
+Everything is computed lazily in float64 on the host the first time it is read. The slots reach
+the host through ``PendingHost``: on an accelerator a non-blocking copy into pinned memory and an
+event, so building a ``SilentStats`` inside a communication callback never synchronises the
+device; only reading a value waits for that copy.
 """
 
 from __future__ import annotations
@@ -33,6 +42,9 @@ import torch
 LOSS_SUM = 0
 LOSS_COUNT = 1
 PARAMS_BEGIN = 2
+#: Non-finite (rank, parameter) pairs listed in a record; ``gradient_count`` gives the total, so a
+#: run that blows up everywhere does not write W x parameters entries per step.
+MAX_NONFINITE_LISTED = 64
 
 
 @dataclass(frozen=True)
@@ -46,6 +58,40 @@ class BucketLayout:
     @property
     def numel(self) -> int:
         return sum(self.numels)
+
+
+class PendingHost:
+    """Tensors on their way to host memory.
+
+    On an accelerator (CUDA, NPU) every tensor is copied with ``non_blocking=True`` into pinned
+    host memory (PyTorch's caching host allocator reuses those buffers) and an event is recorded
+    behind the copies on the current stream; ``arrays()`` waits on that event only, never on the
+    whole device, and only when somebody reads a value. CPU tensors are used as they are.
+
+    Args:
+        tensors: tensors on one device; they must not be modified before the copy completes
+            (the hook hands over fresh clones).
+    """
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        device = tensors[0].device
+        self.asynchronous = device.type != "cpu"
+        self._event = None
+        if not self.asynchronous:
+            self._host = list(tensors)
+            return
+        backend = getattr(torch, device.type)  # torch.cuda, or torch.npu once torch_npu is imported
+        self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+        for host, tensor in zip(self._host, tensors):
+            host.copy_(tensor, non_blocking=True)
+        self._event = backend.Event()
+        self._event.record()
+
+    def arrays(self) -> list[np.ndarray]:
+        """The tensors as float64 numpy arrays (waits for the copy on an accelerator)."""
+        if self._event is not None:
+            self._event.synchronize()
+        return [t.detach().to(torch.float64).numpy() for t in self._host]
 
 
 def slot_size(n_params: int, bins: int) -> int:
@@ -95,6 +141,34 @@ def weighted_mean_cosine(rank_sq: np.ndarray, reduced_sq: np.ndarray | float) ->
     return result if world > 1 else np.full_like(result, np.nan)
 
 
+def noise_scale_terms(rank_sq_total: np.ndarray, reduced_sq_total: float) -> tuple[float, float]:
+    """``(tr(Sigma), |G|^2)`` estimated from the per-rank and the averaged squared norms.
+
+    In units of one rank's batch: ``B_small = 1``, ``B_big = W``. NaN for W = 1.
+    """
+    world = len(rank_sq_total)
+    if world < 2:
+        return math.nan, math.nan
+    small = float(np.mean(rank_sq_total))
+    big = float(reduced_sq_total)
+    return world * (small - big) / (world - 1), (world * big - small) / (world - 1)
+
+
+def cosine_to_others(sketches: np.ndarray) -> np.ndarray:
+    """Each rank's mean sketched cosine to the other ranks, in O(W k) (no W x W matrix).
+
+    With ``u_i = s_i / |s_i|`` and ``U = sum_j u_j``: ``mean_{j != i} cos(s_i, s_j) = (<u_i, U> - 1) / (W - 1)``.
+    NaN for W = 1; a zero sketch makes every entry NaN (as it does in the matrix's mean).
+    """
+    world = sketches.shape[0]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        units = sketches / np.linalg.norm(sketches, axis=1, keepdims=True)
+        units[~np.isfinite(units)] = np.nan
+        if world < 2:
+            return np.full(world, np.nan)
+        return (units @ units.sum(axis=0) - 1.0) / (world - 1)
+
+
 def cosine_from_sketches(sketches: np.ndarray) -> np.ndarray:
     """W x W cosine matrix of the rows of ``sketches``; diagonal 1, NaN where a sketch is zero."""
     gram = sketches @ sketches.T
@@ -121,6 +195,10 @@ class SilentStats:
         reduced_sq: squared norm of the averaged gradient per parameter, in slot order.
         bins: sketch entries (0: no sketch).
         transport: how the slots travelled ("piggyback" or "separate").
+
+    Example::
+        >>> stats = state.latest
+        >>> stats.summary()["mean_cosine"], stats.cosine_to_others
     """
 
     def __init__(
@@ -138,16 +216,14 @@ class SilentStats:
         self.buckets = list(buckets)
         self.bins = bins
         self.transport = transport
-        self._gathered = gathered
-        self._reduced_sq = reduced_sq
+        self._host = PendingHost([gathered, reduced_sq])
         self._lock = threading.Lock()
 
     # -- host arrays, computed once ------------------------------------------------------------
     @cached_property
     def _arrays(self) -> tuple[np.ndarray, np.ndarray]:
         with self._lock:
-            gathered = self._gathered.detach().to("cpu", torch.float64).numpy()
-            reduced = self._reduced_sq.detach().to("cpu", torch.float64).numpy()
+            gathered, reduced = self._host.arrays()
         n_params = sum(len(b.numels) for b in self.buckets)
         expected = slot_size(n_params, self.bins)
         if gathered.shape != (self.world_size, expected):
@@ -220,13 +296,62 @@ class SilentStats:
         gathered, _ = self._arrays
         return cosine_from_sketches(gathered[:, gathered.shape[1] - self.bins :])
 
+    @cached_property
+    def cosine_to_others(self) -> np.ndarray | None:
+        """Per rank, its mean sketched cosine to the other ranks; None without a sketch."""
+        if not self.bins:
+            return None
+        gathered, _ = self._arrays
+        return np.clip(cosine_to_others(gathered[:, gathered.shape[1] - self.bins :]), -1.0, 1.0)
+
     @property
     def mean_cosine(self) -> float:
-        """Mean of the off-diagonal entries of ``cosine`` (NaN without a sketch or with W = 1)."""
-        cosine = self.cosine
-        if cosine is None or self.world_size < 2:
+        """Mean of the off-diagonal entries of ``cosine`` (NaN without a sketch or with W = 1),
+        computed in O(W k) as the mean of ``cosine_to_others``."""
+        per_rank = self.cosine_to_others
+        if per_rank is None or self.world_size < 2:
             return math.nan
-        return float(cosine[~np.eye(self.world_size, dtype=bool)].mean())
+        return float(np.mean(per_rank))
+
+    @property
+    def cosine_noise(self) -> float:
+        """Typical error of one sketched cosine, ``1/sqrt(bins)``: a cosine (or a change in one)
+        smaller than this is inside the sketch's noise. NaN without a sketch."""
+        return 1.0 / math.sqrt(self.bins) if self.bins else math.nan
+
+    @cached_property
+    def noise_scale_terms(self) -> tuple[float, float]:
+        """``(tr(Sigma), |G|^2)`` of this step (see ``noise_scale_terms``)."""
+        return noise_scale_terms(self.param_sq.sum(axis=1), self.reduced_param_sq.sum())
+
+    @property
+    def noise_scale(self) -> float:
+        """Simple gradient noise scale ``W (|G_s|^2 - |G_b|^2) / (W |G_b|^2 - |G_s|^2)`` of this
+        step, in units of one rank's batch (McCandlish et al. 2018): the batch size, in ranks,
+        beyond which adding ranks stops speeding training up. Noisy on its own; records also
+        carry a smoothed value. NaN for W = 1 or where ``|G|^2 <= 0``."""
+        trace, signal = self.noise_scale_terms
+        return trace / signal if signal > 0 else math.nan
+
+    def summary(self) -> dict[str, float]:
+        """The step's scalar signals (what integrations log): O(W k) work, no per-parameter table."""
+        losses = self.losses
+        finite = losses is not None and bool(np.isfinite(losses).all())
+        loss_stats = _dispersion(losses) if finite else dict.fromkeys(("mean", "std", "range", "cv"), math.nan)
+        norm_stats = _dispersion(self.grad_norms)
+        return {
+            "loss_mean": loss_stats["mean"],
+            "loss_std": loss_stats["std"],
+            "loss_range": loss_stats["range"],
+            "loss_cv": loss_stats["cv"],
+            "grad_norm_mean": norm_stats["mean"],
+            "grad_norm_std": norm_stats["std"],
+            "grad_norm_cv": norm_stats["cv"],
+            "reduced_grad_norm": self.reduced_grad_norm,
+            "mean_cosine": self.mean_cosine,
+            "weighted_mean_cosine": self.weighted_mean_cosine,
+            "noise_scale": self.noise_scale,
+        }
 
     @property
     def nonfinite(self) -> dict[str, list]:
@@ -236,26 +361,62 @@ class SilentStats:
         losses, counts = self.losses, self._arrays[0][:, LOSS_COUNT]
         bad_losses = [] if losses is None else [r for r in range(self.world_size) if counts[r] > 0 and not math.isfinite(losses[r])]
         owners = [(bucket.index, name) for bucket in self.buckets for name in bucket.names]
+        bad = np.nonzero(~np.isfinite(self.param_sq))
         gradients = [
             {"rank": int(r), "bucket": owners[p][0], "parameter": owners[p][1]}
-            for r, p in zip(*np.nonzero(~np.isfinite(self.param_sq)))
+            for r, p in zip(bad[0][:MAX_NONFINITE_LISTED], bad[1][:MAX_NONFINITE_LISTED])
         ]
-        return {"losses": bad_losses, "gradients": gradients}
+        return {"losses": bad_losses, "gradients": gradients, "gradient_count": int(len(bad[0]))}
 
     # -- output --------------------------------------------------------------------------------
-    def to_dict(self) -> dict:
-        """A JSON-serialisable record of the step (strict JSON: non-finite values are null)."""
+    def to_dict(self, detail: bool = True, detail_max_world: int = 64) -> dict:
+        """A JSON-serialisable record of the step (strict JSON: non-finite values are null).
+
+        Args:
+            detail: add the layer view: ``cosine`` (W x W), ``buckets`` and ``parameters``.
+                Without it the record is the compact summary, O(W) numbers.
+            detail_max_world: above this world size, the detail keeps per-parameter and
+                per-bucket summaries over ranks (mean, max, the rank with the max) instead of a
+                value per rank, and leaves out the W x W matrix.
+        """
+        summary = self.summary()
+        per_rank_cosine = self.cosine_to_others
         losses = self.losses
-        loss_stats = (
-            _dispersion(losses) if losses is not None and np.isfinite(losses).all() else dict.fromkeys(("mean", "std", "range", "cv"), math.nan)
-        )
-        norms = self.grad_norms
-        norm_stats = _dispersion(norms)
-        cosine = self.cosine
+        record = {
+            "step": self.step,
+            "world_size": self.world_size,
+            "transport": self.transport,
+            "sketch_dim": self.bins,
+            "cosine_noise": _float(self.cosine_noise),
+            "losses": None if losses is None else _floats(losses),
+            **{key: _float(summary[key]) for key in ("loss_mean", "loss_std", "loss_range", "loss_cv")},
+            "grad_norms": _floats(self.grad_norms),
+            **{key: _float(summary[key]) for key in ("grad_norm_mean", "grad_norm_std", "grad_norm_cv", "reduced_grad_norm")},
+            "cosine_to_others": None if per_rank_cosine is None else _floats(per_rank_cosine),
+            **{key: _float(summary[key]) for key in ("mean_cosine", "weighted_mean_cosine", "noise_scale")},
+            "nonfinite": self.nonfinite,
+            "detail": detail,
+        }
+        if detail:
+            record.update(self._detail(detail_max_world))
+        return record
+
+    def _detail(self, detail_max_world: int) -> dict:
+        """The layer view: cosine matrix, per-bucket and per-parameter norms and cosines."""
+        per_rank = self.world_size <= detail_max_world
+        cosine = self.cosine if per_rank else None
         param_sq, reduced_param_sq = self.param_sq, self.reduced_param_sq
         param_wmc = weighted_mean_cosine(param_sq, reduced_param_sq)
         bucket_sq, reduced_bucket_sq = self.bucket_sq, self.reduced_bucket_sq
         bucket_wmc = weighted_mean_cosine(bucket_sq, reduced_bucket_sq)
+
+        def over_ranks(sq: np.ndarray) -> dict:
+            norms = np.sqrt(sq)
+            if per_rank:
+                return {"grad_norms": _floats(norms)}
+            with np.errstate(invalid="ignore"):
+                return {"grad_norm_mean": _float(np.mean(norms)), "grad_norm_max": _float(np.max(norms)), "grad_norm_argmax": int(np.argmax(norms))}
+
         parameters = []
         p = 0
         for bucket in self.buckets:
@@ -265,43 +426,26 @@ class SilentStats:
                         "name": name,
                         "bucket": bucket.index,
                         "numel": numel,
-                        "grad_norms": _floats(np.sqrt(param_sq[:, p])),
+                        **over_ranks(param_sq[:, p]),
                         "reduced_norm": _float(math.sqrt(reduced_param_sq[p])),
                         "weighted_mean_cosine": _float(param_wmc[p]),
                     }
                 )
                 p += 1
         return {
-            "step": self.step,
-            "world_size": self.world_size,
-            "transport": self.transport,
-            "sketch_dim": self.bins,
-            "losses": None if losses is None else _floats(losses),
-            "loss_mean": _float(loss_stats["mean"]),
-            "loss_std": _float(loss_stats["std"]),
-            "loss_range": _float(loss_stats["range"]),
-            "loss_cv": _float(loss_stats["cv"]),
-            "grad_norms": _floats(norms),
-            "grad_norm_mean": _float(norm_stats["mean"]),
-            "grad_norm_std": _float(norm_stats["std"]),
-            "grad_norm_cv": _float(norm_stats["cv"]),
-            "reduced_grad_norm": _float(self.reduced_grad_norm),
             "cosine": None if cosine is None else [_floats(row) for row in cosine],
-            "mean_cosine": _float(self.mean_cosine),
-            "weighted_mean_cosine": _float(self.weighted_mean_cosine),
             "buckets": [
                 {
                     "index": bucket.index,
                     "numel": bucket.numel,
                     "parameters": list(bucket.names),
-                    "grad_norms": _floats(np.sqrt(bucket_sq[:, b])),
+                    **over_ranks(bucket_sq[:, b]),
                     "reduced_norm": _float(math.sqrt(reduced_bucket_sq[b])),
                     "weighted_mean_cosine": _float(bucket_wmc[b]),
                 }
                 for b, bucket in enumerate(self.buckets)
             ],
             "parameters": parameters,
-            "nonfinite": self.nonfinite,
         }
 
     def __repr__(self) -> str:

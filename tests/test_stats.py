@@ -75,7 +75,7 @@ def test_missing_and_non_finite_values_become_null_and_are_located():
     text = json.dumps(record, allow_nan=False)  # strict JSON
     assert json.loads(text)["losses"] == [1.0, None, None]
     assert record["loss_mean"] is None
-    assert record["nonfinite"] == {"losses": [1], "gradients": [{"rank": 1, "bucket": 0, "parameter": "b"}]}
+    assert record["nonfinite"] == {"losses": [1], "gradients": [{"rank": 1, "bucket": 0, "parameter": "b"}], "gradient_count": 1}
     assert record["grad_norms"][1] is None
 
 

@@ -2,7 +2,8 @@
 
 Run files are read as JSON lines only (no pickle, no eval). A truncated last line, as left by a
 run killed mid-write, is skipped with a warning; any other malformed line is an error that names
-the file and line.
+the file and line. The figures need matplotlib (``pip install 'ddphooks[plot]'``); without it they
+are skipped with a warning and the summaries are still written.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def _check_record(path: Path, number: int, record: object) -> dict:
         value = record.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise ValueError(f"{path}:{number}: '{key}' must be a number or null, got {value!r}")
-    for key in ("losses", "grad_norms"):
+    for key in ("losses", "grad_norms", "cosine_to_others"):
         values = record.get(key)
         if values is not None and not (isinstance(values, list) and all(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in values)):
             raise ValueError(f"{path}:{number}: '{key}' must be a list of numbers (or nulls), or null")
@@ -63,7 +64,10 @@ def _check_record(path: Path, number: int, record: object) -> dict:
 def read_run(path: str | Path) -> Run:
     """Parse a run file written by ``ddphooks experiment`` (or any JsonlSink)."""
     path = Path(path)
-    lines = path.read_text(encoding="utf-8").splitlines()
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start}); a run file is JSON lines, as written by ddphooks experiment or a JsonlSink") from None
     while lines and not lines[-1].strip():
         lines.pop()
     header: dict = {}
@@ -129,6 +133,18 @@ def _smooth(values: list[float], window: int) -> list[float]:
     return smoothed
 
 
+def _cosine_to_others(record: dict, rank: int, world: int) -> float:
+    """A rank's mean sketched cosine to the others: the record's ``cosine_to_others`` (every
+    record since 0.2), else the row of its cosine matrix (detail records, older run files)."""
+    per_rank = record.get("cosine_to_others")
+    if isinstance(per_rank, list) and per_rank[rank] is not None:
+        return float(per_rank[rank])
+    matrix = record.get("cosine")
+    if not matrix or world < 2 or any(matrix[rank][j] is None for j in range(world)):
+        return math.nan
+    return sum(matrix[rank][j] for j in range(world) if j != rank) / (world - 1)
+
+
 def rank_rows(run: Run, skip: float) -> list[dict]:
     """Per rank: how far its loss sits from the step's mean, its gradient norm relative to the
     mean norm, and its mean cosine to the other ranks (after the fault, in fault runs). The rank
@@ -141,21 +157,22 @@ def rank_rows(run: Run, skip: float) -> list[dict]:
     for rank in range(world):
         loss_gap = [r["losses"][rank] - r["loss_mean"] for r in chosen if r.get("losses") and r["losses"][rank] is not None and r.get("loss_mean") is not None]
         norm_ratio = [r["grad_norms"][rank] / r["grad_norm_mean"] for r in chosen if r["grad_norms"][rank] is not None and r.get("grad_norm_mean")]
-        cosines = [
-            sum(r["cosine"][rank][j] for j in range(world) if j != rank) / (world - 1)
-            for r in chosen
-            if r.get("cosine") and world > 1 and all(r["cosine"][rank][j] is not None for j in range(world))
-        ]
+        cosines = [_cosine_to_others(r, rank, world) for r in chosen]
         rows.append({"run": run.name, "rank": rank, "loss_minus_mean": _mean(loss_gap), "norm_over_mean": _mean(norm_ratio), "cosine_to_others": _mean(cosines)})
     return rows
 
 
-def _plot_signals(runs: list[Run], out: Path, window: int) -> Path:
+def _pyplot():
+    """``matplotlib.pyplot`` on the non-interactive Agg backend; ImportError without matplotlib."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _plot_signals(plt, runs: list[Run], out: Path, window: int) -> Path:
     figure, axes = plt.subplots(len(SIGNALS), 1, figsize=(9, 2.2 * len(SIGNALS) + 0.8), sharex=True)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for axis, (key, title) in zip(axes, SIGNALS):
@@ -186,13 +203,9 @@ def _plot_signals(runs: list[Run], out: Path, window: int) -> Path:
     return path
 
 
-def _plot_cosines(run: Run, out: Path, count: int, window: int) -> Path | None:
+def _plot_cosines(plt, run: Run, out: Path, count: int, window: int) -> Path | None:
     """Rank x rank cosine matrices, each averaged over ``window`` steps ending at a chosen step
     (single steps are noisy). Fault runs show the window before the fault and windows after it."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
 
     with_cosine = [r for r in run.records if r.get("cosine")]
@@ -228,13 +241,45 @@ def _fmt(value: float) -> str:
 
 
 def write_report(paths: list[str], out: str | Path, skip: float = 0.1, heatmaps: int = 3, window: int | None = None) -> Path:
-    """Figures (PNG) and ``summary.md`` for the given run files; returns the summary's path."""
+    """Figures (PNG), ``summary.md`` and ``summary.json`` for the given run files.
+
+    Args:
+        paths: run files (JSON lines: an optional header line, then one record per step).
+        out: folder for the outputs, created if missing (only once every run file has been read).
+        skip: fraction of each run's first steps left out of the table means, in [0, 1).
+        heatmaps: cosine heatmaps per run (0: none).
+        window: steps in the trend lines and heatmap means (None: a 25th of the longest run).
+
+    Returns the path of ``summary.md``. Without matplotlib the figures are skipped with a
+    ``UserWarning`` naming the ``plot`` extra; the summaries are written all the same.
+
+    Raises ``ValueError`` for a bad setting or a malformed run file, ``OSError`` for an unreadable one.
+
+    Example::
+
+        write_report(["runs/run-sync-w2.jsonl", "runs/run-fault-w2.jsonl"], "report")
+    """
+    if not 0 <= skip < 1:
+        raise ValueError(f"--skip {skip} must be in [0, 1): the fraction of each run's first steps left out of the means")
+    if heatmaps < 0:
+        raise ValueError(f"--heatmaps {heatmaps} must be >= 0 (0: no heatmaps)")
+    if window is not None and window < 1:
+        raise ValueError(f"--window {window} must be >= 1 (or left out for a 25th of the run)")
+    runs = [read_run(path) for path in paths]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    runs = [read_run(path) for path in paths]
     window = window or max(1, max(len(run.records) for run in runs) // 25)
-    figures = [_plot_signals(runs, out, window)]
-    figures += [f for f in (_plot_cosines(run, out, heatmaps, window) for run in runs) if f is not None]
+    figures: list[Path] = []
+    try:
+        plt = _pyplot()
+    except ImportError as error:
+        skipped = f"matplotlib could not be imported ({error}); pip install 'ddphooks[plot]' to get them"
+        warnings.warn(f"figures skipped: {skipped} (summary.md and summary.json are written)", stacklevel=2)
+    else:
+        skipped = ""
+        figures.append(_plot_signals(plt, runs, out, window))
+        if heatmaps:
+            figures += [f for f in (_plot_cosines(plt, run, out, heatmaps, window) for run in runs) if f is not None]
     rows = [row for run in runs for row in summary_rows(run, skip)]
     lines = [
         "# ddphooks experiment report",
@@ -267,7 +312,7 @@ def write_report(paths: list[str], out: str | Path, skip: float = 0.1, heatmaps:
             f"- `{run.path.name}`: {run.name}, {len(run.records)} steps, model `{config.get('model', '?')}`, data `{config.get('data', '?')}`, "
             f"{run.header.get('parameters', '?')} parameters"
         )
-    lines += ["", "## Figures", ""] + [f"![{f.stem}]({f.name})" for f in figures]
+    lines += ["", "## Figures", ""] + ([f"![{f.stem}]({f.name})" for f in figures] or [f"Skipped: {skipped}."])
     summary = out / "summary.md"
     summary.write_text("\n".join(lines) + "\n", encoding="utf-8")
     (out / "summary.json").write_text(json.dumps(rows, indent=1, allow_nan=True), encoding="utf-8")

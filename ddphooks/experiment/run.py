@@ -198,7 +198,9 @@ def train_rank(rank: int, world: int, config: ExperimentConfig) -> dict:
         "examples": len(rows),
         "versions": _versions(),
     }
-    state = SilentState(model=ddp, sketch_dim=config.sketch_dim, sinks=[JsonlSink(config.run_path(world), header=header)])
+    # Every record in detail: the report's heatmaps average cosine matrices over windows of steps.
+    sink = JsonlSink(config.run_path(world), header=header)
+    state = SilentState(model=ddp, sketch_dim=config.sketch_dim, sinks=[sink], detail_every=1)
     ddp.register_comm_hook(state, silent_hook)
     lr = config.lr if config.lr is not None else (3e-3 if config.model == EMBEDDED else 2e-5)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=lr, weight_decay=0.0)
@@ -225,12 +227,12 @@ def train_rank(rank: int, world: int, config: ExperimentConfig) -> dict:
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
         if progress is not None:
-            record = state.latest.to_dict()
-            progress.set_postfix({key: "-" if record[key] is None else f"{record[key]:.3f}" for key in ("loss_mean", "loss_std", "mean_cosine")})
+            summary = state.latest.summary()
+            progress.set_postfix({key: f"{summary[key]:.3f}" for key in ("loss_mean", "loss_std", "mean_cosine")})
             progress.update()
     if progress is not None:
         progress.close()
-    final = state.latest.to_dict()
+    final = state.latest.summary()
     state.close()
     return {"path": str(config.run_path(world)), "final_loss": final["loss_mean"]}
 

@@ -1,29 +1,12 @@
-"""Where step records go: one small interface, a JSON-lines file, and a fan-out container.
-
-A sink receives ``SilentStats.to_dict()`` records in step order. ``SilentState`` calls sinks only
-on the ranks named by its ``log_rank`` (rank 0 by default), from the training thread, never from
-a communication callback.
-"""
+"""JSON-lines sink: one strict-JSON object per line."""
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
 from pathlib import Path
 
-
-class Sink:
-    """Base sink: accepts records and does nothing with them."""
-
-    def write(self, record: dict) -> None:
-        """Take one step record (a JSON-serialisable dict)."""
-
-    def flush(self) -> None:
-        """Push buffered records to their destination."""
-
-    def close(self) -> None:
-        """Flush and release resources; later writes are errors."""
+from ddphooks.sinks.base import Sink
 
 
 class JsonlSink(Sink):
@@ -36,7 +19,8 @@ class JsonlSink(Sink):
     Args:
         path: file to write; ``{rank}`` in it is replaced by the writing rank's index.
         header: optional run description written once, first.
-        append: append to an existing file instead of replacing it.
+        append: append to an existing file instead of replacing it (a resumed run); the header
+            is written only if the file is new or empty.
     """
 
     def __init__(self, path: str | os.PathLike, header: dict | None = None, append: bool = False) -> None:
@@ -45,6 +29,10 @@ class JsonlSink(Sink):
         self.append = append
         self._file = None
         self._closed = False
+
+    @property
+    def name(self) -> str:
+        return f"JsonlSink({str(self.path)!r})"
 
     def bind_rank(self, rank: int) -> None:
         """Called by ``SilentState`` with the writing rank (fills ``{rank}`` in the path)."""
@@ -55,8 +43,9 @@ class JsonlSink(Sink):
             raise ValueError(f"JsonlSink({str(self.path)!r}) is closed")
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            continuing = self.append and self.path.exists() and self.path.stat().st_size > 0
             self._file = open(self.path, "a" if self.append else "w", encoding="utf-8")
-            if self.header is not None:
+            if self.header is not None and not continuing:
                 self._line({"header": self.header})
         return self._file
 
@@ -78,31 +67,3 @@ class JsonlSink(Sink):
             self._file.close()
             self._file = None
         self._closed = True
-
-
-class SinkGroup(Sink):
-    """Fans every call out to several sinks, in order."""
-
-    def __init__(self, sinks: Iterable[Sink]) -> None:
-        self.sinks = list(sinks)
-        for sink in self.sinks:
-            if not isinstance(sink, Sink):
-                raise TypeError(f"sinks must be ddphooks.Sink instances, got {type(sink).__name__}")
-
-    def bind_rank(self, rank: int) -> None:
-        for sink in self.sinks:
-            bind = getattr(sink, "bind_rank", None)
-            if bind is not None:
-                bind(rank)
-
-    def write(self, record: dict) -> None:
-        for sink in self.sinks:
-            sink.write(record)
-
-    def flush(self) -> None:
-        for sink in self.sinks:
-            sink.flush()
-
-    def close(self) -> None:
-        for sink in self.sinks:
-            sink.close()

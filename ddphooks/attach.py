@@ -1,0 +1,112 @@
+"""``attach``: one call that turns ddphooks on for a DDP model, loss included.
+
+The integrations (``ddphooks.integrations``) are thin adapters over this function.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from functools import partial
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from ddphooks.hook import SilentState, silent_hook
+from ddphooks.loss import loss_of
+
+logger = logging.getLogger("ddphooks")
+
+#: ``loss_from(module, args, kwargs, output)``: the rank's scalar loss of one forward, or None.
+LossFrom = Callable[[torch.nn.Module, tuple, dict, object], "torch.Tensor | None"]
+
+
+def _default_loss_from(module: torch.nn.Module, args: tuple, kwargs: dict, output: object) -> torch.Tensor | None:
+    return loss_of(output)
+
+
+def ddp_module(model: torch.nn.Module) -> DistributedDataParallel:
+    """The ``DistributedDataParallel`` module behind ``model`` (unwrapping ``torch.compile``)."""
+    inner = getattr(model, "_orig_mod", model)  # torch.compile(ddp) keeps the DDP module here
+    if not isinstance(inner, DistributedDataParallel):
+        raise TypeError(
+            f"attach needs the DistributedDataParallel module, got {type(model).__name__}: wrap the model first "
+            "(DistributedDataParallel(model), or the object accelerator.prepare(model) returns in a distributed run)"
+        )
+    return inner
+
+
+def attach(model: torch.nn.Module, *, state: SilentState | None = None, loss_from: LossFrom | None = None, **settings) -> SilentState:
+    """Register ``silent_hook`` on a DDP model and record each rank's loss from its forward output.
+
+    1. Check ``model``: a ``DistributedDataParallel`` module (or ``torch.compile`` of one) with no
+       other communication hook (DDP takes one; to combine, pass it as
+       ``SilentState(comm_hook=...)``) and not attached before.
+    2. Bind the state (``SilentState(**settings)`` unless ``state`` is given) to the model: a
+       collective that checks the settings agree on every rank.
+    3. Register the hook, unless this very state is already registered with ``silent_hook``
+       (Lightning's ``DDPStrategy(ddp_comm_state=state, ddp_comm_hook=silent_hook)`` does that on
+       CUDA): then attaching only adds the loss capture, it never registers twice.
+    4. A forward hook takes the loss of every training forward (``module.training`` and grad
+       enabled, so evaluation forwards do not count): ``loss_from(module, args, kwargs, output)``,
+       by default the output itself if it is a scalar tensor, ``output.loss`` or
+       ``output["loss"]``. With gradient accumulation the step's loss is the mean over the
+       micro-batches; an explicit ``state.observe_loss`` in a step wins. A forward without a
+       loss records none. The capture never raises into training: a failing ``loss_from`` is
+       reported once and ignored.
+
+    Args:
+        model: the DDP-wrapped model (what ``DistributedDataParallel(...)`` or
+            ``accelerator.prepare`` returns).
+        state: an existing ``SilentState`` (created before the process group, say); else one is
+            made from ``settings``.
+        loss_from: how to find the rank's loss in a forward call (see above).
+        **settings: ``SilentState`` keyword arguments (``sketch_dim``, ``every``, ``sinks`` ...).
+
+    Returns the bound ``SilentState``.
+
+    Example::
+        >>> model = DistributedDataParallel(model)
+        >>> state = ddphooks.attach(model, sinks=[JsonlSink("runs/stats.jsonl")])
+        >>> model(**batch).loss.backward()          # the loss is recorded, statistics computed
+        >>> state.latest.summary()["loss_std"]
+    """
+    ddp = ddp_module(model)
+    if state is not None and settings:
+        raise TypeError(f"attach takes either state= or SilentState settings, not both (got state and {sorted(settings)})")
+    if state is not None and not isinstance(state, SilentState):
+        raise TypeError(f"state must be a SilentState, got {type(state).__name__}")
+    if getattr(ddp, "_ddphooks_state", None) is not None:
+        raise RuntimeError("ddphooks is already attached to this model; attach once per DDP model and reuse the returned state")
+    hooks = list(getattr(ddp, "_comm_hooks", []))
+    registered = any(hook is silent_hook and hook_state is state for hook, hook_state in hooks) if state is not None else False
+    if hooks and not registered:
+        names = ", ".join(getattr(hook, "__qualname__", repr(hook)) for hook, _ in hooks)
+        raise RuntimeError(
+            f"the model already has a communication hook ({names}) and DDP accepts only one; register ddphooks "
+            "instead and let it call yours: attach(model, comm_hook=your_hook, comm_state=your_state)"
+        )
+    state = state if state is not None else SilentState(**settings)
+    state.bind(ddp)
+    if not registered:
+        ddp.register_comm_hook(state, silent_hook)
+    ddp.register_forward_hook(partial(_capture_loss, state, loss_from or _default_loss_from, set()), with_kwargs=True)
+    ddp._ddphooks_state = state
+    return state
+
+
+def _capture_loss(
+    state: SilentState, loss_from: LossFrom, warned: set, module: torch.nn.Module, args: tuple, kwargs: dict, output: object
+) -> None:
+    if not (module.training and getattr(module, "module", module).training and torch.is_grad_enabled()):
+        return
+    if not state._instrumented(state.step):
+        return
+    try:
+        loss = loss_from(module, args, kwargs, output)
+        if loss is not None:
+            state._losses.observe(loss, explicit=False)
+    except Exception as error:  # the capture must never break a forward
+        if not warned:
+            warned.add(True)
+            logger.warning("ddphooks: loss capture failed (%s: %s); no loss is recorded for such forwards", type(error).__name__, error)

@@ -1,0 +1,66 @@
+"""From ``SilentStats`` to the records the sinks receive: compact or detailed, plus what spans steps.
+
+A record is built on the sink writer thread, one step after the other, so this is also where the
+statistics that need the previous steps live: the smoothed gradient noise scale.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ddphooks.stats import SilentStats, _float
+
+#: Weight of the past in the smoothed noise scale: about 1 / (1 - 0.95) = 20 records.
+NOISE_SCALE_DECAY = 0.95
+
+
+class RecordBuilder:
+    """Builds one step's record and keeps the state that spans records.
+
+    1. A record is *detailed* (cosine matrix, per-bucket and per-parameter tables) on every
+       ``detail_every``-th instrumented step, counted from step 0 (``(step // every) %
+       detail_every == 0``, so a resumed run keeps the cadence); otherwise it is the compact
+       summary.
+    2. The smoothed noise scale divides exponential moving averages of ``tr(Sigma)`` and
+       ``|G|^2`` kept apart (the ratio of two noisy estimates is biased; averaging each first
+       is what McCandlish et al. and the k-diffusion and AdaptDL implementations do). Both
+       averages start at zero with the same decay, so their start-up bias cancels in the ratio.
+       Steps where either term is not finite leave the averages unchanged.
+
+    Args:
+        every: the state's instrumentation period.
+        detail_every: instrumented steps between detailed records (0: never).
+        detail_max_world: see ``SilentConfig.detail_max_world``.
+
+    Example::
+        >>> builder = RecordBuilder(every=1, detail_every=100, detail_max_world=64)
+        >>> record = builder.build(state.latest)
+    """
+
+    def __init__(self, every: int, detail_every: int, detail_max_world: int) -> None:
+        self.every = every
+        self.detail_every = detail_every
+        self.detail_max_world = detail_max_world
+        self.trace_average = 0.0
+        self.signal_average = 0.0
+
+    def is_detailed(self, step: int) -> bool:
+        return self.detail_every > 0 and (step // self.every) % self.detail_every == 0
+
+    def build(self, stats: SilentStats) -> dict:
+        record = stats.to_dict(detail=self.is_detailed(stats.step), detail_max_world=self.detail_max_world)
+        record["noise_scale_smoothed"] = _float(self._smoothed_noise_scale(*stats.noise_scale_terms))
+        return record
+
+    def _smoothed_noise_scale(self, trace: float, signal: float) -> float:
+        if math.isfinite(trace) and math.isfinite(signal):
+            self.trace_average = NOISE_SCALE_DECAY * self.trace_average + (1 - NOISE_SCALE_DECAY) * trace
+            self.signal_average = NOISE_SCALE_DECAY * self.signal_average + (1 - NOISE_SCALE_DECAY) * signal
+        return self.trace_average / self.signal_average if self.signal_average > 0 else math.nan
+
+    def state_dict(self) -> dict:
+        return {"trace_average": self.trace_average, "signal_average": self.signal_average}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.trace_average = float(state["trace_average"])
+        self.signal_average = float(state["signal_average"])
