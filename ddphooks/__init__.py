@@ -13,10 +13,12 @@ import importlib
 from ddphooks.attach import attach
 from ddphooks.config import SilentConfig
 from ddphooks.hook import SilentState, silent_hook
-from ddphooks.sinks import JsonlSink, Sink, SinkGroup
+from ddphooks.sinks import JsonlSink, Sink, SinkGroup, TensorBoardSink, WandbSink
 from ddphooks.stats import SilentStats
 
-__all__ = ["JsonlSink", "SilentConfig", "SilentState", "SilentStats", "Sink", "SinkGroup", "attach", "silent_hook"]
+__all__ = [
+    "JsonlSink", "SilentConfig", "SilentState", "SilentStats", "Sink", "SinkGroup", "TensorBoardSink", "WandbSink", "attach", "silent_hook",
+]  # fmt: skip
 __version__ = "0.2.0"
 
 

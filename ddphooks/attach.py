@@ -98,7 +98,9 @@ def attach(model: torch.nn.Module, *, state: SilentState | None = None, loss_fro
 def _capture_loss(
     state: SilentState, loss_from: LossFrom, warned: set, module: torch.nn.Module, args: tuple, kwargs: dict, output: object
 ) -> None:
-    if not (module.training and getattr(module, "module", module).training and torch.is_grad_enabled()):
+    # The wrapped module's mode, not the DDP wrapper's: Lightning's validation calls .eval() on the
+    # wrapper and restores only the LightningModule's mode. Evaluation runs without grad anyway.
+    if not (getattr(module, "module", module).training and torch.is_grad_enabled()):
         return
     if not state._instrumented(state.step):
         return

@@ -58,11 +58,12 @@ class _Step:
     the step is complete only when every bucket has reported; ``lock`` guards the counter.
     """
 
-    def __init__(self, step: int) -> None:
+    def __init__(self, step: int, device: torch.device) -> None:
         self.step = step
         self.layouts: list[BucketLayout] = []
         self.local_sq: list[torch.Tensor] = []
         self.reduced_sq: list[torch.Tensor | None] = []
+        self.fused = device.type != "cpu"  # fused multi-tensor norms of the reduced buckets (accelerators)
         self.gathered: torch.Tensor | None = None
         self.transport = ""
         self.n_buckets: int | None = None  # set before the last bucket is launched
@@ -353,7 +354,7 @@ class SilentState:
         return self._kernels[device]
 
     def _open_step(self, device: torch.device) -> _Step:
-        self._current = _Step(self.step)
+        self._current = _Step(self.step, device)
         if self.bins:
             if self._sketch is None or self._sketch.device != device:
                 self._sketch = torch.zeros(self.bins, dtype=torch.float32, device=device)
@@ -559,7 +560,7 @@ def silent_hook(state: SilentState, bucket: dist.GradBucket) -> torch.futures.Fu
 def _record_reduced(record: _Step, position: int, reduced: torch.Tensor) -> None:
     layout = record.layouts[position]
     out = torch.empty(len(layout.numels), dtype=torch.float32, device=reduced.device)
-    squared_norms(reduced, list(layout.numels), out)
+    squared_norms(reduced, list(layout.numels), out, fused=record.fused)
     record.reduced_sq[position] = out
 
 

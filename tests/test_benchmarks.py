@@ -17,23 +17,76 @@ def _run(script: str, *args: str) -> str:
     return result.stdout
 
 
+BREAKDOWN_PARTS = {
+    "statistics pass", "reduced norms", "last bucket: division into piggyback buffer + slot", "publish: SilentStats + submit",
+    "  of which submit", "summary()", "record building", "writing (JsonlSink)",
+}  # fmt: skip
+
+
+def _check_sink_config(result, instrumented_steps):
+    """The user's configuration: its file got one record per instrumented step, and every part of
+    the breakdown was timed (the writer's parts come from rank 0)."""
+    assert result["config"] == {"hook": "silent_sink", "sketch_dim": 256, "every": 1}
+    assert result["records_written"] == instrumented_steps and result["dropped_records"] == {}
+    assert set(result["breakdown"]) == BREAKDOWN_PARTS
+    for part, value in result["breakdown"].items():
+        assert value["per"] == ("record" if value["thread"] == "writer" else "step"), part
+        assert 0 < value["iqr"][0] <= value["median"] <= value["iqr"][1], part
+    assert result["breakdown"]["  of which submit"]["median"] <= result["breakdown"]["publish: SilentStats + submit"]["iqr"][1]
+
+
 def test_overhead_json_fields(tmp_path):
     out = tmp_path / "overhead.json"
-    stdout = _run("overhead.py", "--models", "tiny-mlp", "--steps", "2", "--warmup", "1", "--configs", "none", "allreduce", "norms_separate", "silent", "--json", str(out))
+    configs = ("none", "allreduce", "norms_separate", "silent", "silent_sink")
+    stdout = _run("overhead.py", "--models", "tiny-mlp", "--steps", "2", "--warmup", "1", "--configs", *configs, "--json", str(out))
     results = json.loads(out.read_text())
-    hooks = {r["config"]["hook"] for r in results}
-    assert hooks == {"none", "allreduce", "norms_separate", "silent"}
+    assert {r["config"]["hook"] for r in results} == set(configs)
     for r in results:
         assert set(r["config"]) == {"hook", "sketch_dim", "every"}
-        assert r["world_size"] == 2 and r["model"] == "tiny-mlp" and r["median_step_s"] > 0
+        assert r["world_size"] == 2 and r["model"] == "tiny-mlp" and r["median_step_s"] > 0 and r["steps"] == 2
         assert (r["hook_s_per_step"] > 0) == (r["config"]["hook"] != "none")
         assert isinstance(r["overhead_vs_allreduce"], float)
-        if r["config"]["hook"] != "silent":
+        if not r["config"]["hook"].startswith("silent"):
             assert r["config"]["sketch_dim"] is None and r["config"]["every"] is None
+        assert ("breakdown" in r) == (r["config"]["hook"] == "silent_sink")
     assert {(r["config"]["sketch_dim"], r["config"]["every"]) for r in results if r["config"]["hook"] == "silent"} == {
         (k, e) for k in (0, 64, 256, 1024) for e in (1, 10)
     }
-    assert "vs allreduce" in stdout and "silent k=256 every=10" in stdout
+    _check_sink_config([r for r in results if r["config"]["hook"] == "silent_sink"][0], instrumented_steps=1 + 2)
+    assert "vs allreduce" in stdout and "silent k=256 every=10" in stdout and "where the time goes" in stdout
+
+
+def test_overhead_quick_has_the_users_configuration(tmp_path):
+    out = tmp_path / "quick.json"
+    stdout = _run("overhead.py", "--quick", "--models", "tiny-mlp", "--steps", "3", "--warmup", "1", "--json", str(out))
+    results = json.loads(out.read_text())
+    assert {r["config"]["hook"] for r in results} == {"none", "allreduce", "norms_separate", "silent", "silent_sink"}
+    _check_sink_config([r for r in results if r["config"]["hook"] == "silent_sink"][0], instrumented_steps=1 + 3)
+    assert "silent + JsonlSink + summary()" in stdout
+
+
+def test_records_quick_fields_and_size_goals(tmp_path):
+    out = tmp_path / "records.json"
+    stdout = _run("records.py", "--quick", "--json", str(out))
+    report = json.loads(out.read_text())
+    rows = {(r["world_size"], r["parameters"]): r for r in report["rows"]}
+    assert set(rows) == {(8, 272), (1024, 272)} and report["detail_every"] == 100
+    for r in rows.values():
+        assert r["bins"] == 251 and r["buckets"] >= 2
+        for key in ("before_s", "submit_s", "writer_compact_s", "writer_detail_s", "build_compact_s", "write_compact_s", "summary_s"):
+            assert 0 < r[key]["iqr"][0] <= r[key]["median"] <= r[key]["iqr"][1], key
+        assert r["compact_bytes"] < r["detail_bytes"]
+        every = report["detail_every"]
+        assert r["bytes_per_step"] == (r["detail_bytes"] + (every - 1) * r["compact_bytes"]) / every
+    # The full record main serialised at W = 1024 (W x W cosine, per-rank tables) is what the change removed.
+    assert rows[(1024, 272)]["before_bytes"] > 100 * rows[(1024, 272)]["detail_bytes"]
+    assert rows[(1024, 272)]["compact_bytes"] > rows[(8, 272)]["compact_bytes"]  # O(W) per-rank vectors
+    # The issue's size goals for the default record, on the sizes the script read back from its JSONL file.
+    for world, limit in ((8, 16 * 1024), (1024, 256 * 1024)):
+        assert rows[(world, 272)]["compact_bytes"] <= limit and rows[(world, 272)]["bytes_per_step"] <= limit, world
+        (goal,) = [g for g in report["goals"] if g["goal"] == "default record bytes" and g["world_size"] == world]
+        assert goal["limit"] == limit and goal["met"] and goal["compact_bytes"] == rows[(world, 272)]["compact_bytes"]
+    assert "before ms" in stdout and "goal: default record bytes at W=1024" in stdout
 
 
 def test_hook_cost_fields(tmp_path):

@@ -6,8 +6,8 @@ import subprocess
 import sys
 
 import pytest
+from test_cli import _cli, _user_errors_in_one_line  # noqa: F401  (the autouse fixture applies here too)
 
-from ddphooks import cli
 
 LOSSES = [3.0, 2.6, 2.4, 2.1, 2.0, 1.8, 1.9, 1.7, 1.6, 1.5]
 
@@ -22,18 +22,6 @@ def _write_run(path):
     return path
 
 
-@pytest.fixture(autouse=True)
-def _user_errors_in_one_line(monkeypatch):
-    monkeypatch.delenv(cli.DEBUG_VARIABLE, raising=False)  # set in the caller's shell, it would re-raise them
-
-
-def _cli(argv, capsys):
-    """Exit status and stderr of ``ddphooks ARGV``, run in this process as ``sys.exit(main())`` would."""
-    try:
-        status = cli.main(argv)
-    except SystemExit as exit_:
-        status = exit_.code
-    return status, capsys.readouterr().err
 
 
 def test_report_without_matplotlib_writes_the_summaries_and_names_the_plot_extra(tmp_path):

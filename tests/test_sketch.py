@@ -48,14 +48,15 @@ def test_signs_are_deterministic_balanced_and_leave_global_rngs_alone():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("sketch_dim", [0, 16, 256])
 @pytest.mark.parametrize("chunk_elems", [1024, 1 << 16])
-def test_kernel_matches_direct_formulas(dtype, sketch_dim, chunk_elems):
+@pytest.mark.parametrize("fused", [False, True], ids=["dots", "fused"])
+def test_kernel_matches_direct_formulas(dtype, sketch_dim, chunk_elems, fused):
     # Segment lengths that straddle chunk boundaries, tiny segments and a ragged last row.
     lengths = [1000, 70_001, 5, 30_000, 17, 1]
     generator = torch.Generator().manual_seed(1)
     flat = torch.randn(sum(lengths), generator=generator).to(dtype)
     bins = sketch_bins(sketch_dim)
     plan = BucketPlan(lengths, bins, (3, 4), CPU, chunk_elems)
-    kernel = BucketStatsKernel(bins, CPU)
+    kernel = BucketStatsKernel(bins, CPU, fused=fused)  # fused: the accelerator path, run on the CPU
     sketch = torch.zeros(max(bins, 1))
     sq = torch.empty(len(lengths))
     before = flat.clone()
@@ -100,10 +101,11 @@ def test_squared_norms_of_reduced_buckets():
     lengths = [5, 200_000, 3]
     for dtype in (torch.float32, torch.float64, torch.bfloat16):
         flat = torch.randn(sum(lengths)).to(dtype)
-        out = torch.empty(3)
-        squared_norms(flat, lengths, out)
         expected = torch.stack([p.double().pow(2).sum() for p in flat.split(lengths)])
-        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=0)
+        for fused in (False, True):  # the CPU path and the accelerator path
+            out = torch.empty(3)
+            squared_norms(flat, lengths, out, fused=fused)
+            torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=0)
 
 
 # -- accuracy of the sketched cosine --------------------------------------------------------------

@@ -67,3 +67,32 @@ class JsonlSink(Sink):
             self._file.close()
             self._file = None
         self._closed = True
+
+
+def drop_records_from(path: Path, step: int) -> None:
+    """Remove the records of steps ``>= step`` from the JSON-lines file ``path``, if it exists.
+
+    A run interrupted after its last checkpoint wrote records the resumed run computes again;
+    without this they would appear twice. Header lines stay; a torn last line (the interrupted
+    write) goes.
+
+    Args:
+        path: the JSON-lines record file.
+        step: first step to remove (the resumed state's ``step``).
+
+    Example::
+        >>> drop_records_from(Path("out/ddphooks/stats.jsonl"), state.step)
+    """
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if not (isinstance(record, dict) and isinstance(record.get("step"), int)) or record["step"] < step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text("".join(kept), encoding="utf-8")
+    os.replace(partial, path)

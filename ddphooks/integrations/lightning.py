@@ -1,0 +1,210 @@
+"""PyTorch Lightning integration: ``SilentCallback`` turns ddphooks on for a ``Trainer`` run.
+
+Needs ``lightning`` (``import lightning.pytorch as L``, 2.x; the legacy ``pytorch_lightning``
+package is not supported). Works with ``DDPStrategy`` (``strategy="ddp"``, ``"ddp_spawn"``, any
+accelerator); other strategies (FSDP, DeepSpeed, single device) get one warning and no hook.
+
+How it plugs in (facts of Lightning 2.x this relies on):
+
+- ``DDPStrategy`` wraps the ``LightningModule`` itself in ``DistributedDataParallel``
+  (``trainer.strategy.model``) during ``strategy.setup``, after the callbacks' ``setup`` and
+  after the checkpoint's callback states are restored; ``on_fit_start`` comes next, before any
+  batch. The callback attaches there with ``ddphooks.attach``.
+- ``training_step`` runs inside the DDP forward (Lightning redirects the call through
+  ``DistributedDataParallel.forward``), so the DDP output is ``training_step``'s return value, a
+  loss tensor or a dict with ``"loss"``: ``attach`` records it as the rank's loss. With
+  ``accumulate_grad_batches`` Lightning runs the micro-batches under ``no_sync()``, and the
+  step's loss is the mean of their (unscaled) losses. Validation forwards run with the
+  ``LightningModule`` in eval mode and without grad, so they never count.
+- ``DDPStrategy(ddp_comm_hook=...)`` registers a hook only when the root device is CUDA. If you
+  pass ``DDPStrategy(ddp_comm_state=state, ddp_comm_hook=silent_hook)`` and
+  ``SilentCallback(state=state)`` with the same ``state``, ``attach`` finds it registered and
+  only binds it and adds the loss capture; on the CPU (and every other accelerator) the callback
+  registers it. Another hook in ``ddp_comm_hook`` cannot coexist (DDP takes one): give it to
+  the state instead, ``SilentState(comm_hook=..., comm_state=...)``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+try:
+    import lightning.pytorch as pl
+except ImportError as error:  # pragma: no cover - depends on the environment
+    raise ImportError("ddphooks.integrations.lightning needs Lightning 2.x: pip install 'ddphooks[lightning]'") from error
+
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from ddphooks.attach import LossFrom, attach
+from ddphooks.hook import SilentState
+from ddphooks.sinks import JsonlSink
+from ddphooks.sinks.jsonl import drop_records_from
+
+#: Prefix of everything the callback logs through the LightningModule.
+LOG_PREFIX = "ddphooks/"
+
+
+class SilentCallback(pl.Callback):
+    """Measures loss, gradient-norm and gradient-direction dispersion between the DDP ranks.
+
+    At ``on_fit_start`` the callback attaches ddphooks to the strategy's
+    ``DistributedDataParallel`` module (``ddphooks.attach``). Then, for every instrumented
+    optimizer step:
+
+    - a record goes to the state's sinks (on rank ``log_rank``, 0 by default). Without a
+      ``state`` and without ``sinks``, that is one JSON line per step in
+      ``<trainer.log_dir>/ddphooks/stats.jsonl`` (``trainer.log_dir`` is the first logger's
+      folder, ``lightning_logs/version_N``, or ``default_root_dir`` without a logger;
+      ``stats-{rank}.jsonl`` with ``log_rank=None``);
+    - ``state.latest.summary()`` (loss_mean, loss_std, loss_cv, grad_norm_cv, mean_cosine,
+      weighted_mean_cosine, noise_scale, ...) is logged as ``ddphooks/<key>`` through
+      ``pl_module.log_dict`` in ``on_train_batch_end``, so every Lightning logger gets it at the
+      Trainer's ``log_every_n_steps`` cadence, with ``ddphooks/step`` (the step they belong
+      to). The values are the same on every rank (no ``sync_dist``); NaN where undefined
+      (no loss captured, one rank).
+
+    The statistics' state (step count, smoothed noise scale) is saved in Lightning checkpoints
+    (``state_dict`` / ``load_state_dict``): a run resumed with ``trainer.fit(ckpt_path=...)``
+    continues the step numbering, and the default JSONL file, if it is the same file, keeps the
+    records before the checkpoint and drops those an interrupted run wrote after it.
+
+    Without a ``DistributedDataParallel`` model (one device, FSDP, DeepSpeed) the callback warns
+    once and does nothing.
+
+    Args:
+        state: a ``ddphooks.SilentState`` created beforehand (unbound; the same object may be
+            given to ``DDPStrategy(ddp_comm_state=state, ddp_comm_hook=silent_hook)``). Its
+            sinks are used as they are. It binds to one DDP module, so it serves one ``fit``;
+            pass settings instead to call ``fit`` more than once on the same callback.
+        log_metrics: log the summary through ``pl_module.log_dict`` (default True).
+        loss_from: ``loss_from(module, args, kwargs, output)`` finds the rank's loss in a DDP
+            forward when ``training_step`` returns something other than a loss or a dict with
+            ``"loss"`` (see ``ddphooks.attach``). With manual optimization, call
+            ``callback.state.observe_loss(loss)`` instead.
+        **settings: ``SilentState`` keyword arguments (``sketch_dim``, ``every``, ``sinks``,
+            ``log_rank`` ...); the state is built from them at ``on_fit_start``.
+
+    Example::
+
+        import lightning.pytorch as L
+        from lightning.pytorch.strategies import DDPStrategy
+        from ddphooks.integrations.lightning import SilentCallback
+
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=DDPStrategy(), max_steps=100,
+                            callbacks=[SilentCallback(sketch_dim=256)])
+        trainer.fit(model, loader)   # records in <trainer.log_dir>/ddphooks/stats.jsonl
+    """
+
+    def __init__(self, state: SilentState | None = None, *, log_metrics: bool = True, loss_from: LossFrom | None = None, **settings) -> None:
+        if state is not None and settings:
+            raise TypeError(f"SilentCallback takes either state= or SilentState settings, not both (got state and {sorted(settings)})")
+        if state is not None and not isinstance(state, SilentState):
+            raise TypeError(f"state must be a ddphooks.SilentState, got {type(state).__name__}")
+        self._state = state
+        self._owns_state = state is None
+        self.settings = settings
+        self.log_metrics = log_metrics
+        self.loss_from = loss_from
+        self._restored: dict | None = None  # a checkpoint's state, loaded before the state exists
+        self._active = False
+        self._warned: set[str] = set()
+
+    @property
+    def state(self) -> SilentState | None:
+        """The ``SilentState`` of the current run (None before ``on_fit_start``, or when off)."""
+        return self._state
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, stacklevel=3)
+
+    # -- attaching -------------------------------------------------------------------------------
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        model = trainer.strategy.model
+        if not (dist.is_available() and dist.is_initialized()) or not isinstance(getattr(model, "_orig_mod", model), DistributedDataParallel):
+            self._warn_once(
+                "not-ddp",
+                f"SilentCallback: the {type(trainer.strategy).__name__} strategy gives no DistributedDataParallel model; "
+                "ddphooks is off for this run (use strategy='ddp' or DDPStrategy with 2+ processes)",
+            )
+            return
+        if self._owns_state and (self._state is None or self._state.bound):
+            self._state = self._build_state(trainer, model)  # a second fit wraps a new DDP module: a new state
+        if self._restored is not None:
+            self._state.load_state_dict(self._restored)
+            self._restored = None
+        attach(model, state=self._state, loss_from=self.loss_from)
+        self._active = True
+
+    def _build_state(self, trainer: pl.Trainer, model: DistributedDataParallel) -> SilentState:
+        carried = self._state.state_dict() if self._state is not None else None  # a second fit continues
+        if self._state is not None:
+            self._state.close()
+        settings = dict(self.settings)
+        if settings.get("sinks") is None:
+            settings["sinks"] = [self._default_sink(trainer, settings.get("log_rank", 0), self._restored or carried)]
+        # The process group exists, so the state binds as it is built: given the model, it
+        # takes the parameter names from it.
+        state = SilentState(model=getattr(model, "_orig_mod", model), **settings)
+        if carried is not None:
+            state.load_state_dict(carried)
+        return state
+
+    def _default_sink(self, trainer: pl.Trainer, log_rank: int | None, resumed: dict | None) -> JsonlSink:
+        log_dir = trainer.log_dir or trainer.default_root_dir  # a collective (broadcast): every rank is here
+        name = "stats.jsonl" if log_rank is not None else "stats-{rank}.jsonl"
+        path = Path(log_dir) / "ddphooks" / name
+        writes = log_rank is None or log_rank == trainer.global_rank
+        first_step = resumed["step"] if resumed else 0
+        if writes and first_step:
+            drop_records_from(Path(str(path).replace("{rank}", str(trainer.global_rank))), first_step)
+        return JsonlSink(path, append=bool(first_step))
+
+    # -- logging ---------------------------------------------------------------------------------
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx: int) -> None:
+        if not (self._active and self.log_metrics):
+            return
+        try:
+            stats = self._state.latest
+            if stats is None:
+                return
+            # NaN where a signal is undefined is logged as NaN: leaving the key out would make
+            # Lightning's loggers repeat the previous step's value.
+            metrics = {LOG_PREFIX + key: float(value) for key, value in stats.summary().items()}
+            metrics[LOG_PREFIX + "step"] = float(stats.step)
+        except Exception as error:  # monitoring never stops training
+            self._warn_once("latest", f"SilentCallback: no statistics to log ({type(error).__name__}: {error})")
+            return
+        # Identical on every rank by construction: no sync_dist (it would cost a collective).
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False, batch_size=1)
+
+    # -- closing ---------------------------------------------------------------------------------
+    def _close(self) -> None:
+        if self._active:
+            self._active = False
+            self._state.close()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._close()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._close()  # write what was measured up to the failure
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        if self._state is not None:
+            return {"silent_state": self._state.state_dict()}
+        return {} if self._restored is None else {"silent_state": dict(self._restored)}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        restored = state_dict.get("silent_state")
+        if restored is None:
+            return
+        if self._state is not None and not self._state.bound:
+            self._state.load_state_dict(restored)
+        else:
+            self._restored = restored  # applied at on_fit_start, to the state built or bound there

@@ -1,0 +1,283 @@
+"""``SilentCallback``: ddphooks in a Hugging Face ``transformers.Trainer`` (and its subclasses).
+
+Add the callback and nothing else changes::
+
+    trainer = Trainer(model, args, train_dataset=data, callbacks=[SilentCallback()])
+
+At ``on_train_begin`` it attaches ``silent_hook`` to the Trainer's DDP-wrapped model
+(``ddphooks.attach``), records each rank's own mean token loss of every training micro-batch,
+writes one record per optimizer step to ``<output_dir>/ddphooks/stats.jsonl``, adds the step's
+summary (``ddphooks/loss_std``, ``ddphooks/mean_cosine`` ...) to the Trainer's logs (so every
+``report_to`` integration and ``trainer.state.log_history`` get it), saves its state with each
+checkpoint and restores it on ``trainer.train(resume_from_checkpoint=...)``.
+
+This module imports transformers; ``import ddphooks`` does not import this module.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+from transformers import Trainer, TrainerCallback
+from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from ddphooks.attach import LossFrom, attach, ddp_module
+from ddphooks.hook import SilentState
+from ddphooks.loss import loss_of
+from ddphooks.sinks import JsonlSink
+from ddphooks.sinks.jsonl import drop_records_from
+
+logger = logging.getLogger("ddphooks")
+
+LOG_PREFIX = "ddphooks/"
+"""Prefix of the summary keys added to the Trainer's logs."""
+STATE_FILE = "ddphooks_state_{rank}.json"
+"""Per-rank state file in each checkpoint folder (like the Trainer's own ``rng_state_{rank}.pth``)."""
+IGNORE_INDEX = -100
+
+
+def rank_mean_token_loss(shifts_labels: bool) -> LossFrom:
+    """A ``loss_from`` for ``ddphooks.attach`` giving the rank's own mean token loss of a forward.
+
+    With ``average_tokens_across_devices=True`` (the default) and a model that takes loss kwargs,
+    the Trainer passes ``num_items_in_batch`` (label tokens of the whole optimizer step, summed
+    over micro-batches and ranks) to the forward, and ``output.loss`` is this rank's token-loss
+    sum divided by that global count: it mixes in the other ranks' token counts. Multiplying by
+    ``num_items_in_batch`` and dividing by this micro-batch's own label-token count gives back the
+    rank's own mean token loss, what ranks can be compared on. Without ``num_items_in_batch`` the
+    model's loss already is that mean. Tokens are counted as the Trainer counts them: over
+    ``shift_labels`` when given, else over ``labels[..., 1:]`` for losses that shift (causal LM),
+    else over ``labels``, ignoring ``-100``. A micro-batch without label tokens has no mean: its
+    loss is NaN (reported as a non-finite loss), like the model's own mean-reduced loss.
+
+    Args:
+        shifts_labels: whether the model's loss shifts labels (``Trainer._loss_shifts_labels``).
+
+    Example::
+        >>> state = ddphooks.attach(ddp_model, loss_from=rank_mean_token_loss(shifts_labels=True))
+    """
+
+    def loss_from(module: torch.nn.Module, args: tuple, kwargs: dict, output: object) -> torch.Tensor | None:
+        loss = loss_of(output)
+        global_count = kwargs.get("num_items_in_batch")
+        if loss is None or global_count is None:
+            return loss
+        labels = kwargs.get("shift_labels")
+        if labels is None:
+            labels = kwargs.get("labels")
+            if labels is None:  # the loss was scaled by a count we cannot split: record nothing
+                return None
+            if shifts_labels:
+                labels = labels[..., 1:]
+        own_count = labels.ne(IGNORE_INDEX).sum().to(loss.device)
+        # Tensor arithmetic only: no .item(), no device synchronisation in the forward.
+        return loss.detach().float() * torch.as_tensor(global_count, device=loss.device).float() / own_count
+
+    return loss_from
+
+
+def loss_shifts_labels(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s loss shifts labels; the rule ``Trainer.__init__`` uses to count
+    ``num_items_in_batch`` (a causal-LM loss, not an encoder-decoder model).
+
+    Args:
+        model: the unwrapped model (``trainer.model``).
+
+    Example::
+        >>> loss_shifts_labels(LlamaForCausalLM(config))
+        True
+    """
+    causal = LOSS_MAPPING.get(getattr(model, "loss_type", None)) is ForCausalLMLoss
+    return causal and not getattr(getattr(model, "config", None), "is_encoder_decoder", False)
+
+
+def _calling_trainer() -> tuple[Trainer | None, str | None]:
+    """The ``Trainer`` whose training loop is running this callback, and the checkpoint it resumes.
+
+    Why the call stack: a callback gets the unwrapped model, the optimizer and the data loaders,
+    never the Trainer, and nothing on the unwrapped model points back to its DDP wrapper, which
+    only the Trainer holds (``model_wrapped``). In transformers 5.x ``_inner_training_loop`` runs
+    ``_prepare_for_training`` (``accelerator.prepare``, then ``self.model_wrapped = model``) before
+    ``callback_handler.on_train_begin``, and between that call and this callback there are only
+    ``CallbackHandler`` frames. So the first frame up the stack whose ``self`` is a ``Trainer`` is
+    the training loop of this very run, for ``Trainer`` and every subclass (TRL's ``SFTTrainer``
+    overrides ``compute_loss``/``log``, not the loop). Its ``resume_from_checkpoint`` local is the
+    checkpoint folder already resolved (``train(resume_from_checkpoint=True)`` becomes the last
+    checkpoint's path). Globals or ``gc`` searches would find the wrong Trainer when there are two.
+    """
+    frame = sys._getframe(1)
+    try:
+        while frame is not None:
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, Trainer):
+                resume = frame.f_locals.get("resume_from_checkpoint")
+                return owner, resume if isinstance(resume, (str, os.PathLike)) else None
+            frame = frame.f_back
+        return None, None
+    finally:
+        del frame  # a frame reference kept here would keep the whole stack alive
+
+
+class SilentCallback(TrainerCallback):
+    """Measures silent inconsistency between the ranks of a ``Trainer`` run with ``silent_hook``.
+
+    What it does, by Trainer event:
+
+    - ``on_train_begin``: finds the Trainer and its DDP-wrapped model (``trainer.model_wrapped``),
+      creates the ``SilentState`` (unless ``state`` is given) and ``ddphooks.attach``-es it, with
+      a loss capture that records each rank's own mean token loss of every training micro-batch
+      (:func:`rank_mean_token_loss`; evaluation forwards never count). It then moves itself to the
+      front of the Trainer's callbacks so that its ``on_log`` runs before the reporting
+      integrations'. On a resumed run it restores the state saved in the checkpoint, so step
+      numbering continues. Without DDP (one process, FSDP, DeepSpeed) it warns once and does
+      nothing else: training is unchanged.
+    - ``on_log`` (logs with a ``"loss"``, the Trainer's training logging steps): adds
+      ``state.latest.summary()`` with keys prefixed ``ddphooks/`` to the logs, and to the entry
+      the Trainer just appended to ``trainer.state.log_history``.
+    - ``on_save``: writes ``state.state_dict()`` to ``ddphooks_state_<rank>.json`` in the
+      checkpoint folder (every rank, like the Trainer's per-rank RNG state) and flushes the sinks,
+      so the records on disk match the checkpoint.
+    - ``on_train_end``: ``state.close()`` (writes what is queued, flushes and closes the sinks).
+
+    Records go to ``<output_dir>/stats.jsonl`` (``stats-rank<r>.jsonl`` with ``log_rank=None``)
+    unless ``sinks`` is among ``settings``; on resume the file is appended to, after dropping the
+    records of steps from the checkpoint on (an interrupted run wrote them, the resumed run
+    writes them again), so every step appears once.
+
+    The loss comes from the forward output (``output.loss``), rescaled as
+    :func:`rank_mean_token_loss` explains; TRL's ``SFTTrainer`` (fused LM head) passes no
+    ``num_items_in_batch`` to the model, whose loss then already is the rank's mean. Limits: with
+    ``label_smoothing_factor`` or a ``compute_loss_func`` the Trainer computes the loss outside
+    the model, the output has none and the records' losses are null (gradient statistics are
+    unaffected); a MoE auxiliary loss inside ``output.loss`` is rescaled with the token loss.
+
+    Args:
+        state: a ``SilentState`` to attach (created beforehand, possibly before the process
+            group); None: one is created at ``on_train_begin`` from ``settings``.
+        output_dir: folder of the default ``stats.jsonl`` (default: ``<args.output_dir>/ddphooks``);
+            not with ``state`` or ``sinks``, which bring their own.
+        **settings: ``SilentState`` keyword arguments (``sketch_dim``, ``every``, ``sinks``,
+            ``log_rank`` ...); not together with ``state``.
+
+    Attributes:
+        state: the attached ``SilentState`` (None before training starts, or without DDP).
+
+    Example::
+        >>> from ddphooks.integrations.transformers import SilentCallback
+        >>> trainer = Trainer(model, args, train_dataset=data, callbacks=[SilentCallback(sketch_dim=256)])
+        >>> trainer.train()                       # torchrun --nproc-per-node 8 train.py
+        >>> trainer.state.log_history[-2]["ddphooks/loss_std"]
+    """
+
+    def __init__(self, state: SilentState | None = None, output_dir: str | os.PathLike | None = None, **settings) -> None:
+        if state is not None and settings:
+            raise TypeError(f"SilentCallback takes either state= or SilentState settings, not both (got state and {sorted(settings)})")
+        if output_dir is not None and (state is not None or "sinks" in settings):
+            raise TypeError("output_dir sets where the default JsonlSink writes; with state= or sinks= there is none, drop output_dir")
+        if state is not None and not isinstance(state, SilentState):
+            raise TypeError(f"state must be a ddphooks.SilentState, got {type(state).__name__}")
+        self._given_state = state
+        self.output_dir = output_dir
+        self.settings = settings
+        self.state: SilentState | None = None
+        self._warned_latest = False
+
+    # -- Trainer events ----------------------------------------------------------------------
+    def on_train_begin(self, args, trainer_state, control, **kwargs):
+        trainer, resume_dir = _calling_trainer()
+        if trainer is None:
+            warnings.warn(
+                "ddphooks SilentCallback found no transformers.Trainer running it (on_train_begin called outside "
+                "Trainer.train); it does nothing. Outside a Trainer, call ddphooks.attach(ddp_model) yourself.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return
+        wrapped = trainer.model_wrapped
+        try:
+            ddp_module(wrapped)
+        except TypeError:
+            warnings.warn(
+                f"ddphooks SilentCallback: the Trainer's model is a {type(wrapped).__name__}, not DistributedDataParallel "
+                f"(world size {args.world_size}), so there is nothing to measure and it does nothing; training is "
+                "unchanged. It measures DDP runs (torchrun --nproc-per-node N ...); FSDP and DeepSpeed are not supported.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return
+        if resume_dir is None and trainer_state.global_step > 0:
+            # A subclass loop without the `resume_from_checkpoint` local: the Trainer's own folder naming.
+            resume_dir = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{trainer_state.global_step}")
+        state, default_sink = self._given_state, None
+        if state is None:
+            settings = dict(self.settings)
+            if "sinks" not in settings:
+                folder = Path(self.output_dir) if self.output_dir is not None else Path(args.output_dir) / "ddphooks"
+                name = "stats-rank{rank}.jsonl" if settings.get("log_rank", 0) is None else "stats.jsonl"
+                default_sink = JsonlSink(folder / name, append=resume_dir is not None)
+                settings["sinks"] = [default_sink]
+            state = SilentState(**settings)
+        self.state = attach(wrapped, state=state, loss_from=rank_mean_token_loss(loss_shifts_labels(trainer.model)))
+        if resume_dir is not None:
+            self._restore(Path(resume_dir), trainer_state.global_step)
+            if default_sink is not None and self.state.config.log_rank in (None, self.state.rank):
+                # The sink opens its file at the first record, after this: the file is ours to edit.
+                drop_records_from(default_sink.path, self.state.step)
+        # The Trainer appends its log entry to log_history, then calls on_log on the callbacks in
+        # list order: defaults, the report_to integrations, user callbacks. Running first lets
+        # on_log add the summary to the `logs` dict every later callback (TensorBoard, W&B, ...)
+        # receives. Moving an element that is being iterated is safe here: removing index k and
+        # inserting at 0 leaves every element after k at its old index.
+        callbacks = trainer.callback_handler.callbacks
+        callbacks.remove(self)
+        callbacks.insert(0, self)
+
+    def on_log(self, args, trainer_state, control, logs=None, **kwargs):
+        if self.state is None or not logs or "loss" not in logs:
+            return
+        try:
+            latest = self.state.latest
+        except RuntimeError as error:  # a failed statistics step must not stop training
+            if not self._warned_latest:
+                self._warned_latest = True
+                logger.warning("ddphooks: no summary logged: %s", error)
+            return
+        if latest is None:
+            return
+        summary = {LOG_PREFIX + key: value for key, value in latest.summary().items()}
+        logs.update(summary)
+        if trainer_state.log_history:
+            trainer_state.log_history[-1].update(summary)  # Trainer.log appended it just before on_log
+
+    def on_save(self, args, trainer_state, control, **kwargs):
+        if self.state is None:
+            return
+        self.state.flush()
+        folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{trainer_state.global_step}"
+        if folder.is_dir():  # absent on a node that does not save (no shared file system)
+            path = folder / STATE_FILE.format(rank=self.state.rank)
+            path.write_text(json.dumps(self.state.state_dict()), encoding="utf-8")
+
+    def on_train_end(self, args, trainer_state, control, **kwargs):
+        if self.state is not None:
+            self.state.close()
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _restore(self, checkpoint: Path, global_step: int) -> None:
+        path = checkpoint / STATE_FILE.format(rank=self.state.rank)
+        if path.is_file():
+            self.state.load_state_dict(json.loads(path.read_text(encoding="utf-8")))
+            return
+        # A checkpoint taken without ddphooks: one synchronised step per optimizer step, so the
+        # Trainer's step count is where numbering goes on.
+        logger.warning(
+            "ddphooks: %s has no %s; step numbering continues from the Trainer's global step %d", checkpoint, path.name, global_step
+        )
+        self.state.load_state_dict({"step": global_step})
