@@ -86,7 +86,7 @@ def attach(model: torch.nn.Module, *, state: SilentState | None = None, loss_fro
             f"the model already has a communication hook ({names}) and DDP accepts only one; register ddphooks "
             "instead and let it call yours: attach(model, comm_hook=your_hook, comm_state=your_state)"
         )
-    state = state if state is not None else SilentState(**settings)
+    state = state if state is not None else SilentState(model=ddp, **settings)
     state.bind(ddp)
     if not registered:
         ddp.register_comm_hook(state, silent_hook)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from ddphooks.detect import DetectorConfig
 from ddphooks.sketch import MAX_SKETCH_DIM, MIN_SKETCH_DIM
 
 TRANSPORTS = ("auto", "piggyback", "separate")
@@ -59,6 +60,13 @@ class SilentConfig:
     """Records waiting for the sink writer thread at most; when a sink is slower than training,
     the oldest waiting record is dropped (and counted) instead of letting memory grow."""
 
+    detect: bool | DetectorConfig = True
+    """Run the online detector on every instrumented step (a ``DetectorConfig`` sets its thresholds)."""
+
+    check_replicas_every: int = 100
+    """Every N-th instrumented step, compare fingerprints of the ranks' parameters and buffers
+    (one read of the model on those steps, 8 bytes per tensor in the slot); 0 turns it off."""
+
     def __post_init__(self) -> None:
         _check_int("sketch_dim", self.sketch_dim)
         if self.sketch_dim < 0:
@@ -97,6 +105,11 @@ class SilentConfig:
         _check_int("detail_max_world", self.detail_max_world)
         if self.detail_max_world < 1:
             raise ValueError(f"detail_max_world={self.detail_max_world} must be >= 1 (64 is the default)")
+        if not isinstance(self.detect, (bool, DetectorConfig)):
+            raise TypeError(f"detect must be True, False or a ddphooks.detect.DetectorConfig, got {self.detect!r}")
+        _check_int("check_replicas_every", self.check_replicas_every)
+        if self.check_replicas_every < 0:
+            raise ValueError(f"check_replicas_every={self.check_replicas_every} must be >= 0 (0 turns the replica check off, 100 is the default)")
         _check_int("max_pending_records", self.max_pending_records)
         if self.max_pending_records < 1:
             raise ValueError(f"max_pending_records={self.max_pending_records} must be >= 1 (1024 is the default)")

@@ -19,7 +19,9 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from ddphooks.config import SilentConfig
+from ddphooks.detect import Detector, DetectorConfig
 from ddphooks.loss import LossTracker
+from ddphooks.pipeline import StepPipeline
 from ddphooks.records import RecordBuilder
 from ddphooks.sinks import Sink
 from ddphooks.sketch import (
@@ -64,6 +66,8 @@ class _Step:
         self.local_sq: list[torch.Tensor] = []
         self.reduced_sq: list[torch.Tensor | None] = []
         self.fused = device.type != "cpu"  # fused multi-tensor norms of the reduced buckets (accelerators)
+        self.fingerprinted: list[str] = []  # names of the tensors fingerprinted on a replica-check step
+        self.fingerprint: torch.Tensor | None = None
         self.gathered: torch.Tensor | None = None
         self.transport = ""
         self.n_buckets: int | None = None  # set before the last bucket is launched
@@ -105,6 +109,14 @@ class SilentState:
         chunk_elems: elements per chunk of the statistics pass (None: a device default).
         detail_every, detail_max_world, max_pending_records: record detail and the writer's
             queue (see :class:`SilentConfig`).
+        detect: run the online detector (``ddphooks.detect``; a ``DetectorConfig`` to set its
+            thresholds); alerts go to ``state.alerts``, the records' ``alerts`` and one
+            ``logging`` warning each on the log rank.
+        check_replicas_every: every N-th instrumented step, compare fingerprints of every rank's
+            parameters and buffers (carried in the statistics slot, no extra collective); the
+            record's ``replicas`` says which ranks differ where (0: never).
+        on_alert: called with each alert on every rank; raising from it stops training on every
+            rank at the same point (the next step's first bucket), so no rank hangs.
 
     Example::
         >>> state = SilentState(model=ddp_model, sketch_dim=256, sinks=[JsonlSink("stats.jsonl")])
@@ -133,11 +145,14 @@ class SilentState:
         detail_every: int = 100,
         detail_max_world: int = 64,
         max_pending_records: int = 1024,
+        detect: bool | DetectorConfig = True,
+        check_replicas_every: int = 100,
+        on_alert: Callable[[dict], object] | None = None,
     ) -> None:
         self._settings = dict(
             sketch_dim=sketch_dim, every=every, seed=seed, transport=transport, piggyback_limit_mb=piggyback_limit_mb,
             log_rank=log_rank, chunk_elems=chunk_elems, detail_every=detail_every, detail_max_world=detail_max_world,
-            max_pending_records=max_pending_records,
+            max_pending_records=max_pending_records, detect=detect, check_replicas_every=check_replicas_every,
         )  # fmt: skip
         initialized = dist.is_available() and dist.is_initialized()
         problem = None
@@ -151,6 +166,9 @@ class SilentState:
         self.process_group = process_group
         self.comm_hook = comm_hook
         self.comm_state = comm_state
+        if on_alert is not None and not callable(on_alert):
+            raise TypeError(f"on_alert must be a function taking the alert dict, got {type(on_alert).__name__}")
+        self.on_alert = on_alert
         self.sinks = [sinks] if isinstance(sinks, Sink) else list(sinks)
         for sink in self.sinks:
             if not isinstance(sink, Sink):
@@ -184,6 +202,7 @@ class SilentState:
             _resolve_group(self.process_group, model, self.config, self.comm_hook)
             self._model = model
             self._names = {id(p): name for name, p in model.module.named_parameters()}
+            self._replica_tensors = self._fingerprinted_tensors(model)
             return self
         self._bind(model, None)
         return self
@@ -220,7 +239,9 @@ class SilentState:
         self._current: _Step | None = None
         self._latest: SilentStats | BaseException | None = None
         self._latest_lock = threading.Lock()
-        self._writer: RecordWriter | None = None
+        self._replica_tensors = self._fingerprinted_tensors(model)
+        self._replica_warned = False
+        writer = None
         writes = self.config.log_rank is None or self.config.log_rank == self.rank
         if writes:
             for sink in self.sinks:
@@ -230,10 +251,19 @@ class SilentState:
             self._records = RecordBuilder(self.config.every, self.config.detail_every, self.config.detail_max_world)
             if getattr(self, "_restored_records", None):
                 self._records.load_state_dict(self._restored_records)
-            self._writer = RecordWriter(self.sinks, self._records.build, self.config.max_pending_records)
-            # At interpreter exit, write what is still queued (bounded: a stuck sink cannot hang the exit).
-            self._finalizer = weakref.finalize(self, self._writer.close, CLOSE_TIMEOUT_S)
+            writer = RecordWriter(self.sinks, self._records.build, self.config.max_pending_records)
+        detector = Detector(self.config.detect if isinstance(self.config.detect, DetectorConfig) else None) if self.config.detect else None
+        self._pipeline = StepPipeline(detector, writer, self.on_alert, warns=writes)
+        # At interpreter exit, write what is still queued (bounded: a stuck sink cannot hang the
+        # exit); on_alert is not called then, there is no training left to stop.
+        self._finalizer = weakref.finalize(self, self._pipeline.close, CLOSE_TIMEOUT_S, False)
         self._bound = True
+
+    def _fingerprinted_tensors(self, model: torch.nn.Module | None) -> list[tuple[str, torch.Tensor]]:
+        """Parameters and buffers whose fingerprints the replica check compares."""
+        if not self.config.check_replicas_every or model is None:
+            return []
+        return [*model.module.named_parameters(), *model.module.named_buffers()]
 
     def __getstate__(self) -> dict:
         if self._bound:
@@ -277,19 +307,28 @@ class SilentState:
     def dropped_records(self) -> dict[str, int]:
         """Records a sink did not get, per sink label (``"queue"``: dropped before any sink,
         because the sinks were slower than training); ``{}`` while everything is written."""
-        return {} if not self._bound or self._writer is None else self._writer.dropped
+        writer = self._pipeline.writer if self._bound else None
+        return {} if writer is None else writer.dropped
+
+    @property
+    def alerts(self) -> list[dict]:
+        """Alerts so far (``step``, ``rank``, ``kind``, ``since``, ``score``, ``signals``,
+        ``parameters``, ``message``), the same on every rank. A step's alerts appear when the
+        next step starts (or on ``flush``/``close``): that is where every rank checks them."""
+        return [] if not self._bound else list(self._pipeline.alerts)
 
     def flush(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
-        """Wait (at most ``timeout`` seconds) until every completed record is written and the
-        sinks are flushed."""
-        if self._bound and self._writer is not None and not self._writer.flush(timeout):
+        """Process the completed steps (alerts, ``on_alert``) and wait (at most ``timeout``
+        seconds) until their records are written and the sinks flushed."""
+        if self._bound and not self._pipeline.flush(timeout):
             logger.warning("ddphooks: flush() gave up after %.0f s: a sink is still busy", timeout)
 
     def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
-        """Write what is queued, flush and close the sinks (at most ``timeout`` seconds)."""
-        if self._bound and self._writer is not None:
+        """Process the completed steps, write what is queued, flush and close the sinks (at
+        most ``timeout`` seconds)."""
+        if self._bound:
             self._finalizer.detach()
-            self._writer.close(timeout)
+            self._pipeline.close(timeout)
 
     def state_dict(self) -> dict:
         """What a resumed run needs to continue: the step count (so numbering and the ``every``
@@ -319,6 +358,19 @@ class SilentState:
     # -- helpers used by silent_hook -----------------------------------------------------------
     def _instrumented(self, step: int) -> bool:
         return step % self.config.every == 0
+
+    def _replica_check(self, step: int) -> bool:
+        every = self.config.check_replicas_every
+        if not every or (step // self.config.every) % every:
+            return False
+        if not self._replica_tensors and not self._replica_warned:
+            self._replica_warned = True
+            logger.warning(
+                "ddphooks: the replica check (check_replicas_every=%d) needs the DDP model to fingerprint its parameters "
+                "and buffers; it is off for this state: use ddphooks.attach(model, ...), SilentState(model=...) or "
+                "check_replicas_every=0", every,
+            )  # fmt: skip
+        return bool(self._replica_tensors)
 
     def _communicate(self, bucket: dist.GradBucket) -> torch.futures.Future:
         """The gradient communication itself: ``allreduce_hook`` or the wrapped hook."""
@@ -379,6 +431,8 @@ class SilentState:
         parts = [self._loss_pair, *record.local_sq]
         if self.bins:
             parts.append(self._sketch)
+        if record.fingerprint is not None:
+            parts.append(record.fingerprint)
         torch.cat(parts, out=slot)
 
     def _stats_buffer(self, attribute: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -406,6 +460,7 @@ class SilentState:
                     torch.cat(record.reduced_sq),
                     self.bins,
                     record.transport,
+                    record.fingerprinted,
                 )
             except Exception as error:  # never let a statistics bug break the gradient future
                 result = error
@@ -413,8 +468,8 @@ class SilentState:
             result = record.error
         with self._latest_lock:
             self._latest = result
-        if isinstance(result, SilentStats) and self._writer is not None:
-            self._writer.submit(result)  # O(1): the record is built and written on the writer thread
+        if isinstance(result, SilentStats):
+            self._pipeline.complete(result)  # processed on the training thread when the next step starts
         if isinstance(result, BaseException):
             warnings.warn(f"ddphooks: statistics of step {record.step} failed: {result!r}", RuntimeWarning, stacklevel=1)
 
@@ -497,11 +552,13 @@ def silent_hook(state: SilentState, bucket: dist.GradBucket) -> torch.futures.Fu
         )
     if not state._bound:
         state.bind()  # created before the process group: bind on the first hook call (every rank is here too)
-    if bucket.index() == 0 and state._current is not None:
-        raise RuntimeError(
-            f"silent_hook received bucket 0 of a new step before the last bucket of step {state._current.step}: "
-            "use one SilentState per DDP model"
-        )
+    if bucket.index() == 0:
+        if state._current is not None:
+            raise RuntimeError(
+                f"silent_hook received bucket 0 of a new step before the last bucket of step {state._current.step}: "
+                "use one SilentState per DDP model"
+            )
+        state._pipeline.process()  # the previous step: detection, alerts, records; may raise from on_alert
     if not state._instrumented(state.step):
         future = state._communicate(bucket)
         if bucket.is_last():
@@ -524,7 +581,10 @@ def silent_hook(state: SilentState, bucket: dist.GradBucket) -> torch.futures.Fu
 
     # The last bucket: every other bucket's statistics are known, pack this rank's slot.
     world = state.world_size
-    slot = slot_size(sum(len(layout.numels) for layout in record.layouts), state.bins)
+    if state._replica_check(record.step):
+        record.fingerprinted = [name for name, _ in state._replica_tensors]
+        record.fingerprint = replica_fingerprint([tensor for _, tensor in state._replica_tensors])
+    slot = slot_size(sum(len(layout.numels) for layout in record.layouts), state.bins, len(record.fingerprinted))
     transport = state.config.transport
     piggyback = state.comm_hook is None and transport != "separate" and buffer.dtype == torch.float32
     if transport == "piggyback" and not piggyback:
@@ -555,6 +615,30 @@ def silent_hook(state: SilentState, bucket: dist.GradBucket) -> torch.futures.Fu
         future = both.then(partial(_reduced_separate, state, record, position, slot))
     state._end_step(bucket.index())
     return future
+
+
+def replica_fingerprint(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``[l1_0, l2_0, l1_1, l2_1, ...]`` in fp32: the L1 and L2 norm of every tensor.
+
+    The same bits give the same numbers on every rank (the same kernels run on the same data),
+    so bitwise-identical replicas always agree, and a replica whose tensor differs by more than
+    fp32 resolution of its norms shows. Fused multi-tensor norms (a few launches on an
+    accelerator); half-precision tensors are accumulated in fp32 without a copy; integer buffers
+    are converted (they are small).
+    """
+    groups: dict[torch.dtype | None, list[int]] = {}
+    for i, tensor in enumerate(tensors):
+        accumulate = torch.float32 if tensor.dtype in (torch.float16, torch.bfloat16) else None
+        groups.setdefault(accumulate if tensor.is_floating_point() else torch.int64, []).append(i)
+    norms = [torch.empty(0)] * (2 * len(tensors))
+    for accumulate, indices in groups.items():
+        group = [tensors[i].detach() for i in indices]
+        if accumulate is torch.int64:
+            group, accumulate = [t.float() for t in group], None
+        for order in (1, 2):
+            for i, norm in zip(indices, torch._foreach_norm(group, order, dtype=accumulate)):
+                norms[2 * i + order - 1] = norm.float()
+    return torch.stack(norms)
 
 
 def _record_reduced(record: _Step, position: int, reduced: torch.Tensor) -> None:

@@ -45,6 +45,10 @@ PARAMS_BEGIN = 2
 #: Non-finite (rank, parameter) pairs listed in a record; ``gradient_count`` gives the total, so a
 #: run that blows up everywhere does not write W x parameters entries per step.
 MAX_NONFINITE_LISTED = 64
+#: Numbers per tensor in a replica fingerprint: its L1 and L2 norms.
+FINGERPRINT_WIDTH = 2
+#: Tensors listed per record where replicas differ (largest difference first).
+MAX_REPLICA_DIFFERENCES = 16
 
 
 @dataclass(frozen=True)
@@ -94,9 +98,10 @@ class PendingHost:
         return [t.detach().to(torch.float64).numpy() for t in self._host]
 
 
-def slot_size(n_params: int, bins: int) -> int:
-    """Number of fp32 entries in one rank's slot."""
-    return PARAMS_BEGIN + n_params + bins
+def slot_size(n_params: int, bins: int, n_fingerprinted: int = 0) -> int:
+    """Number of fp32 entries in one rank's slot (``n_fingerprinted`` tensors on replica-check
+    steps add two numbers each)."""
+    return PARAMS_BEGIN + n_params + bins + FINGERPRINT_WIDTH * n_fingerprinted
 
 
 def _float(x: float) -> float | None:
@@ -169,6 +174,59 @@ def cosine_to_others(sketches: np.ndarray) -> np.ndarray:
         return (units @ units.sum(axis=0) - 1.0) / (world - 1)
 
 
+def cosine_leave_one_out(sketches: np.ndarray) -> np.ndarray:
+    """Per rank, ``cos(s_i, sum_{j != i} s_j)``: the rank against the sum of all the others.
+
+    Far better conditioned than pairwise cosines at W >= 3: the sum of the others has W - 1
+    batches' worth of signal, so a healthy rank's value sits well above the sketch noise even
+    where pairwise cosines do not. NaN for W = 1 or a zero sketch.
+    """
+    world = sketches.shape[0]
+    if world < 2:
+        return np.full(world, np.nan)
+    others = sketches.sum(axis=0, keepdims=True) - sketches
+    with np.errstate(divide="ignore", invalid="ignore"):
+        result = (sketches * others).sum(axis=1) / (np.linalg.norm(sketches, axis=1) * np.linalg.norm(others, axis=1))
+    result[~np.isfinite(result)] = np.nan
+    return np.clip(result, -1.0, 1.0)
+
+
+def replica_differences(fingerprints: np.ndarray, names: list[str]) -> dict:
+    """Which ranks hold parameters (or buffers) that differ from the others', from fingerprints.
+
+    Args:
+        fingerprints: W x T x 2 (L1 and L2 norm of each tensor on each rank, computed the same
+            way on every rank, so bitwise-identical replicas give identical numbers).
+        names: the T tensor names.
+
+    Per tensor, the reference is the fingerprint most ranks share (at W = 2 there is no
+    majority: both ranks are named). ``relative_difference`` is ``|l2_i - l2_ref| / l2_ref``
+    (or the L1 one where the L2 norms agree). Returns ``{"ranks": [...], "tensors": N,
+    "parameters": [{"name", "ranks", "relative_difference"}, ...]}``, the largest differences
+    first (at most ``MAX_REPLICA_DIFFERENCES``).
+    """
+    world = fingerprints.shape[0]
+    differing: list[dict] = []
+    bad_ranks: set[int] = set()
+    for t, name in enumerate(names):
+        column = fingerprints[:, t, :]
+        if (column == column[0]).all():
+            continue
+        keys = [tuple(row) for row in column]
+        counts = {key: keys.count(key) for key in keys}
+        top = max(counts.values())
+        majority = [key for key, count in counts.items() if count == top]
+        reference = np.array(majority[0]) if len(majority) == 1 else None
+        ranks = [r for r in range(world) if reference is None or keys[r] != tuple(reference)]
+        base = reference if reference is not None else np.median(column, axis=0)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            relative = np.abs(column[ranks] - base) / np.where(base != 0, np.abs(base), 1.0)
+        bad_ranks.update(ranks)
+        differing.append({"name": name, "ranks": ranks, "relative_difference": _float(np.nanmax(relative))})
+    differing.sort(key=lambda d: -(d["relative_difference"] or 0.0))
+    return {"ranks": sorted(bad_ranks), "tensors": len(differing), "parameters": differing[:MAX_REPLICA_DIFFERENCES]}
+
+
 def cosine_from_sketches(sketches: np.ndarray) -> np.ndarray:
     """W x W cosine matrix of the rows of ``sketches``; diagonal 1, NaN where a sketch is zero."""
     gram = sketches @ sketches.T
@@ -195,6 +253,8 @@ class SilentStats:
         reduced_sq: squared norm of the averaged gradient per parameter, in slot order.
         bins: sketch entries (0: no sketch).
         transport: how the slots travelled ("piggyback" or "separate").
+        fingerprinted: names of the tensors whose replica fingerprints the slots end with (on
+            replica-check steps; empty otherwise).
 
     Example::
         >>> stats = state.latest
@@ -210,7 +270,10 @@ class SilentStats:
         reduced_sq: torch.Tensor,
         bins: int,
         transport: str,
+        fingerprinted: list[str] | None = None,
     ) -> None:
+        self.fingerprinted = fingerprinted or []
+        self.alerts: list[dict] = []  # set by the pipeline once the detector has seen the step
         self.step = step
         self.world_size = world_size
         self.buckets = list(buckets)
@@ -225,7 +288,7 @@ class SilentStats:
         with self._lock:
             gathered, reduced = self._host.arrays()
         n_params = sum(len(b.numels) for b in self.buckets)
-        expected = slot_size(n_params, self.bins)
+        expected = slot_size(n_params, self.bins, len(self.fingerprinted))
         if gathered.shape != (self.world_size, expected):
             raise ValueError(f"gathered slots have shape {gathered.shape}, expected {(self.world_size, expected)}")
         return gathered, reduced
@@ -234,7 +297,7 @@ class SilentStats:
     def param_sq(self) -> np.ndarray:
         """W x P squared norms of each rank's local gradient per parameter."""
         gathered, _ = self._arrays
-        return gathered[:, PARAMS_BEGIN : gathered.shape[1] - self.bins]
+        return gathered[:, PARAMS_BEGIN : PARAMS_BEGIN + sum(len(b.numels) for b in self.buckets)]
 
     @property
     def reduced_param_sq(self) -> np.ndarray:
@@ -294,7 +357,7 @@ class SilentStats:
         if not self.bins:
             return None
         gathered, _ = self._arrays
-        return cosine_from_sketches(gathered[:, gathered.shape[1] - self.bins :])
+        return cosine_from_sketches(self._sketches)
 
     @cached_property
     def cosine_to_others(self) -> np.ndarray | None:
@@ -302,7 +365,30 @@ class SilentStats:
         if not self.bins:
             return None
         gathered, _ = self._arrays
-        return np.clip(cosine_to_others(gathered[:, gathered.shape[1] - self.bins :]), -1.0, 1.0)
+        return np.clip(cosine_to_others(self._sketches), -1.0, 1.0)
+
+    @property
+    def _sketches(self) -> np.ndarray:
+        gathered, _ = self._arrays
+        begin = PARAMS_BEGIN + sum(len(b.numels) for b in self.buckets)
+        return gathered[:, begin : begin + self.bins]
+
+    @cached_property
+    def cosine_loo(self) -> np.ndarray | None:
+        """Per rank, the sketched cosine between its gradient and the sum of the others'; None
+        without a sketch."""
+        return cosine_leave_one_out(self._sketches) if self.bins else None
+
+    @cached_property
+    def replicas(self) -> dict | None:
+        """On replica-check steps, the ranks and tensors whose fingerprints differ (see
+        ``replica_differences``); None on other steps."""
+        if not self.fingerprinted:
+            return None
+        gathered, _ = self._arrays
+        begin = gathered.shape[1] - FINGERPRINT_WIDTH * len(self.fingerprinted)
+        fingerprints = gathered[:, begin:].reshape(self.world_size, len(self.fingerprinted), FINGERPRINT_WIDTH)
+        return replica_differences(fingerprints, self.fingerprinted)
 
     @property
     def mean_cosine(self) -> float:
@@ -393,8 +479,11 @@ class SilentStats:
             "grad_norms": _floats(self.grad_norms),
             **{key: _float(summary[key]) for key in ("grad_norm_mean", "grad_norm_std", "grad_norm_cv", "reduced_grad_norm")},
             "cosine_to_others": None if per_rank_cosine is None else _floats(per_rank_cosine),
+            "cosine_loo": None if self.cosine_loo is None else _floats(self.cosine_loo),
             **{key: _float(summary[key]) for key in ("mean_cosine", "weighted_mean_cosine", "noise_scale")},
             "nonfinite": self.nonfinite,
+            "replicas": self.replicas,
+            "alerts": self.alerts,
             "detail": detail,
         }
         if detail:

@@ -395,7 +395,16 @@ def test_jsonl_sink_writes_one_flushed_line_per_instrumented_step_on_rank_zero(t
 
 
 # -- bad input: the same clear error on every rank, never a hang --------------------------------
-def _check_bad_input(rank: int, world: int, case: str) -> str:
+BAD_INPUTS = {
+    "differ": r"settings differ across ranks \(rank 0 has \{'sketch_dim': 256.*rank 1 has \{'sketch_dim': 64",
+    "invalid_on_one_rank": r"rank 1: ValueError: every=0 must be >= 1",
+    "other_group": r"is not the process group of the DDP model.*process_group=None",
+    "not_ddp": r"model must be the DistributedDataParallel module.*got _Net",
+    "piggyback_bf16": r"transport='piggyback' needs fp32 gradients.*torch.bfloat16.*'auto'",
+}
+
+
+def _bad_input_error(rank: int, world: int, case: str) -> str:
     model = _make_ddp()
     kwargs = {"model": model}
     if case == "differ":
@@ -416,31 +425,21 @@ def _check_bad_input(rank: int, world: int, case: str) -> str:
     return "no error"
 
 
-@pytest.mark.parametrize(
-    "case, message",
-    [
-        ("differ", r"settings differ across ranks \(rank 0 has \{'sketch_dim': 256.*rank 1 has \{'sketch_dim': 64"),
-        ("invalid_on_one_rank", r"rank 1: ValueError: every=0 must be >= 1"),
-        ("other_group", r"is not the process group of the DDP model.*process_group=None"),
-        ("not_ddp", r"model must be the DistributedDataParallel module.*got _Net"),
-        ("piggyback_bf16", r"transport='piggyback' needs fp32 gradients.*torch.bfloat16.*'auto'"),
-    ],
-)
-def test_bad_input_raises_the_same_error_on_every_rank(case, message):
-    errors = spawn(_check_bad_input, 2, args=(case,), timeout=TIMEOUT)
-    assert errors[0] == errors[1]
-    assert errors[0] != "no error"
-    assert __import__("re").search(message, errors[0]), errors[0]
-
-
-def _check_observe_loss_rejects_a_vector(rank: int, world: int) -> None:
+def _check_bad_inputs(rank: int, world: int) -> dict:
+    errors = {case: _bad_input_error(rank, world, case) for case in BAD_INPUTS}
     state = SilentState(model=_make_ddp())
     with pytest.raises(ValueError, match=r"observe_loss expects the scalar loss tensor .* got \(3,\); pass loss.mean\(\)"):
         state.observe_loss(torch.ones(3))
+    return errors
 
 
-def test_observe_loss_rejects_non_scalars():
-    spawn(_check_observe_loss_rejects_a_vector, 2, timeout=TIMEOUT)
+def test_bad_input_raises_the_same_error_on_every_rank():
+    # One process group for every case: each case must leave the group usable for the next one.
+    errors = spawn(_check_bad_inputs, 2, timeout=TIMEOUT)
+    for case, message in BAD_INPUTS.items():
+        assert errors[0][case] == errors[1][case], case
+        assert errors[0][case] != "no error", case
+        assert __import__("re").search(message, errors[0][case]), errors[0][case]
 
 
 def _check_worker_failure(rank: int, world: int) -> None:

@@ -13,7 +13,7 @@ from ddphooks.stats import BucketLayout, SilentStats, slot_size
 SUMMARY_KEYS = {
     "step", "world_size", "transport", "sketch_dim", "cosine_noise", "losses", "loss_mean", "loss_std", "loss_range", "loss_cv",
     "grad_norms", "grad_norm_mean", "grad_norm_std", "grad_norm_cv", "reduced_grad_norm", "cosine_to_others", "mean_cosine",
-    "weighted_mean_cosine", "noise_scale", "nonfinite", "detail",
+    "weighted_mean_cosine", "noise_scale", "nonfinite", "detail", "cosine_loo", "replicas", "alerts",
 }  # fmt: skip
 
 
@@ -90,6 +90,10 @@ def test_cosine_to_others_and_mean_cosine_equal_the_matrix_computation():
         np.testing.assert_allclose(stats.cosine_to_others, expected, rtol=1e-9, atol=1e-12)
         assert stats.mean_cosine == pytest.approx(matrix[off].mean(), rel=1e-9, abs=1e-12)
         np.testing.assert_allclose(stats.cosine, matrix, rtol=1e-9, atol=1e-12)
+        for i in range(world):  # leave-one-out: the rank against the sum of the others
+            others = gradients.sum(axis=0) - gradients[i]
+            loo = gradients[i] @ others / (np.linalg.norm(gradients[i]) * np.linalg.norm(others))
+            assert stats.cosine_loo[i] == pytest.approx(loo, rel=1e-9, abs=1e-12)
 
 
 def test_compact_record_has_the_summary_and_per_rank_vectors_only():

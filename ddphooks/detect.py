@@ -1,0 +1,436 @@
+"""Online detection: which rank went wrong, since when, in which signal and which layers.
+
+Numpy only (no ``torch.distributed``), so the same detector runs inside training (``SilentState(...,
+detect=True)``) and offline on a finished run file (``ddphooks detect RUN.jsonl``). It is fed one
+step at a time (``Detector.update``) and returns the alerts that step raises.
+
+Per rank ``i`` and step ``t`` it scores, as robust z-scores against baselines learned from the run
+itself:
+
+1. **against the other ranks** (W >= 3; at W = 2 the two ranks are symmetric), each as the
+   distance from the median over all ranks (robust to the one rank that is off):
+   - ``loss``: ``loss_i - median_j loss_j``,
+   - ``grad_norm``: ``log|g_i| - median_j log|g_j|``,
+   - ``cosine``: the leave-one-out cosine ``cos(s_i, sum_{j != i} s_j)`` minus the median of
+     those (only a drop counts: the rank disagrees with the rest);
+2. **against its own history** (every W, the only way to tell which of two ranks changed): the
+   rank's loss minus the step's mean loss (only a rise counts), its log gradient norm and its
+   leave-one-out cosine (only a drop counts), each against the rank's trailing median; the score
+   that counts is the rank's change minus the largest (W = 2) or the median (W >= 3) change of
+   the other ranks, so a change every rank shares (a learning-rate step, a hard batch for all)
+   scores nothing.
+
+Baselines are the median and the scaled median absolute deviation (``1.4826 * MAD``) of the last
+``window`` steps, never including the steps of a rank whose evidence is accumulating or that is
+under alert (a lasting fault does not become the new normal before it is reported), with floors so that a constant signal does not divide by zero. A
+cosine scale never goes below the sketch's own noise, ``cosine_noise = 1/sqrt(sketch_dim)``, and a
+cosine deviation below ``cosine_floor`` times that noise scores zero: a cosine change inside the
+sketch's noise never raises an alert.
+
+Each score feeds a one-sided CUSUM per (rank, signal): ``S <- max(0, S + z - drift)``; an alert is
+raised when ``S > threshold``, after ``warmup`` steps. With the defaults (drift 3, threshold 20) a
+lasting shift of 10 standard deviations alerts on its 3rd step, one of 6 on its 7th; a single
+outlier step, however large, never alerts alone unless it exceeds ``threshold + drift`` standard
+deviations (23), and shifts under 3 never do. An alert names the rank, its strongest signal, every
+signal over half the threshold, since which step the CUSUM has been rising, and the parameters
+that deviate most on that rank: per parameter, how far the rank's gradient norm moved from its own
+recent level (exponential averages of ``log|g_{i,p}|`` and of its absolute deviation), minus the
+median of the same over the other ranks. One alert per episode: a rank's episode ends after
+``quiet_steps`` steps with every score below threshold.
+
+Replica divergence (records' ``replicas`` key, from parameter fingerprints) alerts at once, with
+no warm-up: bitwise-identical replicas are never flagged, so there is nothing to learn.
+
+Example::
+    >>> detector = Detector()
+    >>> for record in records:
+    ...     for alert in detector.update(Observation.from_record(record)):
+    ...         print(alert["message"])
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+
+SIGNALS = ("loss", "grad_norm", "cosine")
+MAD_TO_STD = 1.4826
+
+
+@dataclass(frozen=True)
+class DetectorConfig:
+    """Thresholds of the detector; the defaults were chosen on healthy runs (see README)."""
+
+    window: int = 32
+    """Trailing steps the baselines (median, MAD) are computed over."""
+
+    warmup: int = 16
+    """Steps observed before the first alert (replica alerts excepted)."""
+
+    threshold: float = 20.0
+    """CUSUM level (in standard deviations summed over steps) at which an alert is raised."""
+
+    drift: float = 3.0
+    """Allowance subtracted from every step's score: shifts smaller than this never accumulate."""
+
+    cosine_floor: float = 2.0
+    """Cosine deviations smaller than this many ``cosine_noise`` units score zero."""
+
+    quiet_steps: int = 8
+    """Steps with every score below threshold that end a rank's alert episode."""
+
+    top_parameters: int = 5
+    """Parameters named in an alert."""
+
+    def __post_init__(self) -> None:
+        for name in ("window", "warmup", "quiet_steps", "top_parameters"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"DetectorConfig.{name}={value!r} must be an int >= 1")
+        for name in ("threshold", "drift", "cosine_floor"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"DetectorConfig.{name}={value!r} must be a number > 0")
+        if self.window < 4:
+            raise ValueError(f"DetectorConfig.window={self.window} must be >= 4 (a median and a MAD need a few steps)")
+
+
+@dataclass
+class Observation:
+    """What the detector reads of one step (from a record dict or from ``SilentStats``)."""
+
+    step: int
+    world_size: int
+    losses: np.ndarray | None  # W, NaN where unknown
+    grad_norms: np.ndarray  # W
+    cosine_loo: np.ndarray | None  # W, None without a sketch
+    cosine_noise: float
+    replicas: dict | None = None
+    parameter_names: list[str] | None = None
+    parameter_norms: np.ndarray | None = None  # W x P, only where the step carries them
+
+    @classmethod
+    def from_record(cls, record: dict) -> "Observation":
+        """From a record as the sinks receive it (compact or detailed)."""
+        world = int(record["world_size"])
+
+        def vector(key: str) -> np.ndarray | None:
+            values = record.get(key)
+            if values is None:
+                return None
+            return np.array([math.nan if v is None else float(v) for v in values], dtype=float)
+
+        names = norms = None
+        parameters = record.get("parameters")
+        if parameters and all("grad_norms" in p for p in parameters):
+            names = [p["name"] for p in parameters]
+            norms = np.array([[math.nan if v is None else v for v in p["grad_norms"]] for p in parameters], dtype=float).T
+        noise = record.get("cosine_noise")
+        return cls(
+            step=int(record["step"]),
+            world_size=world,
+            losses=vector("losses"),
+            grad_norms=vector("grad_norms"),
+            cosine_loo=vector("cosine_loo"),
+            cosine_noise=math.nan if noise is None else float(noise),
+            replicas=record.get("replicas"),
+            parameter_names=names,
+            parameter_norms=norms,
+        )
+
+    @classmethod
+    def from_stats(cls, stats) -> "Observation":
+        """From a live ``SilentStats`` (per-parameter norms of every step included)."""
+        return cls(
+            step=stats.step,
+            world_size=stats.world_size,
+            losses=stats.losses,
+            grad_norms=stats.grad_norms,
+            cosine_loo=stats.cosine_loo,
+            cosine_noise=stats.cosine_noise,
+            replicas=stats.replicas,
+            parameter_names=stats.parameter_names,
+            parameter_norms=np.sqrt(stats.param_sq),
+        )
+
+
+@dataclass
+class _Episode:
+    since: int
+    quiet: int = 0
+
+
+@dataclass
+class _History:
+    """Trailing values of one signal: ``window`` x W, NaN where missing or excluded."""
+
+    window: int
+    world: int
+    values: np.ndarray = field(init=False)
+    filled: int = 0
+
+    def __post_init__(self) -> None:
+        self.values = np.full((self.window, self.world), np.nan)
+
+    def push(self, row: np.ndarray, keep: np.ndarray) -> None:
+        self.values = np.roll(self.values, -1, axis=0)
+        self.values[-1] = np.where(keep, row, np.nan)
+        self.filled = min(self.filled + 1, self.window)
+
+
+def _robust(values: np.ndarray, axis=None, floor: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+    """Median and ``1.4826 * MAD`` ignoring NaN, the scale at least ``floor``."""
+    with np.errstate(all="ignore"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN slices give NaN, as they should
+            median = np.nanmedian(values, axis=axis)
+            mad = np.nanmedian(np.abs(values - (median if axis is None else np.expand_dims(median, axis))), axis=axis)
+    return median, np.maximum(MAD_TO_STD * mad, floor)
+
+
+def _others(values: np.ndarray, reduce) -> np.ndarray:
+    """Per rank, ``reduce`` over the other ranks' values."""
+    world = len(values)
+    return np.array([reduce(np.delete(values, i)) for i in range(world)])
+
+
+class Detector:
+    """Online detector over step observations; see the module docstring for the method.
+
+    Args:
+        config: thresholds (``DetectorConfig()`` by default).
+
+    Example::
+        >>> detector = Detector()
+        >>> alerts = detector.update(Observation.from_record(record))
+    """
+
+    def __init__(self, config: DetectorConfig | None = None) -> None:
+        self.config = config or DetectorConfig()
+        self.world: int | None = None
+        self.seen = 0
+        self.alerts: list[dict] = []
+
+    def _start(self, world: int) -> None:
+        window = self.config.window
+        self.world = world
+        self.raw = {name: _History(window, world) for name in SIGNALS}  # own-history values
+        self.cross = {name: _History(window, world) for name in SIGNALS}  # deviations from the others
+        self.cusum = {(kind, name): np.zeros(world) for kind in ("own", "cross") for name in SIGNALS}
+        self.rising_since = {key: np.full(world, -1) for key in self.cusum}
+        self.episodes: dict[int, _Episode] = {}
+        self.replica_episodes: set[int] = set()
+        self.parameter_level: np.ndarray | None = None  # W x P exponential averages of log|g_{i,p}|
+        self.parameter_spread: np.ndarray | None = None
+        self.parameter_names: list[str] | None = None
+
+    # -- the step ------------------------------------------------------------------------------
+    def update(self, obs: Observation) -> list[dict]:
+        """Read one step; return the alerts it raises (also appended to ``self.alerts``)."""
+        if obs.world_size < 2:
+            return []  # nothing to compare
+        if self.world != obs.world_size:
+            self._start(obs.world_size)
+        values = self._values(obs)
+        deviations = self._deviations(values) if obs.world_size >= 3 else {}
+        # No scores before the baselines hold `warmup` steps: a median of three steps is no baseline.
+        scores = self._scores(values, deviations, obs.cosine_noise) if self.seen >= self.config.warmup else {}
+        alerts = self._replica_alerts(obs) + self._score_alerts(obs, scores, values)
+        # A rank whose evidence is accumulating (or under alert) does not teach the baselines:
+        # otherwise a lasting fault becomes the new normal before it is reported.
+        suspect = np.array([r in self.episodes or any(c[r] > 0 for c in self.cusum.values()) for r in range(self.world)])
+        for name in SIGNALS:
+            self.raw[name].push(values[name], ~suspect)
+            if name in deviations:
+                self.cross[name].push(deviations[name], ~suspect)
+        self.seen += 1
+        self._update_parameters(obs)
+        self.alerts.extend(alerts)
+        return alerts
+
+    def _values(self, obs: Observation) -> dict[str, np.ndarray]:
+        nan = np.full(obs.world_size, np.nan)
+        with np.errstate(divide="ignore", invalid="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            # The loss relative to the step's mean loss: the run's downward trend cancels, and a
+            # rank whose loss rises stands out from its own history even at W = 2.
+            return {
+                "loss": obs.losses - np.nanmean(obs.losses) if obs.losses is not None else nan,
+                "grad_norm": np.log(obs.grad_norms),
+                "cosine": obs.cosine_loo if obs.cosine_loo is not None else nan,
+            }
+
+    @staticmethod
+    def _deviations(values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        # From the median of all ranks, the rank itself included: at W = 3 the median of the
+        # *other* two would be pulled halfway to a faulty rank, making the healthy ones look off.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            return {name: row - np.nanmedian(row) for name, row in values.items()}
+
+    def _scores(self, values: dict, deviations: dict, cosine_noise: float) -> dict[tuple[str, str], np.ndarray]:
+        """Per (kind, signal), every rank's z-score for this step (>= 0; suspicious direction)."""
+        noise = cosine_noise if math.isfinite(cosine_noise) else 0.0
+        floors = {"loss": 1e-3, "grad_norm": 1e-3, "cosine": max(noise, 1e-3)}
+        scores = {}
+        for name in SIGNALS:
+            # Own history: the rank's change against its trailing median, minus the others' change.
+            median, scale = _robust(self.raw[name].values, axis=0, floor=floors[name])
+            change = values[name] - median
+            if name == "cosine":
+                change = np.where(np.abs(change) < self.config.cosine_floor * noise, 0.0, change)
+            z = np.abs(change) / scale if name == "grad_norm" else (change / scale if name == "loss" else -change / scale)
+            z = np.nan_to_num(z, nan=0.0)
+            reduce = np.max if self.world == 2 else np.median
+            others = _others(np.maximum(z, 0.0), reduce) if self.world > 1 else np.zeros(self.world)
+            scores[("own", name)] = np.maximum(z - others, 0.0)
+            if name in deviations:
+                median, scale = _robust(self.cross[name].values, floor=floors[name])
+                gap = deviations[name] - median
+                if name == "cosine":
+                    gap = np.where(np.abs(gap) < self.config.cosine_floor * noise, 0.0, gap)
+                z = np.abs(gap) / scale if name != "cosine" else -gap / scale
+                scores[("cross", name)] = np.maximum(np.nan_to_num(z, nan=0.0), 0.0)
+        return scores
+
+    # -- alerts ----------------------------------------------------------------------------------
+    def _score_alerts(self, obs: Observation, scores: dict, values: dict) -> list[dict]:
+        config = self.config
+        for key, z in scores.items():
+            previous = self.cusum[key]
+            updated = np.maximum(0.0, previous + z - config.drift)
+            starting = (previous == 0) & (updated > 0)
+            self.rising_since[key] = np.where(starting, obs.step, np.where(updated > 0, self.rising_since[key], -1))
+            self.cusum[key] = updated
+        alerts = []
+        for rank in range(self.world):
+            levels = {key: self.cusum[key][rank] for key in self.cusum}
+            strongest = max(levels, key=levels.get)
+            episode = self.episodes.get(rank)
+            if levels[strongest] > config.threshold:
+                if episode is None:
+                    since = int(self.rising_since[strongest][rank])
+                    self.episodes[rank] = _Episode(since)
+                    alerts.append(self._alert(obs, rank, strongest, levels, since, values))
+                elif episode is not None:
+                    episode.quiet = 0
+            elif episode is not None:
+                episode.quiet += 1
+                if episode.quiet >= config.quiet_steps:
+                    del self.episodes[rank]
+        return alerts
+
+    def _alert(self, obs: Observation, rank: int, strongest: tuple[str, str], levels: dict, since: int, values: dict) -> dict:
+        kind, name = strongest
+        signals = sorted({f"{n} ({k})" for (k, n), level in levels.items() if level > self.config.threshold / 2})
+        parameters = self._suspicious_parameters(rank)
+        history = (self.cross if kind == "cross" else self.raw)[name].values[:, rank]
+        usual = float(np.nanmedian(history)) if np.isfinite(history).any() else math.nan
+        now = float((self._deviations(values) if kind == "cross" else values)[name][rank])
+        describe = {
+            ("cross", "loss"): "loss minus the median rank's",
+            ("own", "loss"): "loss minus the step's mean loss",
+            ("cross", "grad_norm"): "log gradient norm minus the median rank's",
+            ("own", "grad_norm"): "log gradient norm",
+            ("cross", "cosine"): "gradient cosine to the others minus the median rank's",
+            ("own", "cosine"): "gradient cosine to the other ranks",
+        }[strongest]
+        against = "the other ranks" if kind == "cross" else "its own recent steps"
+        message = (
+            f"rank {rank} has diverged since step {since}: its {name.replace('_', ' ')} departs from {against} "
+            f"({describe}: now {now:.4g}, usually {usual:.4g}; CUSUM {levels[strongest]:.1f} > {self.config.threshold:g})"
+        )
+        if parameters:
+            message += f", mostly in {', '.join(parameters[:3])}"
+        return {
+            "step": obs.step,
+            "rank": rank,
+            "kind": name,
+            "since": since,
+            "score": float(levels[strongest]),
+            "signals": signals,
+            "parameters": parameters,
+            "message": message,
+        }
+
+    def _replica_alerts(self, obs: Observation) -> list[dict]:
+        replicas = obs.replicas
+        if not replicas:
+            return []
+        differing = set(replicas.get("ranks", []))
+        alerts = []
+        for rank in sorted(differing - self.replica_episodes):
+            tensors = [p for p in replicas.get("parameters", []) if rank in p.get("ranks", [])]
+            names = [p["name"] for p in tensors][: self.config.top_parameters]
+            largest = max((p.get("relative_difference") or 0.0 for p in tensors), default=0.0)
+            tie = " (no majority at this world size: either rank may be the faulty one)" if len(differing) == obs.world_size else ""
+            alerts.append(
+                {
+                    "step": obs.step,
+                    "rank": rank,
+                    "kind": "replica",
+                    "since": obs.step,
+                    "score": float(largest),
+                    "signals": ["replicas"],
+                    "parameters": names,
+                    "message": (
+                        f"rank {rank} holds different parameters than the other replicas at step {obs.step}{tie}: "
+                        f"{replicas.get('tensors', len(tensors))} tensor(s) differ, up to {largest:.3g} relative"
+                        + (f", in {', '.join(names[:3])}" if names else "")
+                    ),
+                }
+            )
+        self.replica_episodes = differing
+        return alerts
+
+    # -- which layers ----------------------------------------------------------------------------
+    def _update_parameters(self, obs: Observation) -> None:
+        if obs.parameter_norms is None or obs.parameter_names is None:
+            return
+        with np.errstate(divide="ignore", invalid="ignore"):
+            level = np.log(obs.parameter_norms)
+        if self.parameter_names != obs.parameter_names or self.parameter_level is None:
+            self.parameter_names = list(obs.parameter_names)
+            self.parameter_level = level.copy()
+            self.parameter_spread = np.zeros_like(level)
+            self.parameter_change = np.zeros_like(level)
+            return
+        rate = 0.1
+        deviation = np.abs(level - self.parameter_level)
+        self.parameter_change = deviation / (self.parameter_spread + 1e-3)
+        in_episode = np.array([r in self.episodes for r in range(self.world)])[:, None]
+        finite = np.isfinite(level)
+        keep = finite & ~in_episode  # a rank under alert does not teach the baseline its fault
+        self.parameter_level = np.where(keep, (1 - rate) * self.parameter_level + rate * level, self.parameter_level)
+        self.parameter_spread = np.where(keep, (1 - rate) * self.parameter_spread + rate * deviation, self.parameter_spread)
+
+    def _suspicious_parameters(self, rank: int) -> list[str]:
+        if self.parameter_names is None or getattr(self, "parameter_change", None) is None:
+            return []
+        change = np.nan_to_num(self.parameter_change, nan=0.0, posinf=1e9)
+        if self.world > 1:
+            relative = change[rank] - np.median(np.delete(change, rank, axis=0), axis=0)
+        else:
+            relative = change[rank]
+        order = np.argsort(-relative)[: self.config.top_parameters]
+        return [self.parameter_names[p] for p in order if relative[p] > 0]
+
+
+def detect_run(records: list[dict], config: DetectorConfig | None = None) -> list[dict]:
+    """The alerts a finished run raises, by the same detector fed its records in order.
+
+    Raises ``ValueError`` if the records carry no sketches (``cosine_loo``): the detector's
+    cosine signal needs them; rerun with ``sketch_dim`` > 0.
+    """
+    if records and all(record.get("cosine_loo") is None for record in records):
+        raise ValueError(
+            "the run's records have no sketches (no 'cosine_loo': sketch_dim=0, or written by ddphooks < 0.2); "
+            "detection needs them: rerun with sketch_dim > 0 (256 is the default)"
+        )
+    detector = Detector(config)
+    for record in records:
+        detector.update(Observation.from_record(record))
+    return detector.alerts

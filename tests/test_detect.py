@@ -1,0 +1,109 @@
+"""The detector on synthetic record streams: planted faults are named, healthy streams stay silent."""
+
+import math
+
+import numpy as np
+import pytest
+
+from ddphooks.detect import Detector, DetectorConfig, Observation, detect_run
+
+NAMES = [f"model.layers.{i}.mlp.down_proj.weight" for i in range(6)]
+
+
+def _stream(world: int, steps: int, seed: int, fault_rank: int | None = None, fault_step: int = 10**9, kind: str = "labels",
+            sketch_dim: int = 256) -> list[dict]:  # fmt: skip
+    """Records of a healthy run (loss trending down with per-rank batch noise, gradient norms
+    with noise, leave-one-out cosines around 0.35 with the sketch's noise), with an optional fault."""
+    rng = np.random.default_rng(seed)
+    noise = 1 / math.sqrt(sketch_dim)
+    records = []
+    for step in range(steps):
+        base = 3.0 * math.exp(-step / 300) + 1.0
+        losses = base + 0.08 * rng.standard_normal(world)
+        norms = np.exp(0.1 * rng.standard_normal(world)) * (1.0 + 0.3 * math.exp(-step / 100))
+        loo = 0.35 + 0.05 * rng.standard_normal(world) + noise * rng.standard_normal(world)
+        params = np.exp(0.1 * rng.standard_normal((len(NAMES), world)))
+        if fault_rank is not None and step >= fault_step:
+            if kind == "labels":
+                losses[fault_rank] += 0.6
+                loo[fault_rank] = 0.05 + noise * rng.standard_normal()
+            elif kind == "sdc":
+                params[3, fault_rank] *= 20
+                norms[fault_rank] *= 3
+                loo[fault_rank] = 0.1 + noise * rng.standard_normal()
+        records.append(
+            {
+                "step": step, "world_size": world, "sketch_dim": sketch_dim, "cosine_noise": noise,
+                "losses": losses.tolist(), "grad_norms": norms.tolist(), "cosine_loo": loo.tolist(),
+                "parameters": [{"name": n, "grad_norms": params[p].tolist()} for p, n in enumerate(NAMES)],
+            }
+        )  # fmt: skip
+    return records
+
+
+def test_a_planted_outlier_rank_is_named_within_a_few_steps():
+    alerts = detect_run(_stream(4, 120, seed=0, fault_rank=2, fault_step=60))
+    assert alerts, "the planted fault raised no alert"
+    first = alerts[0]
+    assert first["rank"] == 2 and 60 <= first["step"] <= 63 and first["since"] >= 58
+    assert "rank 2 has diverged since step" in first["message"]
+    assert len([a for a in alerts if a["rank"] == 2]) == 1  # one alert per episode, not one per step
+
+
+def test_a_planted_layer_is_named_first():
+    alerts = detect_run(_stream(4, 100, seed=1, fault_rank=1, fault_step=50, kind="sdc"))
+    assert alerts and alerts[0]["rank"] == 1
+    assert alerts[0]["parameters"][0] == NAMES[3]
+    assert NAMES[3] in alerts[0]["message"]
+
+
+def test_a_change_on_one_of_two_ranks_is_attributed_from_its_own_history():
+    alerts = detect_run(_stream(2, 120, seed=2, fault_rank=0, fault_step=70))
+    assert alerts and alerts[0]["rank"] == 0 and alerts[0]["step"] <= 80  # a 5-sigma shift: 7 steps of CUSUM
+    assert "own recent steps" in alerts[0]["message"]
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_healthy_streams_stay_silent(world):
+    for seed in range(5):
+        assert detect_run(_stream(world, 400, seed=100 + seed)) == []
+
+
+def test_a_cosine_change_inside_the_sketch_noise_never_alerts():
+    records = _stream(4, 150, seed=3, sketch_dim=64)  # noise 0.125
+    for record in records[80:]:
+        record["cosine_loo"][1] -= 0.15  # a lasting drop of 1.2 noise units: inside the floor of 2
+    assert detect_run(records) == []
+    for record in records[80:]:
+        record["cosine_loo"][1] -= 0.5  # now 5 noise units below: named
+    alerts = detect_run(records)
+    assert alerts and alerts[0]["rank"] == 1 and alerts[0]["kind"] == "cosine"
+
+
+def test_replica_divergence_alerts_at_once_without_warm_up():
+    records = _stream(4, 12, seed=4)
+    records[5]["replicas"] = {"ranks": [3], "tensors": 2, "parameters": [{"name": "w", "ranks": [3], "relative_difference": 0.01}]}
+    records[6]["replicas"] = records[5]["replicas"]
+    alerts = detect_run(records)
+    assert [(a["step"], a["rank"], a["kind"]) for a in alerts] == [(5, 3, "replica")]
+    assert alerts[0]["parameters"] == ["w"]
+
+
+def test_runs_without_sketches_and_bad_settings_are_rejected():
+    records = _stream(2, 3, seed=5)
+    for record in records:
+        record["cosine_loo"] = None
+    with pytest.raises(ValueError, match=r"no sketches .* rerun with sketch_dim > 0"):
+        detect_run(records)
+    with pytest.raises(ValueError, match=r"DetectorConfig.window=2 must be >= 4"):
+        DetectorConfig(window=2)
+    with pytest.raises(ValueError, match=r"DetectorConfig.threshold=0 must be a number > 0"):
+        DetectorConfig(threshold=0)
+
+
+def test_observation_from_a_compact_record_has_no_parameters():
+    record = _stream(3, 1, seed=6)[0]
+    del record["parameters"]
+    obs = Observation.from_record(record)
+    assert obs.parameter_norms is None and obs.losses.shape == (3,)
+    assert Detector().update(obs) == []

@@ -1,0 +1,99 @@
+"""Detection inside training on gloo: alerts name the faulty rank, on_alert stops every rank, replicas are compared."""
+
+import logging
+import re
+
+import pytest
+import torch
+from test_hook import TIMEOUT, _batch, _loss, _make_ddp, _Net
+
+import ddphooks
+from ddphooks.detect import DetectorConfig
+from ddphooks.launch import WorkerError, spawn
+
+FAULT_STEP = 30
+
+
+class _Abort(Exception):
+    pass
+
+
+def _train_with_fault(rank: int, world: int, steps: int, fault_rank: int, on_alert=None, lr_fault: bool = False, **settings):
+    """SGD on rank-dependent data; from FAULT_STEP, ``fault_rank`` gets targets of the wrong sign
+    (a silent data fault), or with ``lr_fault`` a different learning rate (a replica fault)."""
+    model = _make_ddp()
+    warnings = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("ddphooks").addHandler(handler)
+    state = ddphooks.attach(model, sketch_dim=256, on_alert=on_alert, **settings)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.02)
+    for step in range(steps):
+        x, y = _batch(rank, step)
+        faulty = rank == fault_rank and step >= FAULT_STEP
+        if faulty and not lr_fault:
+            y = -3 * y
+        loss = _loss(model, x, y)
+        state.observe_loss(loss)
+        loss.backward()
+        if faulty and lr_fault:
+            for group in optimizer.param_groups:
+                group["lr"] = 0.05
+        optimizer.step()
+        optimizer.zero_grad()
+    state.close()
+    logging.getLogger("ddphooks").removeHandler(handler)
+    return state.alerts, [w for w in warnings if w.startswith("ddphooks alert")], state.latest.replicas
+
+
+def _check_detection(rank: int, world: int) -> tuple:
+    return _train_with_fault(rank, world, 45, fault_rank=2, check_replicas_every=0)
+
+
+def test_the_hook_names_the_faulty_rank_on_every_rank_and_warns_once_per_alert():
+    results = spawn(_check_detection, 3, timeout=TIMEOUT)
+    alerts, warnings, _ = results[0]
+    assert alerts, "no alert for a rank whose targets flipped sign"
+    assert alerts[0]["rank"] == 2 and FAULT_STEP <= alerts[0]["step"] <= FAULT_STEP + 5
+    assert all(result[0] == alerts for result in results)  # the same alerts on every rank
+    assert len(warnings) == len(alerts) and warnings[0].endswith(alerts[0]["message"])
+    assert results[1][1] == [] and results[2][1] == []  # only the log rank warns
+
+
+def _check_abort(rank: int, world: int) -> None:
+    def abort(alert: dict) -> None:
+        raise _Abort(f"stopping on {alert['message']}")
+
+    _train_with_fault(rank, world, 45, fault_rank=2, on_alert=abort, check_replicas_every=0)
+
+
+def test_on_alert_raising_stops_every_rank_without_a_hang():
+    with pytest.raises(WorkerError) as failure:
+        spawn(_check_abort, 3, timeout=TIMEOUT)
+    text = str(failure.value)
+    for rank in range(3):
+        assert re.search(rf"(?s)rank {rank} failed:.*_Abort: stopping on rank 2 has diverged", text), text[-2000:]
+
+
+def _check_replicas(rank: int, world: int, lr_fault: bool) -> tuple:
+    return _train_with_fault(rank, world, FAULT_STEP + 7, fault_rank=1, lr_fault=lr_fault, check_replicas_every=4, detect=DetectorConfig(warmup=200))
+
+
+def test_replica_check_flags_the_drifting_rank_and_never_identical_replicas():
+    healthy = spawn(_check_replicas, 3, args=(False,), timeout=TIMEOUT)[0]
+    assert healthy[0] == [] and healthy[2] == {"ranks": [], "tensors": 0, "parameters": []}
+    alerts, _, replicas = spawn(_check_replicas, 3, args=(True,), timeout=TIMEOUT)[0]
+    # The optimizer of rank 1 runs with another learning rate from step 30: its parameters
+    # differ from step 31 on, and step 32 is the first check after that.
+    assert [(a["step"], a["rank"], a["kind"]) for a in alerts] == [(32, 1, "replica")]
+    assert replicas["ranks"] == [1] and replicas["tensors"] == 6
+    assert {p["name"] for p in replicas["parameters"]} == {n for n, _ in _Net().named_parameters()}
+
+
+def test_detection_settings_are_validated():
+    with pytest.raises(ValueError, match=r"check_replicas_every=-1 must be >= 0"):
+        ddphooks.SilentState(check_replicas_every=-1)
+    with pytest.raises(TypeError, match=r"on_alert must be a function taking the alert dict, got str"):
+        ddphooks.SilentState(on_alert="print")
+    with pytest.raises(TypeError, match=r"detect must be True, False or a ddphooks.detect.DetectorConfig"):
+        ddphooks.SilentState(detect="yes")
