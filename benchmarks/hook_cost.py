@@ -9,6 +9,11 @@ Ratios are medians of per-round ratios to the read pass of the same round.
 
     python benchmarks/hook_cost.py            # 1, 25, 100 MB buckets
     python benchmarks/hook_cost.py --quick    # 1 and 25 MB, fewer rounds
+    python benchmarks/hook_cost.py --device cuda --buckets 25 100   # one GPU (fused norms)
+
+On an accelerator every timed call is bracketed by device synchronisations, so times are
+device times plus one launch latency; transient memory is the allocator's peak above what was
+allocated before the call.
 """
 
 import argparse
@@ -19,7 +24,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from ddphooks.sketch import CPU_CHUNK_ELEMS, BucketPlan, BucketStatsKernel, sketch_bins, squared_norms
+from ddphooks.sketch import ACCELERATOR_CHUNK_ELEMS, CPU_CHUNK_ELEMS, BucketPlan, BucketStatsKernel, sketch_bins, squared_norms
 from ddphooks.stats import slot_size
 
 # -- config ----------------------------------------------------------------------------------------
@@ -30,32 +35,48 @@ WORLD = 8  # only sets the divisor and the slot count; nothing is communicated
 ROUNDS, WARMUP = 15, 3
 
 
-def timed(fn):
+def synchronize(device):
+    if device.type != "cpu":
+        getattr(torch, device.type).synchronize()
+
+
+def timed(fn, device):
+    synchronize(device)
     start = time.perf_counter()
     fn()
+    synchronize(device)
     return time.perf_counter() - start
 
 
-def bytes_allocated(fn):
-    """Bytes torch allocates during one call (an upper bound on its transient peak)."""
+def bytes_allocated(fn, device):
+    """Bytes torch allocates during one call (an upper bound on its transient peak); on an
+    accelerator, the allocator's peak above what was allocated before the call."""
+    if device.type != "cpu":
+        backend = getattr(torch, device.type)
+        synchronize(device)
+        before = backend.memory_allocated(device)
+        backend.reset_peak_memory_stats(device)
+        fn()
+        synchronize(device)
+        return backend.max_memory_allocated(device) - before
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     return sum(max(0, event.self_cpu_memory_usage) for event in prof.key_averages())
 
 
-def measure(bucket_mb, sketch_dim, rounds, chunk_elems):
+def measure(bucket_mb, sketch_dim, rounds, chunk_elems, device):
     numel = bucket_mb * 2**20 // 4
     lengths = [numel // PARAMS_PER_BUCKET] * (PARAMS_PER_BUCKET - 1)
     lengths.append(numel - sum(lengths))
     bins = sketch_bins(sketch_dim)
-    buffer = torch.randn(numel)
-    plan = BucketPlan(lengths, bins, (0, 0, numel), torch.device("cpu"), chunk_elems)
-    kernel = BucketStatsKernel(bins, torch.device("cpu"))
-    sketch = torch.zeros(max(bins, 1))
-    sq = torch.empty(len(lengths))
-    slot = torch.empty(slot_size(len(lengths), bins))
-    loss = torch.zeros(2)
-    reduced_sq = torch.empty(len(lengths))
+    buffer = torch.randn(numel, device=device)
+    plan = BucketPlan(lengths, bins, (0, 0, numel), device, chunk_elems)
+    kernel = BucketStatsKernel(bins, device)  # fused multi-tensor norms on accelerators, as in the hook
+    sketch = torch.zeros(max(bins, 1), device=device)
+    sq = torch.empty(len(lengths), device=device)
+    slot = torch.empty(slot_size(len(lengths), bins), device=device)
+    loss = torch.zeros(2, device=device)
+    reduced_sq = torch.empty(len(lengths), device=device)
 
     def statistics_work():
         sketch.zero_()
@@ -66,17 +87,18 @@ def measure(bucket_mb, sketch_dim, rounds, chunk_elems):
         "read": lambda: torch.dot(buffer, buffer),
         "divide": lambda: buffer.div_(1.0),
         "statistics": statistics_work,
-        "reduced": lambda: squared_norms(buffer, lengths, reduced_sq),
+        "reduced": lambda: squared_norms(buffer, lengths, reduced_sq, fused=kernel.fused),
     }
     samples = {name: [] for name in work}
     for round_index in range(WARMUP + rounds):
         for name, fn in work.items():
-            elapsed = timed(fn)
+            elapsed = timed(fn, device)
             if round_index >= WARMUP:
                 samples[name].append(elapsed)
     ratio = lambda name: statistics.median(t / r for t, r in zip(samples[name], samples["read"]))
     persistent = plan.persistent_bytes() + kernel.persistent_bytes()
     return {
+        "device": device.type,
         "bucket_mb": bucket_mb,
         "sketch_dim": sketch_dim,
         "bins": bins,
@@ -86,7 +108,7 @@ def measure(bucket_mb, sketch_dim, rounds, chunk_elems):
         "reduced_x_read": ratio("reduced"),
         "divide_x_read": ratio("divide"),
         "persistent_bytes_per_element": persistent / numel,
-        "transient_bytes_per_call": bytes_allocated(statistics_work) + bytes_allocated(work["reduced"]),
+        "transient_bytes_per_call": bytes_allocated(statistics_work, device) + bytes_allocated(work["reduced"], device),
     }
 
 
@@ -96,20 +118,25 @@ def main():
     parser.add_argument("--buckets", type=int, nargs="+", default=None, help="bucket sizes in MB")
     parser.add_argument("--sketch-dims", type=int, nargs="+", default=SKETCH_DIMS)
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 15, 8 with --quick)")
-    parser.add_argument("--chunk-elems", type=int, default=CPU_CHUNK_ELEMS, help="elements per chunk of the pass")
+    parser.add_argument("--device", choices=("cpu", "cuda", "npu"), default="cpu")
+    parser.add_argument("--chunk-elems", type=int, default=None, help="elements per chunk of the pass (default: the hook's for the device)")
     parser.add_argument("--json", default=None, help="write the results to this file")
     args = parser.parse_args()
     torch.set_num_threads(1)  # one rank's view: DDP ranks share the cores
+    if args.device == "npu":
+        import torch_npu  # noqa: F401  (registers the npu device; only imported when asked for)
+    device = torch.device(args.device, 0) if args.device != "cpu" else torch.device("cpu")
+    chunk_elems = args.chunk_elems or (CPU_CHUNK_ELEMS if device.type == "cpu" else ACCELERATOR_CHUNK_ELEMS)
     buckets = args.buckets or ((1, 25) if args.quick else BUCKET_MB)
     rounds = args.rounds or (8 if args.quick else ROUNDS)
-    print(f"statistics work per bucket, 1 thread, torch {torch.__version__}, chunks of {args.chunk_elems} elements, "
+    print(f"statistics work per bucket on {device}, 1 thread, torch {torch.__version__}, chunks of {chunk_elems} elements, "
           f"{PARAMS_PER_BUCKET} parameters per bucket, medians of {rounds} interleaved rounds\n")
     print(f"{'bucket':>7} {'sketch':>6} {'read ms':>8} {'stats ms':>9} {'stats/read':>10} {'reduced/read':>12} "
           f"{'(divide/read)':>13} {'persistent B/elem':>17} {'transient B/call':>16}")
     results = []
     for bucket_mb in buckets:
         for sketch_dim in args.sketch_dims:
-            r = measure(bucket_mb, sketch_dim, rounds, args.chunk_elems)
+            r = measure(bucket_mb, sketch_dim, rounds, chunk_elems, device)
             results.append(r)
             print(f"{bucket_mb:>5}MB {sketch_dim:>6} {r['read_ms']:8.2f} {r['statistics_ms']:9.2f} {r['statistics_x_read']:9.2f}x "
                   f"{r['reduced_x_read']:11.2f}x {r['divide_x_read']:12.2f}x {r['persistent_bytes_per_element']:17.3f} "

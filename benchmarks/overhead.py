@@ -6,6 +6,15 @@ alike, and overheads are medians of the per-round ratios to the baseline of the 
 "in hook ms" is the time spent inside the hook's calls on the training thread per step (median,
 slowest rank): a far less noisy view of the hook's own work than step times on a shared machine.
 
+"silent + JsonlSink + summary()" is what a user runs: a default SilentState writing records to a
+JSONL file (a temporary one here) and the loop reading ``state.latest.summary()["mean_cosine"]``
+every step. For it the script also times, by wrapping the pieces of that one state, where the
+milliseconds of an instrumented step go: the statistics pass over each bucket, the squared norms
+of the reduced buckets (gloo's thread), the piggyback division and slot packing of the last
+bucket, publishing the step's SilentStats, processing it at the next step's first bucket (the
+online detector, and the writer's submit on rank 0), summary(), and on rank 0's writer thread
+the building and the writing of each record.
+
     python benchmarks/overhead.py --quick                            # CPU, spawns 2 gloo workers
     python benchmarks/overhead.py --json results.json                # CPU, the full table
     torchrun --nproc-per-node 8 benchmarks/overhead.py --device cuda # 8 GPUs, NCCL
@@ -17,8 +26,11 @@ import gc
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
+import tempfile
+import threading
 import time
 from datetime import date
 
@@ -28,7 +40,8 @@ from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hoo
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook, fp16_compress_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddphooks import SilentState, silent_hook
+import ddphooks.hook
+from ddphooks import JsonlSink, SilentState, silent_hook
 from ddphooks.launch import spawn
 from ddphooks.models import mlp, parameter_count, tiny_llama
 
@@ -37,12 +50,13 @@ BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 LLAMA_BATCH, LLAMA_TOKENS = 8, 128
 MLP_BATCH = 64
 SILENT_SKETCH_DIMS, SILENT_EVERY = (0, 64, 256, 1024), (1, 10)
-QUICK_CONFIGS = [("none", None, None), ("allreduce", None, None), ("norms_separate", None, None), ("silent", 256, 1), ("silent", 256, 10), ("silent", 0, 1)]
+SINK_CONFIG = ("silent_sink", 256, 1)  # SilentState's defaults, with a JsonlSink and summary() every step
+QUICK_CONFIGS = [("none", None, None), ("allreduce", None, None), ("norms_separate", None, None), ("silent", 256, 1), SINK_CONFIG, ("silent", 256, 10), ("silent", 0, 1)]
 
 
 def all_configs():
     base = [("none", None, None), ("allreduce", None, None), ("fp16_compress", None, None), ("noop", None, None), ("norms_separate", None, None)]
-    return base + [("silent", k, e) for e in SILENT_EVERY for k in SILENT_SKETCH_DIMS]
+    return base + [("silent", k, e) for e in SILENT_EVERY for k in SILENT_SKETCH_DIMS] + [SINK_CONFIG]
 
 
 class NormsSeparateState:
@@ -121,8 +135,145 @@ class HookTimer:
         return timed_hook
 
 
-def register(model, config, group, timer):
-    """Register the configuration's hook; return what must run after each backward, if anything."""
+class Breakdown:
+    """Where the milliseconds of an instrumented step go, for one SilentState with a JsonlSink.
+
+    Light instrumentation: the pieces are wrapped with timers on this state's own objects (its
+    kernel, its methods, its writer and sink), plus ``silent_hook``'s module-level helper for the
+    reduced norms, which only times the steps of this state. Step parts are summed over the
+    buckets of a step (gloo's callbacks finish before backward returns); writer parts are per
+    record, on rank 0 (the log rank) only. On an accelerator these are host times: kernels run
+    asynchronously.
+    """
+
+    STEP_PARTS = (
+        ("statistics pass", "training"),  # BucketStatsKernel.run on every bucket
+        ("reduced norms", "gloo"),  # squared norms of each reduced bucket, in its future callback
+        ("last bucket: division into piggyback buffer + slot", "training"),  # _stats_buffer .. _pack_slot
+        ("publish: SilentStats", "gloo"),  # _bucket_done, once per bucket
+        ("processing: detector + submit", "training"),  # the previous step's, at the first bucket
+        ("  of which detector", "training"),
+        ("  of which submit", "training"),  # rank 0
+        ("summary()", "training"),
+    )
+    RECORD_PARTS = (("record building", "writer"), ("writing (JsonlSink)", "writer"))
+
+    def __init__(self, state, device):
+        self.state = state
+        self.lock = threading.Lock()  # parts are timed on the training, gloo and writer threads
+        self.current = {part: 0.0 for part, _ in self.STEP_PARTS}
+        self.samples = {part: [] for part, _ in self.STEP_PARTS + self.RECORD_PARTS}
+        self._pack_start = 0.0
+        kernel = state._kernel(device)  # cached per device: the hook gets this instance back
+        kernel.run = self._timed("statistics pass", kernel.run)
+        open_step = state._open_step
+        state._open_step = lambda device: self._mark(open_step(device))
+        stats_buffer, pack_slot = state._stats_buffer, state._pack_slot
+        state._stats_buffer = self._start_packing(stats_buffer)
+        state._pack_slot = self._end_packing(pack_slot)
+        state._bucket_done = self._timed("publish: SilentStats", state._bucket_done)
+        pipeline = state._pipeline
+        pipeline.process = self._timed("processing: detector + submit", pipeline.process)
+        pipeline._detect = self._timed("  of which detector", pipeline._detect)
+        if pipeline.writer is not None:  # the log rank
+            pipeline.writer.submit = self._timed("  of which submit", pipeline.writer.submit)
+            pipeline.writer.build = self._timed("record building", pipeline.writer.build)
+            for sink in state.sinks:
+                sink.write = self._timed("writing (JsonlSink)", sink.write)
+        _time_reduced_norms()
+
+    def _add(self, part, seconds):
+        with self.lock:
+            if part in self.current:
+                self.current[part] += seconds
+            else:
+                self.samples[part].append(seconds)
+
+    def _timed(self, part, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._add(part, time.perf_counter() - start)
+
+        return timed
+
+    def _mark(self, record):
+        record.breakdown = self  # lets the module-level reduced-norms timer find this state's steps
+        return record
+
+    def _start_packing(self, stats_buffer):
+        def timed(*args):
+            self._pack_start = time.perf_counter()
+            return stats_buffer(*args)
+
+        return timed
+
+    def _end_packing(self, pack_slot):
+        def timed(*args):
+            pack_slot(*args)
+            self._add("last bucket: division into piggyback buffer + slot", time.perf_counter() - self._pack_start)
+
+        return timed
+
+    def summary(self):
+        """What the README's loop does after every step."""
+        start = time.perf_counter()
+        self.state.latest.summary()["mean_cosine"]
+        self._add("summary()", time.perf_counter() - start)
+
+    def end_step(self, timed):
+        with self.lock:
+            for part in self.current:
+                if timed:
+                    self.samples[part].append(self.current[part])
+                self.current[part] = 0.0
+            if not timed:  # warm-up records built so far
+                for part, _ in self.RECORD_PARTS:
+                    self.samples[part].clear()
+
+    def close(self):
+        """Close the state (flushes the sink); return the lines its file got and the records dropped."""
+        self.state.close()
+        path = self.state.sinks[0].path
+        written = len(path.read_text().splitlines()) if path.exists() else 0  # only rank 0 writes
+        shutil.rmtree(path.parent, ignore_errors=True)
+        return written, self.state.dropped_records
+
+    def result(self):
+        """Median and IQR in seconds of every part this rank timed."""
+        threads = dict(self.STEP_PARTS + self.RECORD_PARTS)
+        per = {part: "step" for part, _ in self.STEP_PARTS} | {part: "record" for part, _ in self.RECORD_PARTS}
+        return {part: {"thread": threads[part], "per": per[part], **spread(samples)} for part, samples in self.samples.items() if samples}
+
+
+def spread(samples):
+    """Median and interquartile range of a list of seconds."""
+    quartiles = statistics.quantiles(samples, n=4, method="inclusive") if len(samples) >= 2 else [samples[0]] * 3
+    return {"median": statistics.median(samples), "iqr": [quartiles[0], quartiles[2]]}
+
+
+def _time_reduced_norms():
+    """Wrap silent_hook's helper for the reduced norms once; it times steps marked by a Breakdown."""
+    helper = ddphooks.hook._record_reduced
+    if getattr(helper, "timed", False):
+        return
+
+    def timed(record, position, reduced):
+        start = time.perf_counter()
+        helper(record, position, reduced)
+        breakdown = getattr(record, "breakdown", None)
+        if breakdown is not None:
+            breakdown._add("reduced norms", time.perf_counter() - start)
+
+    timed.timed = True
+    ddphooks.hook._record_reduced = timed
+
+
+def register(model, config, group, timer, device):
+    """Register the configuration's hook; return what must run after each backward (or None) and
+    the configuration's Breakdown (or None)."""
     hook, sketch_dim, every = config
     if hook == "allreduce":
         model.register_comm_hook(group, timer.wrap(allreduce_hook))
@@ -133,10 +284,16 @@ def register(model, config, group, timer):
     elif hook == "norms_separate":
         state = NormsSeparateState(group)
         model.register_comm_hook(state, timer.wrap(norms_separate_hook))
-        return state.exchange
+        return state.exchange, None
     elif hook == "silent":
         model.register_comm_hook(SilentState(model=model, sketch_dim=sketch_dim, every=every), timer.wrap(silent_hook))
-    return None
+    elif hook == "silent_sink":
+        # The defaults (sketch_dim=256, every=1), as a user creates the state; rank 0 writes the file.
+        state = SilentState(model=model, sinks=[JsonlSink(os.path.join(tempfile.mkdtemp(prefix="ddphooks-overhead-"), "stats.jsonl"))])
+        model.register_comm_hook(state, timer.wrap(silent_hook))
+        breakdown = Breakdown(state, device)
+        return breakdown.summary, breakdown
+    return None, None
 
 
 def synchronize(device):
@@ -145,12 +302,14 @@ def synchronize(device):
 
 
 def bench_model(rank, world, name, configs, args, device):
-    models, optimizers, after_backward, timers = [], [], [], []
+    models, optimizers, after_backward, timers, breakdowns = [], [], [], [], []
     for config in configs:
         torch.manual_seed(0)
         model = DDP(build(name, device), device_ids=None if device.type == "cpu" else [device])
         timers.append(HookTimer())
-        after_backward.append(register(model, config, None, timers[-1]))
+        after, breakdown = register(model, config, None, timers[-1], device)
+        after_backward.append(after)
+        breakdowns.append(breakdown)
         models.append(model)
         optimizers.append(torch.optim.SGD(model.parameters(), lr=1e-5))
     batch = make_batch(name, models[0], rank, device)
@@ -173,6 +332,8 @@ def bench_model(rank, world, name, configs, args, device):
             if round_index >= args.warmup:
                 times[i].append(time.perf_counter() - start)
                 hook_times[i].append(timers[i].seconds)
+            if breakdowns[i] is not None:
+                breakdowns[i].end_step(timed=round_index >= args.warmup)
         gc.collect()
     gc.enable()
     # A step lasts as long as its slowest rank.
@@ -184,11 +345,25 @@ def bench_model(rank, world, name, configs, args, device):
     hooks = hooks.cpu().tolist()
     params = parameter_count(models[0].module)
     del models, optimizers
+    sink_results = {}
+    for i, breakdown in enumerate(breakdowns):
+        if breakdown is not None:
+            written, dropped = breakdown.close()
+            ranks = [None] * world
+            dist.all_gather_object(ranks, breakdown.result())
+            # The slowest rank per part (rank 0 alone has the writer thread's parts).
+            parts = {}
+            for result in ranks:
+                for part, value in result.items():
+                    if part not in parts or value["median"] > parts[part]["median"]:
+                        parts[part] = value
+            sink_results[i] = {"breakdown": parts, "records_written": written, "dropped_records": dropped}
     results = []
-    for config, samples, hook_samples in zip(configs, slowest, hooks):
+    for i, (config, samples, hook_samples) in enumerate(zip(configs, slowest, hooks)):
         hook, sketch_dim, every = config
         results.append(
             {
+                **sink_results.get(i, {}),
                 "hook_s_per_step": statistics.median(hook_samples),
                 "config": {"hook": hook, "sketch_dim": sketch_dim, "every": every},
                 "world_size": world,
@@ -232,6 +407,8 @@ def run(rank, world, args):
 
 def label(config):
     hook, sketch_dim, every = config["hook"], config["sketch_dim"], config["every"]
+    if hook == "silent_sink":
+        return "silent + JsonlSink + summary()"
     return f"silent k={sketch_dim} every={every}" if hook == "silent" else hook
 
 
@@ -244,10 +421,10 @@ def main():
     parser.add_argument("--device", choices=sorted(BACKENDS), default="cpu")
     parser.add_argument("--nproc", type=int, default=2, help="workers to spawn on CPU when not under torchrun")
     parser.add_argument("--models", nargs="+", default=None, help="tiny-llama, mlp, tiny-mlp (smoke test), or a Hugging Face causal LM path")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per configuration")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per configuration")
     parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first")
     parser.add_argument("--quick", action="store_true", help="a subset in under 3 minutes on a 2-core CPU")
-    parser.add_argument("--configs", nargs="+", default=None, help="only these hooks (none, allreduce, fp16_compress, noop, norms_separate, silent)")
+    parser.add_argument("--configs", nargs="+", default=None, help="only these hooks (none, allreduce, fp16_compress, noop, norms_separate, silent, silent_sink)")
     parser.add_argument("--json", default=None, help="write the results to this file")
     args = parser.parse_args()
     args.models = args.models or (["tiny-llama"] if args.quick else ["tiny-llama", "mlp"])
@@ -268,13 +445,21 @@ def main():
 
     print(f"\nddphooks overhead, {date.today()}, torch {torch.__version__}, {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} cores, {results[0]['world_size']} x {args.device}, {args.steps} timed steps after {args.warmup} warm-up rounds\n")
-    print(f"{'model':<12} {'configuration':<24} {'median ms':>10} {'min-max ms':>12} {'vs allreduce':>13} {'(IQR)':>17} {'vs none':>9} {'in hook ms':>11}")
+    print(f"{'model':<12} {'configuration':<30} {'median ms':>10} {'min-max ms':>12} {'vs allreduce':>13} {'(IQR)':>17} {'vs none':>9} {'in hook ms':>11}")
     for r in results:
         spread = f"{1e3 * r['min_step_s']:.0f}-{1e3 * r['max_step_s']:.0f}"
         iqr = r.get("overhead_vs_allreduce_iqr")
         iqr = f"[{percent(iqr[0]).strip()}, {percent(iqr[1]).strip()}]" if iqr else ""
-        print(f"{r['model']:<12} {label(r['config']):<24} {1e3 * r['median_step_s']:10.1f} {spread:>12} "
+        print(f"{r['model']:<12} {label(r['config']):<30} {1e3 * r['median_step_s']:10.1f} {spread:>12} "
               f"{percent(r['overhead_vs_allreduce']):>13} {iqr:>17} {percent(r['overhead_vs_none']):>9} {1e3 * r['hook_s_per_step']:11.1f}")
+    for r in results:
+        if "breakdown" in r:
+            print(f"\n{r['model']}, {label(r['config'])}: where the time goes (slowest rank; writer thread on rank 0), "
+                  f"{r['records_written']} records written, dropped {r['dropped_records'] or 'none'}\n")
+            print(f"{'part':<52} {'thread':<9} {'per':<7} {'median ms':>10} {'IQR ms':>15}")
+            for part, value in r["breakdown"].items():
+                q1, q3 = value["iqr"]
+                print(f"{part:<52} {value['thread']:<9} {value['per']:<7} {1e3 * value['median']:10.2f} {f'{1e3 * q1:.2f}-{1e3 * q3:.2f}':>15}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -1,4 +1,4 @@
-"""The ``ddphooks`` command line: ``demo``, ``experiment`` and ``report``.
+"""The ``ddphooks`` command line: ``demo``, ``experiment``, ``report`` and ``detect``.
 
 Every error a user can fix is one line on stderr, ``ddphooks <command>: error: <message>``, and exit
 status 2; see :func:`main` for where the line between user errors and bugs is drawn.
@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     report_parser = commands.add_parser("report", help="figures and a summary table from experiment run files")
     report.add_arguments(report_parser)
     report_parser.set_defaults(run=report.main)
+    detect_parser = commands.add_parser("detect", help="alerts of the online detector, run offline on run files: which rank, since when, where")
+    report.add_detect_arguments(detect_parser)
+    detect_parser.set_defaults(run=report.detect_main)
     return parser
 
 

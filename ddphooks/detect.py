@@ -14,15 +14,19 @@ itself:
    - ``cosine``: the leave-one-out cosine ``cos(s_i, sum_{j != i} s_j)`` minus the median of
      those (only a drop counts: the rank disagrees with the rest);
 2. **against its own history** (every W, the only way to tell which of two ranks changed): the
-   rank's loss minus the step's mean loss (only a rise counts), its log gradient norm and its
-   leave-one-out cosine (only a drop counts), each against the rank's trailing median; the score
-   that counts is the rank's change minus the largest (W = 2) or the median (W >= 3) change of
-   the other ranks, so a change every rank shares (a learning-rate step, a hard batch for all)
-   scores nothing.
+   rank's loss (only a rise counts), its log gradient norm (either way) and its leave-one-out
+   cosine (only a drop counts), each against the rank's trailing median; the
+   score that counts is the rank's change minus the largest (W = 2) or the median (W >= 3) change
+   of the other ranks, so a change every rank shares (the training trend, a learning-rate step)
+   scores nothing;
+3. **per layer**: ``d_{i,p} = log|g_{i,p}| - median_j log|g_{j,p}|`` for every parameter ``p``
+   against its exponential average, in units of its average absolute deviation; the rank's score
+   is its largest rise over all parameters (a corrupted gradient carries more energy: that
+   direction also tells which of two ranks it is), with an extra allowance for taking a maximum.
 
 Baselines are the median and the scaled median absolute deviation (``1.4826 * MAD``) of the last
-``window`` steps, never including the steps of a rank whose evidence is accumulating or that is
-under alert (a lasting fault does not become the new normal before it is reported), with floors so that a constant signal does not divide by zero. A
+``window`` steps, never including the steps of a rank whose CUSUM is past half the threshold or
+that is under alert (a lasting fault does not become the new normal before it is reported), with floors so that a constant signal does not divide by zero. A
 cosine scale never goes below the sketch's own noise, ``cosine_noise = 1/sqrt(sketch_dim)``, and a
 cosine deviation below ``cosine_floor`` times that noise scores zero: a cosine change inside the
 sketch's noise never raises an alert.
@@ -76,6 +80,9 @@ class DetectorConfig:
     drift: float = 3.0
     """Allowance subtracted from every step's score: shifts smaller than this never accumulate."""
 
+    layer_allowance: float = 2.0
+    """Extra drift for the per-parameter score (the largest over all parameters of a rank)."""
+
     cosine_floor: float = 2.0
     """Cosine deviations smaller than this many ``cosine_noise`` units score zero."""
 
@@ -90,7 +97,7 @@ class DetectorConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"DetectorConfig.{name}={value!r} must be an int >= 1")
-        for name in ("threshold", "drift", "cosine_floor"):
+        for name in ("threshold", "drift", "cosine_floor", "layer_allowance"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"DetectorConfig.{name}={value!r} must be a number > 0")
@@ -181,20 +188,48 @@ class _History:
         self.filled = min(self.filled + 1, self.window)
 
 
-def _robust(values: np.ndarray, axis=None, floor: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
-    """Median and ``1.4826 * MAD`` ignoring NaN, the scale at least ``floor``."""
-    with np.errstate(all="ignore"):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN slices give NaN, as they should
-            median = np.nanmedian(values, axis=axis)
-            mad = np.nanmedian(np.abs(values - (median if axis is None else np.expand_dims(median, axis))), axis=axis)
-    return median, np.maximum(MAD_TO_STD * mad, floor)
+def _column_medians(values: np.ndarray) -> np.ndarray:
+    """Median of each column of a 2-D array, ignoring NaN (NaN for an all-NaN column).
+
+    One sort instead of ``np.nanmedian``, whose masked-array path costs a millisecond a call on
+    the small arrays the detector has (the detector runs on the training thread every step).
+    """
+    ordered = np.sort(values, axis=0)  # NaN sorts last
+    count = np.sum(~np.isnan(values), axis=0)
+    columns = np.arange(values.shape[1])
+    low, high = np.maximum((count - 1) // 2, 0), np.maximum(count // 2, 0)
+    with np.errstate(invalid="ignore"):
+        median = 0.5 * (ordered[low, columns] + ordered[high, columns])
+    return np.where(count > 0, median, np.nan)
 
 
-def _others(values: np.ndarray, reduce) -> np.ndarray:
-    """Per rank, ``reduce`` over the other ranks' values."""
-    world = len(values)
-    return np.array([reduce(np.delete(values, i)) for i in range(world)])
+def _robust(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per column of a 2-D array, the median and ``1.4826 * MAD``, ignoring NaN."""
+    median = _column_medians(values)
+    mad = _column_medians(np.abs(values - median))
+    return median, MAD_TO_STD * np.nan_to_num(mad, nan=0.0)
+
+
+def _others_change(z: np.ndarray) -> np.ndarray:
+    """Per rank, the other ranks' change: the largest at W = 2 (there is one), the median at
+    W >= 3; O(W log W) from one sort, not one median per rank."""
+    world = len(z)
+    if world < 2:
+        return np.zeros(world)
+    if world == 2:
+        return z[::-1].copy()
+    order = np.argsort(z, kind="stable")
+    position = np.empty(world, dtype=int)
+    position[order] = np.arange(world)
+    ranked = z[order]
+    # The median of the W - 1 others: middle positions of the sorted list with one entry removed.
+    count = world - 1
+    low, high = (count - 1) // 2, count // 2
+
+    def pick(k: int) -> np.ndarray:  # the k-th smallest of the others, for every rank at once
+        return np.where(position <= k, ranked[min(k + 1, world - 1)], ranked[k])
+
+    return 0.5 * (pick(low) + pick(high))
 
 
 class Detector:
@@ -220,11 +255,13 @@ class Detector:
         self.raw = {name: _History(window, world) for name in SIGNALS}  # own-history values
         self.cross = {name: _History(window, world) for name in SIGNALS}  # deviations from the others
         self.cusum = {(kind, name): np.zeros(world) for kind in ("own", "cross") for name in SIGNALS}
+        self.cusum[("own", "layer")] = np.zeros(world)
         self.rising_since = {key: np.full(world, -1) for key in self.cusum}
         self.episodes: dict[int, _Episode] = {}
         self.replica_episodes: set[int] = set()
         self.parameter_level: np.ndarray | None = None  # W x P exponential averages of log|g_{i,p}|
-        self.parameter_spread: np.ndarray | None = None
+        self.parameter_spread: np.ndarray | None = None  # ... and of its absolute deviation
+        self.parameter_change: np.ndarray | None = None  # this step's W x P change (see _parameter_changes)
         self.parameter_names: list[str] | None = None
 
     # -- the step ------------------------------------------------------------------------------
@@ -236,18 +273,20 @@ class Detector:
             self._start(obs.world_size)
         values = self._values(obs)
         deviations = self._deviations(values) if obs.world_size >= 3 else {}
+        self._parameter_changes(obs)
         # No scores before the baselines hold `warmup` steps: a median of three steps is no baseline.
         scores = self._scores(values, deviations, obs.cosine_noise) if self.seen >= self.config.warmup else {}
         alerts = self._replica_alerts(obs) + self._score_alerts(obs, scores, values)
-        # A rank whose evidence is accumulating (or under alert) does not teach the baselines:
+        # A rank with half the evidence of an alert (or under alert) does not teach the baselines:
         # otherwise a lasting fault becomes the new normal before it is reported.
-        suspect = np.array([r in self.episodes or any(c[r] > 0 for c in self.cusum.values()) for r in range(self.world)])
+        suspect = np.max(np.stack(list(self.cusum.values())), axis=0) > self.config.threshold / 2
+        suspect[list(self.episodes)] = True
         for name in SIGNALS:
             self.raw[name].push(values[name], ~suspect)
             if name in deviations:
                 self.cross[name].push(deviations[name], ~suspect)
         self.seen += 1
-        self._update_parameters(obs)
+        self._learn_parameters(obs, suspect)
         self.alerts.extend(alerts)
         return alerts
 
@@ -267,33 +306,46 @@ class Detector:
     def _deviations(values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         # From the median of all ranks, the rank itself included: at W = 3 the median of the
         # *other* two would be pulled halfway to a faulty rank, making the healthy ones look off.
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
-            return {name: row - np.nanmedian(row) for name, row in values.items()}
+        return {name: row - _column_medians(row[:, None])[0] for name, row in values.items()}
 
     def _scores(self, values: dict, deviations: dict, cosine_noise: float) -> dict[tuple[str, str], np.ndarray]:
         """Per (kind, signal), every rank's z-score for this step (>= 0; suspicious direction)."""
         noise = cosine_noise if math.isfinite(cosine_noise) else 0.0
         floors = {"loss": 1e-3, "grad_norm": 1e-3, "cosine": max(noise, 1e-3)}
         scores = {}
-        for name in SIGNALS:
+        # All baselines in two sorts (one per kind): the detector runs on the training thread.
+        own_median, own_scale = _robust(np.concatenate([self.raw[name].values for name in SIGNALS], axis=1))
+        own_median, own_scale = own_median.reshape(len(SIGNALS), -1), own_scale.reshape(len(SIGNALS), -1)
+        crossed = [name for name in SIGNALS if name in deviations]
+        if crossed:
+            cross_median, cross_scale = _robust(np.stack([self.cross[name].values.ravel() for name in crossed], axis=1))
+        for index, name in enumerate(SIGNALS):
             # Own history: the rank's change against its trailing median, minus the others' change.
-            median, scale = _robust(self.raw[name].values, axis=0, floor=floors[name])
+            median, scale = own_median[index], np.maximum(own_scale[index], floors[name])
             change = values[name] - median
             if name == "cosine":
                 change = np.where(np.abs(change) < self.config.cosine_floor * noise, 0.0, change)
-            z = np.abs(change) / scale if name == "grad_norm" else (change / scale if name == "loss" else -change / scale)
+            # Only a rise of the loss counts: a rank whose loss falls (a stuck loader memorising its
+            # batch) would make the other rank's loss look risen at W = 2 and take the blame.
+            # The gradient norm counts both ways, the cosine only down.
+            z = {"loss": change, "grad_norm": np.abs(change), "cosine": -change}[name] / scale
             z = np.nan_to_num(z, nan=0.0)
-            reduce = np.max if self.world == 2 else np.median
-            others = _others(np.maximum(z, 0.0), reduce) if self.world > 1 else np.zeros(self.world)
-            scores[("own", name)] = np.maximum(z - others, 0.0)
+            scores[("own", name)] = np.maximum(z - _others_change(np.maximum(z, 0.0)), 0.0)
             if name in deviations:
-                median, scale = _robust(self.cross[name].values, floor=floors[name])
+                position = crossed.index(name)
+                median, scale = cross_median[position], max(cross_scale[position], floors[name])
                 gap = deviations[name] - median
                 if name == "cosine":
                     gap = np.where(np.abs(gap) < self.config.cosine_floor * noise, 0.0, gap)
                 z = np.abs(gap) / scale if name != "cosine" else -gap / scale
                 scores[("cross", name)] = np.maximum(np.nan_to_num(z, nan=0.0), 0.0)
+        if self.parameter_change is not None:
+            # In standard deviations (a mean absolute deviation is 0.80 of one), minus the
+            # typical largest of P standard normals, sqrt(2 ln P): the maximum over 272
+            # parameters is not evidence by itself.
+            count = self.parameter_change.shape[1]
+            largest = self.parameter_change.max(axis=1) * math.sqrt(2 / math.pi) - math.sqrt(2 * math.log(max(count, 2)))
+            scores[("own", "layer")] = np.maximum(largest, 0.0)
         return scores
 
     # -- alerts ----------------------------------------------------------------------------------
@@ -301,13 +353,19 @@ class Detector:
         config = self.config
         for key, z in scores.items():
             previous = self.cusum[key]
-            updated = np.maximum(0.0, previous + z - config.drift)
+            # The layer score is the largest of P parameters' scores: its tail is heavier, so it
+            # must clear a larger allowance.
+            drift = config.drift + (config.layer_allowance if key[1] == "layer" else 0.0)
+            updated = np.maximum(0.0, previous + z - drift)
             starting = (previous == 0) & (updated > 0)
             self.rising_since[key] = np.where(starting, obs.step, np.where(updated > 0, self.rising_since[key], -1))
             self.cusum[key] = updated
         alerts = []
-        for rank in range(self.world):
-            levels = {key: self.cusum[key][rank] for key in self.cusum}
+        keys = list(self.cusum)
+        strongest_level = np.max(np.stack([self.cusum[key] for key in keys]), axis=0)
+        # Only ranks over the threshold or in an episode need a look (a few, not W).
+        for rank in sorted(set(np.flatnonzero(strongest_level > config.threshold).tolist()) | set(self.episodes)):
+            levels = {key: self.cusum[key][rank] for key in keys}
             strongest = max(levels, key=levels.get)
             episode = self.episodes.get(rank)
             if levels[strongest] > config.threshold:
@@ -327,21 +385,26 @@ class Detector:
         kind, name = strongest
         signals = sorted({f"{n} ({k})" for (k, n), level in levels.items() if level > self.config.threshold / 2})
         parameters = self._suspicious_parameters(rank)
-        history = (self.cross if kind == "cross" else self.raw)[name].values[:, rank]
-        usual = float(np.nanmedian(history)) if np.isfinite(history).any() else math.nan
-        now = float((self._deviations(values) if kind == "cross" else values)[name][rank])
-        describe = {
-            ("cross", "loss"): "loss minus the median rank's",
-            ("own", "loss"): "loss minus the step's mean loss",
-            ("cross", "grad_norm"): "log gradient norm minus the median rank's",
-            ("own", "grad_norm"): "log gradient norm",
-            ("cross", "cosine"): "gradient cosine to the others minus the median rank's",
-            ("own", "cosine"): "gradient cosine to the other ranks",
-        }[strongest]
         against = "the other ranks" if kind == "cross" else "its own recent steps"
+        if name == "layer":
+            detail = f"largest per-parameter gradient-norm change, in average deviations: {self._relative_parameter_change()[rank].max():.3g}"
+        else:
+            history = (self.cross if kind == "cross" else self.raw)[name].values[:, rank]
+            usual = float(np.nanmedian(history)) if np.isfinite(history).any() else math.nan
+            now = float((self._deviations(values) if kind == "cross" else values)[name][rank])
+            describe = {
+                ("cross", "loss"): "loss minus the median rank's",
+                ("own", "loss"): "loss minus the step's mean loss",
+                ("cross", "grad_norm"): "log gradient norm minus the median rank's",
+                ("own", "grad_norm"): "log gradient norm",
+                ("cross", "cosine"): "gradient cosine to the others minus the median rank's",
+                ("own", "cosine"): "gradient cosine to the other ranks",
+            }[strongest]
+            detail = f"{describe}: now {now:.4g}, usually {usual:.4g}"
+        label = "layer gradients" if name == "layer" else name.replace("_", " ")
         message = (
-            f"rank {rank} has diverged since step {since}: its {name.replace('_', ' ')} departs from {against} "
-            f"({describe}: now {now:.4g}, usually {usual:.4g}; CUSUM {levels[strongest]:.1f} > {self.config.threshold:g})"
+            f"rank {rank} has diverged since step {since}: its {label} depart{'' if name == 'layer' else 's'} from {against} "
+            f"({detail}; CUSUM {levels[strongest]:.1f} > {self.config.threshold:g})"
         )
         if parameters:
             message += f", mostly in {', '.join(parameters[:3])}"
@@ -387,34 +450,46 @@ class Detector:
         return alerts
 
     # -- which layers ----------------------------------------------------------------------------
-    def _update_parameters(self, obs: Observation) -> None:
+    def _parameter_changes(self, obs: Observation) -> None:
+        """Per rank and parameter, how far ``log|g_{i,p}| - median_j log|g_{j,p}|`` rose above its
+        exponential average, in units of its average absolute deviation (``parameter_change``;
+        None without the norms)."""
+        self.parameter_change = None
         if obs.parameter_norms is None or obs.parameter_names is None:
             return
         with np.errstate(divide="ignore", invalid="ignore"):
-            level = np.log(obs.parameter_norms)
+            logs = np.log(obs.parameter_norms)
+            self._parameter_now = logs - _column_medians(logs)
         if self.parameter_names != obs.parameter_names or self.parameter_level is None:
             self.parameter_names = list(obs.parameter_names)
-            self.parameter_level = level.copy()
-            self.parameter_spread = np.zeros_like(level)
-            self.parameter_change = np.zeros_like(level)
+            self.parameter_level = self._parameter_now.copy()
+            self.parameter_spread = np.zeros_like(self.parameter_level)
+            self.parameter_seen = 0
+            return
+        if self.parameter_seen >= self.config.warmup:
+            rise = self._parameter_now - self.parameter_level
+            self.parameter_change = np.nan_to_num(rise / (self.parameter_spread + 1e-3), nan=0.0, posinf=1e9, neginf=-1e9)
+
+    def _relative_parameter_change(self) -> np.ndarray:
+        """W x P: how far each rank's share of each parameter's gradient norm rose (already
+        relative to the median rank)."""
+        return self.parameter_change
+
+    def _learn_parameters(self, obs: Observation, suspect: np.ndarray) -> None:
+        if obs.parameter_norms is None or self.parameter_level is None or self.parameter_names != obs.parameter_names:
             return
         rate = 0.1
+        level = self._parameter_now
         deviation = np.abs(level - self.parameter_level)
-        self.parameter_change = deviation / (self.parameter_spread + 1e-3)
-        in_episode = np.array([r in self.episodes for r in range(self.world)])[:, None]
-        finite = np.isfinite(level)
-        keep = finite & ~in_episode  # a rank under alert does not teach the baseline its fault
+        keep = np.isfinite(level) & ~suspect[:, None]  # a suspect rank does not teach the baseline its fault
         self.parameter_level = np.where(keep, (1 - rate) * self.parameter_level + rate * level, self.parameter_level)
         self.parameter_spread = np.where(keep, (1 - rate) * self.parameter_spread + rate * deviation, self.parameter_spread)
+        self.parameter_seen += 1
 
     def _suspicious_parameters(self, rank: int) -> list[str]:
-        if self.parameter_names is None or getattr(self, "parameter_change", None) is None:
+        if self.parameter_change is None:
             return []
-        change = np.nan_to_num(self.parameter_change, nan=0.0, posinf=1e9)
-        if self.world > 1:
-            relative = change[rank] - np.median(np.delete(change, rank, axis=0), axis=0)
-        else:
-            relative = change[rank]
+        relative = self._relative_parameter_change()[rank]
         order = np.argsort(-relative)[: self.config.top_parameters]
         return [self.parameter_names[p] for p in order if relative[p] > 0]
 

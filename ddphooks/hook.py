@@ -243,7 +243,7 @@ class SilentState:
         self._replica_warned = False
         writer = None
         writes = self.config.log_rank is None or self.config.log_rank == self.rank
-        if writes:
+        if writes and self.sinks:  # no sinks: no writer thread, no records built
             for sink in self.sinks:
                 bind_rank = getattr(sink, "bind_rank", None)
                 if bind_rank is not None:

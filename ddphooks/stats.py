@@ -337,10 +337,15 @@ class SilentStats:
         with np.errstate(divide="ignore", invalid="ignore"):
             return np.where(counts > 0, gathered[:, LOSS_SUM] / np.where(counts > 0, counts, 1.0), np.nan)
 
+    @cached_property
+    def rank_sq(self) -> np.ndarray:
+        """Per-rank squared norm of the local gradient over all buckets (computed once)."""
+        return self.param_sq.sum(axis=1)
+
     @property
     def grad_norms(self) -> np.ndarray:
         """Per-rank L2 norm of the local gradient (before averaging), over all buckets."""
-        return np.sqrt(self.param_sq.sum(axis=1))
+        return np.sqrt(self.rank_sq)
 
     @property
     def reduced_grad_norm(self) -> float:
@@ -349,7 +354,7 @@ class SilentStats:
 
     @property
     def weighted_mean_cosine(self) -> float:
-        return float(weighted_mean_cosine(self.param_sq.sum(axis=1), self.reduced_param_sq.sum()))
+        return float(weighted_mean_cosine(self.rank_sq, self.reduced_param_sq.sum()))
 
     @property
     def cosine(self) -> np.ndarray | None:
@@ -408,7 +413,7 @@ class SilentStats:
     @cached_property
     def noise_scale_terms(self) -> tuple[float, float]:
         """``(tr(Sigma), |G|^2)`` of this step (see ``noise_scale_terms``)."""
-        return noise_scale_terms(self.param_sq.sum(axis=1), self.reduced_param_sq.sum())
+        return noise_scale_terms(self.rank_sq, self.reduced_param_sq.sum())
 
     @property
     def noise_scale(self) -> float:

@@ -57,8 +57,13 @@ def _cli(argv, capsys):
         (["--max-steps", "0"], "--max-steps 0 must be >= 1"),
         (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
         (["--nproc", "two"], "argument --nproc: invalid int value: 'two'"),
+        (["--fault-kind", "bitflip"], "--fault-kind 'bitflip' is not one of labels, sdc, stuck, replica"),
+        (["--check-replicas-every", "-1"], "--check-replicas-every -1 must be >= 0 (0: never)"),
     ],
-    ids=["unknown setting", "one bad setting of several", "one process", "fault rank", "zero steps", "device", "nproc not a number"],
+    ids=[
+        "unknown setting", "one bad setting of several", "one process", "fault rank", "zero steps", "device", "nproc not a number",
+        "fault kind", "replica check period",
+    ],  # fmt: skip
 )
 def test_experiment_rejects_bad_inputs_in_one_line_before_any_work(tmp_path, capsys, flags, expected):
     status, err = _cli(["experiment", "--out", str(tmp_path / "runs"), *flags], capsys)

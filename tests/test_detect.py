@@ -101,6 +101,16 @@ def test_runs_without_sketches_and_bad_settings_are_rejected():
         DetectorConfig(threshold=0)
 
 
+def test_the_others_change_is_the_median_of_the_other_ranks():
+    from ddphooks.detect import _others_change
+
+    rng = np.random.default_rng(7)
+    for world in (2, 3, 4, 5, 8, 33):
+        z = rng.standard_normal(world).round(1)  # ties included
+        expected = [np.delete(z, i)[0] if world == 2 else np.median(np.delete(z, i)) for i in range(world)]
+        np.testing.assert_allclose(_others_change(z), expected)
+
+
 def test_observation_from_a_compact_record_has_no_parameters():
     record = _stream(3, 1, seed=6)[0]
     del record["parameters"]

@@ -1,4 +1,4 @@
-"""The experiment: data, masking, settings, end-to-end runs, the fault, the report."""
+"""The experiment: data, masking, settings, end-to-end runs, the fault kinds, the report."""
 
 import importlib.util
 import json
@@ -9,11 +9,13 @@ import warnings
 
 import numpy as np
 import pytest
+import torch
 
 from ddphooks.experiment.data import IGNORE_INDEX, collate, embedded_rows, encode, load_rows, prompt
 from ddphooks.experiment.report import rank_rows, read_run, write_report
-from ddphooks.experiment.run import ExperimentConfig, load_tokenizer, train_embedded_tokenizer
-from ddphooks.experiment.settings import SETTINGS, rank_batches, seeds_for
+from ddphooks.experiment.run import ExperimentConfig, _alerts_line, load_tokenizer, train_embedded_tokenizer
+from ddphooks.experiment.settings import FAULT_KINDS, REPLICA_LR_FACTOR, SDC_NOISE_RATIO, SETTINGS, RankFault, rank_batches, sdc_parameter, seeds_for, stuck_batches
+from ddphooks.models import tiny_llama
 
 
 def _experiment(tmp_path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -116,7 +118,7 @@ def test_experiment_and_report_end_to_end(tmp_path):
     summary = (report / "summary.md").read_text()
     assert "| sync x2 | all |" in summary and "![signals](signals.png)" in summary
     assert "| sync x2 | 1 |" in summary  # the per-rank table
-    table = json.loads((report / "summary.json").read_text())
+    table = json.loads((report / "summary.json").read_text())["runs"]
     assert table[0]["run"] == "sync x2" and set(table[0]) >= {"loss_std", "mean_cosine"}
 
 
@@ -138,7 +140,7 @@ def test_fault_makes_the_corrupted_rank_stand_out(tmp_path):
     loss exceeds rank 0's by more, the ranks' gradients agree less and their norms spread more
     (margins of about half the observed effect, not exact numbers)."""
     _experiment(tmp_path, "--setting", "fault", "--nproc", "2", "--max-steps", "140", "--fault-step", "80", "--limit", "1000", "--seed", "1")
-    records = read_run(tmp_path / "run-fault-w2.jsonl").records
+    records = read_run(tmp_path / "run-fault-w2-s1.jsonl").records
     before = [r for r in records if 40 <= r["step"] < 80]
     after = [r for r in records if r["step"] >= 85]
 
@@ -151,7 +153,7 @@ def test_fault_makes_the_corrupted_rank_stand_out(tmp_path):
     assert mean(after, cosine) < mean(before, cosine) - 0.08
     spread = lambda r: r["grad_norm_std"]
     assert mean(after, spread) > 1.5 * mean(before, spread)
-    ranks = rank_rows(read_run(tmp_path / "run-fault-w2.jsonl"), skip=0.1)  # from the fault on
+    ranks = rank_rows(read_run(tmp_path / "run-fault-w2-s1.jsonl"), skip=0.1)  # from the fault on
     assert ranks[1]["loss_minus_mean"] > 0.1 > ranks[0]["loss_minus_mean"]
     assert ranks[1]["norm_over_mean"] > 1.1 > ranks[0]["norm_over_mean"]
 
@@ -195,3 +197,102 @@ def test_report_skips_a_truncated_last_line_and_rejects_bad_lines(tmp_path):
     path.write_text('{"step": 0, "losses": "1, 2"}\n')
     with pytest.raises(ValueError, match="'losses' must be a list of numbers"):
         read_run(path)
+
+
+# -- fault kinds -----------------------------------------------------------------------------------
+def test_fault_kinds_are_accepted_and_an_unknown_one_is_rejected():
+    assert FAULT_KINDS == ("labels", "sdc", "stuck", "replica")
+    for kind in FAULT_KINDS:
+        assert ExperimentConfig(setting="fault", fault_kind=kind).fault_kind == kind
+    assert ExperimentConfig(setting="fault", fault_kind="sdc").run_path(2).name == "run-fault-sdc-w2.jsonl"
+    assert ExperimentConfig(setting="fault").run_path(2).name == "run-fault-w2.jsonl"  # labels: the name it always had
+    assert ExperimentConfig(setting="sync", seed=3, fault_kind="sdc").run_path(4).name == "run-sync-w4-s3.jsonl"
+    with pytest.raises(ValueError, match="--fault-kind 'bitflip' is not one of labels, sdc, stuck, replica"):
+        ExperimentConfig(setting="fault", fault_kind="bitflip")
+    with pytest.raises(ValueError, match="--check-replicas-every -1 must be >= 0"):
+        ExperimentConfig(check_replicas_every=-1)
+
+
+def test_the_final_line_counts_the_alerts():
+    replica = {"step": 40, "rank": 1, "kind": "replica"}
+    assert _alerts_line(None) == ""  # run without the detector
+    assert _alerts_line([]) == ", no alerts"
+    assert _alerts_line([replica, {**replica, "rank": 0}]) == ", 2 alerts (first: step 40, rank 1, replica)"
+
+
+def test_only_the_faulty_rank_of_the_fault_setting_has_a_fault():
+    assert RankFault.of("fault", "stuck", fault_rank=1, first_step=5, rank=1).kind == "stuck"
+    assert RankFault.of("fault", "stuck", fault_rank=1, first_step=5, rank=0).kind is None
+    assert RankFault.of("sync", "sdc", fault_rank=1, first_step=5, rank=1).kind is None
+    labels = RankFault.of("fault", "labels", fault_rank=0, first_step=5, rank=0)
+    assert [labels.shuffles_labels(step) for step in (4, 5, 9)] == [False, True, True]
+    replica = RankFault.of("fault", "replica", fault_rank=0, first_step=5, rank=0)
+    assert [replica.lr_factor(step) for step in (0, 4, 5, 9)] == [1.0, 1.0, REPLICA_LR_FACTOR, REPLICA_LR_FACTOR]
+    assert not replica.shuffles_labels(9) and RankFault(None, 5).lr_factor(9) == 1.0
+
+
+def test_stuck_repeats_the_batch_of_the_fault_step():
+    batches = [np.array([2 * i, 2 * i + 1]) for i in range(6)]
+    stuck = stuck_batches(batches, 2)
+    assert [b.tolist() for b in stuck] == [[0, 1], [2, 3], [4, 5], [4, 5], [4, 5], [4, 5]]
+    assert RankFault(None, 2).batches(batches) is batches  # a healthy rank's batches are untouched
+    assert [b.tolist() for b in stuck_batches(batches, 10)] == [b.tolist() for b in batches]  # a fault after the run
+
+
+def test_sdc_corrupts_exactly_the_chosen_gradient_from_the_fault_step():
+    """Two copies of one model see the same batches; the faulty one's hook must leave every
+    gradient bitwise intact before the fault step and all but the chosen one after it, where the
+    corruption is noise of SDC_NOISE_RATIO times the gradient's norm; the global RNG is untouched."""
+    clean, faulty = (tiny_llama(vocab_size=64, hidden=32, layers=4, heads=4, max_positions=16) for _ in range(2))
+    name = sdc_parameter(faulty)
+    assert name == "model.layers.2.mlp.down_proj.weight"
+    assert RankFault.of("fault", "sdc", fault_rank=1, first_step=2, rank=0).corrupt(faulty, seed=0) is None  # healthy rank: no hook
+    corruption = RankFault.of("fault", "sdc", fault_rank=1, first_step=2, rank=1).corrupt(faulty, seed=0)
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    for step in range(4):
+        corruption.step = step
+        rng = torch.get_rng_state()
+        grads = []
+        for model in (clean, faulty):
+            model.zero_grad()
+            model(input_ids=ids, labels=ids).loss.backward()
+            grads.append(dict(model.named_parameters()))
+        assert torch.equal(torch.get_rng_state(), rng)
+        changed = [n for n, p in grads[0].items() if not torch.equal(p.grad, grads[1][n].grad)]
+        assert changed == ([] if step < 2 else [name]), step
+        if step >= 2:
+            true, corrupted = grads[0][name].grad, grads[1][name].grad
+            assert float((corrupted - true).norm()) == pytest.approx(SDC_NOISE_RATIO * float(true.norm()), rel=1e-4)
+            assert torch.isfinite(corrupted).all()
+    corruption.remove()
+    for model in (clean, faulty):
+        model.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert torch.equal(clean.get_parameter(name).grad, faulty.get_parameter(name).grad)
+
+
+def test_sdc_fault_end_to_end_shows_in_the_faulty_ranks_parameter_norm(tmp_path):
+    """3 steps, rank 1's chosen gradient corrupted from step 1: the header names the fault, and
+    the records' per-parameter norms show rank 1's gradient of that weight jump only from step 1,
+    to about sqrt(1 + 4^2) = 4.1x its true size (its rank-1 / rank-0 norm ratio over the median
+    ratio of all parameters, which takes out the ranks' batch-to-batch difference), and become
+    the most deviant parameter; the replicas still agree (the corrupted gradient is averaged into
+    every rank alike)."""
+    _experiment(
+        tmp_path, "--setting", "fault", "--fault-kind", "sdc", "--fault-step", "1", "--nproc", "2", "--max-steps", "3", "--limit", "300",
+        "--check-replicas-every", "1",
+    )  # fmt: skip
+    run = read_run(tmp_path / "run-fault-sdc-w2.jsonl")
+    header = run.header
+    assert (header["fault_kind"], header["fault_step"], header["fault_rank"]) == ("sdc", 1, 1)
+    assert header["fault_parameter"] == "model.layers.2.mlp.down_proj.weight" and header["config"]["fault_kind"] == "sdc"
+    assert [r["step"] for r in run.records] == [0, 1, 2]
+    relative = []
+    for record in run.records:
+        ratios = {p["name"]: p["grad_norms"][1] / p["grad_norms"][0] for p in record["parameters"] if p["grad_norms"][0]}
+        relative.append(ratios[header["fault_parameter"]] / np.median(list(ratios.values())))
+        if record["step"] >= 1:
+            assert max(ratios, key=ratios.get) == header["fault_parameter"]
+        assert "alerts" in record and len(record["cosine_loo"]) == 2  # the detector ran; the sketches it needs are there
+        assert not (record.get("replicas") or {}).get("ranks")
+    assert relative[0] < 1.5 and min(relative[1:]) > 3.0, relative

@@ -1,12 +1,21 @@
-"""``ddphooks report`` as a user runs it: without matplotlib, and every mistake answered in one line."""
+"""``ddphooks report`` as a user runs it: without matplotlib, every mistake answered in one line, the
+alerts, and the statistics over seeds."""
 
 import json
+import math
 import os
+import statistics
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from test_cli import _cli, _user_errors_in_one_line  # noqa: F401  (the autouse fixture applies here too)
+from test_detect_cli import FAULT_RANK, WORLD, planted_records, write_run
+
+from ddphooks.detect import detect_run
+from ddphooks.experiment import report
+from ddphooks.experiment.report import read_run
 
 
 LOSSES = [3.0, 2.6, 2.4, 2.1, 2.0, 1.8, 1.9, 1.7, 1.6, 1.5]
@@ -22,8 +31,6 @@ def _write_run(path):
     return path
 
 
-
-
 def test_report_without_matplotlib_writes_the_summaries_and_names_the_plot_extra(tmp_path):
     stub = tmp_path / "stub" / "matplotlib"
     stub.mkdir(parents=True)
@@ -37,7 +44,7 @@ def test_report_without_matplotlib_writes_the_summaries_and_names_the_plot_extra
     [message] = result.stderr.splitlines()
     assert message.startswith("ddphooks report: warning: figures skipped: matplotlib could not be imported"), message
     assert "pip install 'ddphooks[plot]'" in message and "summary.md and summary.json are written" in message
-    rows = json.loads((out / "summary.json").read_text())
+    rows = json.loads((out / "summary.json").read_text())["runs"]
     # --skip 0.2 of 10 steps leaves steps 2..9 in the means.
     assert rows[0]["n"] == 8 and rows[0]["loss_mean"] == pytest.approx(sum(LOSSES[2:]) / 8)
     assert "Skipped: matplotlib could not be imported" in (out / "summary.md").read_text()
@@ -92,7 +99,7 @@ def test_a_truncated_last_line_is_a_one_line_warning(tmp_path, capsys):
     status, err = _cli(["report", str(path), "-o", str(tmp_path / "out")], capsys)
     assert status == 0
     assert err == f"ddphooks report: warning: {path}:12: skipping a truncated last line (the run was probably interrupted)\n"
-    assert json.loads((tmp_path / "out" / "summary.json").read_text())[0]["n"] == 9  # steps 1..9; the truncated step is not read
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["runs"][0]["n"] == 9  # steps 1..9; the truncated step is not read
     assert sorted(f.name for f in (tmp_path / "out").glob("*.png")) == ["cosine-sync-x2.png", "signals.png"]
 
 
@@ -100,3 +107,148 @@ def test_no_heatmaps_with_heatmaps_zero(tmp_path, capsys):
     status, err = _cli(["report", str(_write_run(tmp_path / "run.jsonl")), "-o", str(tmp_path / "out"), "--heatmaps", "0"], capsys)
     assert status == 0 and err == ""
     assert [f.name for f in (tmp_path / "out").glob("*.png")] == ["signals.png"]
+
+
+# -- alerts --------------------------------------------------------------------------------------
+def _signals_figure(monkeypatch, run):
+    """Run ``run()`` with pyplot.close recording the figures it closes; return the first (signals.png)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    closed, close = [], plt.close
+    monkeypatch.setattr(plt, "close", lambda figure=None: (closed.append(figure), close(figure)))
+    run()
+    return closed[0]
+
+
+def _markers(figure):
+    """x positions of the alert triangles on the mean-cosine panel (the last one)."""
+    axis = figure.axes[len(report.SIGNALS) - 1]
+    return sorted(float(x) for collection in axis.collections for x, _ in collection.get_offsets())
+
+
+def test_report_lists_and_marks_the_alerts_the_records_carry(tmp_path, monkeypatch):
+    records = planted_records(world=2, steps=20)
+    raised = {"rank": 1, "kind": "loss", "since": 9, "score": 31.5, "signals": ["loss (own)"], "parameters": ["w"], "message": "rank 1 has diverged"}
+    for record in records:
+        record["alerts"] = [dict(raised, step=record["step"])] if record["step"] in (12, 17) else []
+    path = write_run(tmp_path / "run.jsonl", records, {"setting": "fault", "world_size": 2, "fault_step": 9})
+    figure = _signals_figure(monkeypatch, lambda: report.write_report([str(path)], tmp_path / "out"))
+    assert _markers(figure) == [12.0, 17.0]
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert "- fault x2: 2 alerts, recorded during training" in summary
+    assert "| fault x2 | 12 | 1 | loss | rank 1 has diverged |" in summary and "| fault x2 | 17 | 1 | loss |" in summary
+    [entry] = json.loads((tmp_path / "out" / "summary.json").read_text())["alerts"]
+    assert entry["source"] == "recorded during training" and [a["step"] for a in entry["alerts"]] == [12, 17]
+
+
+def test_report_detects_alerts_offline_when_the_records_have_none(tmp_path, monkeypatch):
+    path = write_run(tmp_path / "run.jsonl", planted_records())  # cosine_loo, no 'alerts' key
+    old = write_run(tmp_path / "old.jsonl", planted_records(sketches=False), {"setting": "sync", "world_size": WORLD})
+    expected = detect_run(read_run(path).records)
+    assert expected and {a["rank"] for a in expected} == {FAULT_RANK}
+    figure = _signals_figure(monkeypatch, lambda: report.write_report([str(path), str(old)], tmp_path / "out"))
+    assert _markers(figure) == sorted(float(a["step"]) for a in expected)
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert f"- fault x{WORLD}: {len(expected)} alert{'s' * (len(expected) > 1)}, detected offline" in summary
+    assert f"| fault x{WORLD} | {expected[0]['step']} | {FAULT_RANK} | {expected[0]['kind']} |" in summary
+    assert f"- sync x{WORLD}: 0 alerts, not available (the run's records have no sketches" in summary
+
+
+# -- over seeds ----------------------------------------------------------------------------------
+
+
+def _t_closed_form(p, df):
+    """Student t quantiles in closed form (Hill 1970, Shaw 2006): independent of report.t_quantile."""
+    if df == 1:
+        return math.tan(math.pi * (p - 0.5))
+    if df == 2:
+        return (2 * p - 1) / math.sqrt(2 * p * (1 - p))
+    alpha = 4 * p * (1 - p)  # df == 4
+    return math.copysign(2 * math.sqrt(math.cos(math.acos(math.sqrt(alpha)) / 3) / math.sqrt(alpha) - 1), p - 0.5)
+
+
+T_975 = {df: _t_closed_form(0.975, df) for df in (2, 4)}  # 4.3027, 2.7764 as in the tables
+T_80 = {df: _t_closed_form(0.8, df) for df in (2, 4)}  # 1.0607, 0.9410
+SEED_MEANS = {  # per setting: loss_std and mean_cosine run means of seeds 0, 1, 2
+    "sync": {"loss_std": [0.20, 0.23, 0.26], "mean_cosine": [0.30, 0.31, 0.32]},
+    "desync-shuffle": {"loss_std": [0.25, 0.28, 0.31], "mean_cosine": [0.10, 0.20, 0.36]},
+}
+
+
+def _seed_runs(tmp_path):
+    """3 seeds x 2 settings of 12 steps each; per step the signal is the run's mean plus zero-sum
+    noise, so each run's mean is its SEED_MEANS entry (up to rounding)."""
+    paths, noise = [], np.array([0.03, -0.01, 0.02, -0.04, 0.0, 0.01, -0.02, 0.03, -0.01, 0.0, -0.02, 0.01])
+    for setting, means in SEED_MEANS.items():
+        for seed in range(3):
+            header = {"setting": setting, "world_size": 2, "config": {"seed": seed, "model": "embedded", "lr": 0.003, "out": f"runs/{seed}"}}
+            records = [
+                {"step": step, "world_size": 2, "loss_std": means["loss_std"][seed] + noise[step], "mean_cosine": means["mean_cosine"][seed] - noise[step]}
+                for step in range(len(noise))
+            ]
+            paths.append(write_run(tmp_path / f"run-{setting}-w2-s{seed}.jsonl", records, header))
+    return paths
+
+
+def test_report_over_seeds_gives_intervals_and_the_minimum_detectable_effect(tmp_path):
+    report.write_report([str(p) for p in _seed_runs(tmp_path)], tmp_path / "out", skip=0.0, heatmaps=0)
+    document = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert [r["run"] for r in document["runs"]][:3] == ["sync x2 seed 0", "sync x2 seed 1", "sync x2 seed 2"]
+    groups = {g["setting"]: g for g in document["seeds"]}
+    assert set(groups) == {"sync", "desync-shuffle"} and groups["sync"]["seeds"] == [0, 1, 2] and groups["sync"]["differs"] == []
+    for setting, means in SEED_MEANS.items():
+        for key, values in means.items():
+            entry = groups[setting]["signals"][key]
+            half = T_975[2] * statistics.stdev(values) / math.sqrt(3)
+            assert entry["n"] == 3 and entry["mean"] == pytest.approx(statistics.mean(values), abs=1e-12)
+            assert entry["half_width"] == pytest.approx(half, rel=1e-9)
+            assert entry["ci_low"] == pytest.approx(statistics.mean(values) - half, rel=1e-9)
+    [comparison] = document["comparisons"]
+    assert (comparison["setting"], comparison["baseline"], comparison["world_size"]) == ("desync-shuffle", "sync", 2)
+    # loss_std: equal seed-to-seed variances, so Welch's df is exactly 2 (n - 1) + 2 = 4.
+    entry = comparison["signals"]["loss_std"]
+    a, b = np.array(SEED_MEANS["desync-shuffle"]["loss_std"]), np.array(SEED_MEANS["sync"]["loss_std"])
+    se = math.sqrt(a.var(ddof=1) / 3 + b.var(ddof=1) / 3)
+    assert entry["difference"] == pytest.approx(0.05, abs=1e-12) and entry["df"] == pytest.approx(4.0, rel=1e-9)
+    assert entry["mde"] == pytest.approx((T_975[4] + T_80[4]) * se, rel=1e-9)
+    assert entry["ci_high"] == pytest.approx(0.05 + T_975[4] * se, rel=1e-9)
+    # mean_cosine: unequal variances, Welch-Satterthwaite df between 2 and 4; the MDE's t factors with it.
+    entry = comparison["signals"]["mean_cosine"]
+    a, b = np.array(SEED_MEANS["desync-shuffle"]["mean_cosine"]), np.array(SEED_MEANS["sync"]["mean_cosine"])
+    va, vb = a.var(ddof=1) / 3, b.var(ddof=1) / 3
+    df = (va + vb) ** 2 / (va**2 / 2 + vb**2 / 2)
+    assert entry["se"] == pytest.approx(math.sqrt(va + vb), rel=1e-9) and entry["df"] == pytest.approx(df, rel=1e-9)
+    assert 2 < df < 3 and T_975[4] + T_80[4] < entry["mde"] / entry["se"] < T_975[2] + T_80[2]
+    assert entry["p_value"] > 0.05 and abs(entry["difference"]) < entry["mde"]  # a measured "no effect larger than the MDE"
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert "### sync x2, all (seeds 0, 1, 2)" in summary and "#### desync-shuffle - sync, x2 (3 and 3 seeds)" in summary
+    low, high = 0.23 - T_975[2] * 0.03 / math.sqrt(3), 0.23 + T_975[2] * 0.03 / math.sqrt(3)
+    assert f"| loss_std | 3 | 0.2300 | [{low:.4f}, {high:.4f}] | 0.0300 |" in summary
+    assert f"| loss_std | 0.0500 | [{0.05 - T_975[4] * se:.4f}, {0.05 + T_975[4] * se:.4f}] |" in summary
+
+
+def test_one_seed_per_setting_has_no_seed_section_and_one_seed_is_n_a(tmp_path):
+    paths = _seed_runs(tmp_path)
+    report.write_report([str(paths[0]), str(paths[3])], tmp_path / "single", skip=0.0, heatmaps=0)
+    assert "## Over seeds" not in (tmp_path / "single" / "summary.md").read_text()
+    assert json.loads((tmp_path / "single" / "summary.json").read_text())["seeds"] == []
+    report.write_report([str(p) for p in paths[:4]], tmp_path / "mixed", skip=0.0, heatmaps=0)  # 3 sync seeds, 1 desync-shuffle
+    document = json.loads((tmp_path / "mixed" / "summary.json").read_text())
+    single = next(g for g in document["seeds"] if g["setting"] == "desync-shuffle")["signals"]["loss_std"]
+    assert single["n"] == 1 and single["ci_low"] is None and single["sd"] is None  # strict JSON: null, not NaN
+    assert document["comparisons"][0]["signals"]["loss_std"]["mde"] is None
+    assert "| loss_std | 1 | 0.2500 | n/a | n/a |" in (tmp_path / "mixed" / "summary.md").read_text()
+
+
+def test_t_quantiles_match_the_tables():
+    for df, value in T_975.items():
+        assert report.t_quantile(0.975, df) == pytest.approx(value, rel=1e-9)
+        assert report.t_quantile(0.025, df) == pytest.approx(-value, rel=1e-9)
+    for df, value in T_80.items():
+        assert report.t_quantile(0.8, df) == pytest.approx(value, rel=1e-9)
+    assert report.t_quantile(0.975, 1) == pytest.approx(_t_closed_form(0.975, 1), rel=1e-9) == pytest.approx(12.7062, abs=1e-4)
+    assert (round(T_975[2], 4), round(T_975[4], 4), round(T_80[2], 4), round(T_80[4], 4)) == (4.3027, 2.7764, 1.0607, 0.9410)  # printed tables
+    assert report.t_quantile(0.975, 1e6) == pytest.approx(statistics.NormalDist().inv_cdf(0.975), rel=1e-5)

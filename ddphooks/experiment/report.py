@@ -1,9 +1,15 @@
-"""``ddphooks report``: figures and a summary table from experiment run files.
+"""``ddphooks report`` and ``ddphooks detect``: figures, summaries and alerts from experiment run files.
 
 Run files are read as JSON lines only (no pickle, no eval). A truncated last line, as left by a
 run killed mid-write, is skipped with a warning; any other malformed line is an error that names
 the file and line. The figures need matplotlib (``pip install 'ddphooks[plot]'``); without it they
 are skipped with a warning and the summaries are still written.
+
+Runs of one setting and world size that differ only in their seed are treated as repeats: the
+report gives the mean over seeds with a 95% confidence interval, and for the desynchronised
+settings the difference to their synchronised baseline with the minimum detectable effect, so
+"no effect" is a measured statement. The t distribution is computed here (regularised incomplete
+beta by continued fraction, quantiles by bisection), so no scipy is needed.
 """
 
 from __future__ import annotations
@@ -22,6 +28,12 @@ SIGNALS = (
 )
 TABLE_KEYS = ("loss_mean", "loss_std", "loss_range", "grad_norm_std", "grad_norm_cv", "mean_cosine", "weighted_mean_cosine")
 NUMBER_KEYS = TABLE_KEYS + ("loss_cv", "grad_norm_mean")
+#: (setting, its synchronised baseline): compared over seeds at the same world size.
+COMPARISONS = (("desync-shuffle", "sync"), ("desync-all", "sync"), ("group-desync", "group-sync"))
+#: Confidence of the intervals and power of the minimum detectable effect.
+CONFIDENCE, POWER = 0.95, 0.80
+#: Config fields that may differ between runs counted as seeds of one setting.
+SEED_FREE_FIELDS = ("seed", "out", "progress", "device")
 
 
 class Run:
@@ -31,12 +43,28 @@ class Run:
         self.path = path
         self.header = header
         self.records = records
+        self.label: str | None = None
+        """Set by the report where two runs would otherwise share a name (the seed is added)."""
+
+    @property
+    def setting(self) -> str:
+        """The setting, with the fault kind where it is not ``labels`` (``fault-sdc``)."""
+        setting = self.header.get("setting") or self.path.stem
+        kind = self.header.get("fault_kind")
+        return f"{setting}-{kind}" if setting == "fault" and kind not in (None, "labels") else setting
+
+    @property
+    def world(self) -> int | str:
+        return self.header.get("world_size") or (self.records[0].get("world_size") if self.records else None) or "?"
+
+    @property
+    def seed(self) -> int | None:
+        seed = self.header.get("config", {}).get("seed")
+        return seed if isinstance(seed, int) else None
 
     @property
     def name(self) -> str:
-        setting = self.header.get("setting") or self.path.stem
-        world = self.header.get("world_size") or (self.records[0]["world_size"] if self.records else "?")
-        return f"{setting} x{world}"
+        return self.label or f"{self.setting} x{self.world}"
 
     @property
     def fault_step(self) -> int | None:
@@ -51,13 +79,16 @@ def _check_record(path: Path, number: int, record: object) -> dict:
         value = record.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise ValueError(f"{path}:{number}: '{key}' must be a number or null, got {value!r}")
-    for key in ("losses", "grad_norms", "cosine_to_others"):
+    for key in ("losses", "grad_norms", "cosine_to_others", "cosine_loo"):
         values = record.get(key)
         if values is not None and not (isinstance(values, list) and all(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in values)):
             raise ValueError(f"{path}:{number}: '{key}' must be a list of numbers (or nulls), or null")
     cosine = record.get("cosine")
     if cosine is not None and not (isinstance(cosine, list) and all(isinstance(row, list) for row in cosine)):
         raise ValueError(f"{path}:{number}: 'cosine' must be a list of rows or null")
+    alerts = record.get("alerts")
+    if alerts is not None and not (isinstance(alerts, list) and all(isinstance(alert, dict) for alert in alerts)):
+        raise ValueError(f"{path}:{number}: 'alerts' must be a list of objects or null")
     return record
 
 
@@ -162,6 +193,233 @@ def rank_rows(run: Run, skip: float) -> list[dict]:
     return rows
 
 
+# -- alerts ----------------------------------------------------------------------------------------
+def recorded_alerts(run: Run) -> list[dict] | None:
+    """The alerts the online detector wrote into the records during training (each with its
+    record's ``step`` where it has none), or None when the records carry no ``alerts`` key (the
+    run was made without the detector, or before it existed).
+
+    Example::
+
+        alerts = recorded_alerts(read_run("runs/run-fault-w2.jsonl")) or []
+    """
+    if not any("alerts" in record for record in run.records):
+        return None
+    return [{"step": record["step"], **alert} for record in run.records for alert in record.get("alerts") or []]
+
+
+def detect_alerts(run: Run) -> list[dict]:
+    """The alerts of ``ddphooks.detect`` run offline over the records; ``ValueError`` naming the
+    file where the records lack what the detector needs (e.g. sketches)."""
+    from ddphooks.detect import detect_run
+
+    try:
+        return detect_run(run.records)
+    except ValueError as error:
+        raise ValueError(f"{run.path}: {error}") from None
+
+
+def run_alerts(run: Run) -> tuple[list[dict], str]:
+    """A run's alerts and where they come from: the records' own (``recorded``), else the offline
+    detector (``detected offline``), else none (``not available: <why>``)."""
+    recorded = recorded_alerts(run)
+    if recorded is not None:
+        return recorded, "recorded during training"
+    try:
+        return detect_alerts(run), "detected offline"
+    except ValueError as error:
+        return [], f"not available ({str(error).removeprefix(f'{run.path}: ')})"
+
+
+def _cell(value: object) -> str:
+    """A table cell: one line, no column separator, ``-`` for a missing value."""
+    return str(value).replace("|", "/").replace("\n", " ") if value is not None else "-"
+
+
+def alert_table(alerts: list[dict], parameters: int = 2) -> list[str]:
+    """Aligned text lines: one header and one line per alert (step, rank, kind, since, score,
+    the ``parameters`` most suspicious parameters, message).
+
+    Example::
+
+        print("\n".join(alert_table(detect_run(read_run("run-fault-w2.jsonl").records))))
+    """
+    heads = ("step", "rank", "kind", "since", "score", "parameters", "message")
+    rows = []
+    for alert in alerts:
+        score = alert.get("score")
+        names = alert.get("parameters") or []
+        top = ", ".join(names[:parameters]) + (f" (+{len(names) - parameters})" if len(names) > parameters else "")
+        score_text = f"{score:.2f}" if isinstance(score, (int, float)) and math.isfinite(score) else "-"
+        rows.append([_cell(alert.get(key)) for key in ("step", "rank", "kind", "since")] + [score_text, top or "-", _cell(alert.get("message"))])
+    widths = [max([len(head)] + [len(row[i]) for row in rows]) for i, head in enumerate(heads)]
+    right = {0, 1, 3, 4}  # numbers
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+    return [line(heads)] + [line(row) for row in rows]
+
+
+# -- statistics over seeds -------------------------------------------------------------------------
+def _incomplete_beta(a: float, b: float, x: float) -> float:
+    """Regularised incomplete beta I_x(a, b), by its continued fraction (modified Lentz method,
+    as in Numerical Recipes' ``betai``); accurate to ~1e-14 for the t distribution's arguments."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    if x > (a + 1.0) / (a + b + 2.0):  # the fraction converges fast only below this point
+        return 1.0 - _incomplete_beta(b, a, 1.0 - x)
+    tiny = 1e-300
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)) / a
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    result = d
+    for m in range(1, 500):
+        for numerator in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)), -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+            d = 1.0 + numerator * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + numerator / c
+            c = c if abs(c) > tiny else tiny
+            result *= c * d
+        if abs(c * d - 1.0) < 1e-15:
+            break
+    return front * result
+
+
+def t_cdf(t: float, df: float) -> float:
+    """P(T <= t) for Student's t with ``df`` (> 0, not necessarily whole) degrees of freedom."""
+    tail = 0.5 * _incomplete_beta(df / 2.0, 0.5, df / (df + t * t))
+    return 1.0 - tail if t > 0 else tail
+
+
+def t_quantile(p: float, df: float) -> float:
+    """The ``p`` quantile of Student's t with ``df`` degrees of freedom (Welch's df need not be
+    whole), by bisection on :func:`t_cdf` to 1e-12 relative; NaN for df not > 0.
+
+    Example::
+
+        >>> round(t_quantile(0.975, 2), 4)
+        4.3027
+    """
+    if not 0.0 < p < 1.0:
+        raise ValueError(f"p={p} must be in (0, 1)")
+    if not df > 0:
+        return math.nan
+    if p < 0.5:
+        return -t_quantile(1.0 - p, df)
+    low, high = 0.0, 1.0
+    while t_cdf(high, df) < p:
+        low, high = high, 2.0 * high
+    while high - low > 1e-12 * high:
+        middle = 0.5 * (low + high)
+        low, high = (middle, high) if t_cdf(middle, df) < p else (low, middle)
+    return 0.5 * (low + high)
+
+
+def _sample(values: list[float]) -> tuple[int, float, float]:
+    """n, mean and sample variance (ddof 1; NaN below 2) of the finite values."""
+    finite = [v for v in values if math.isfinite(v)]
+    n = len(finite)
+    mean = sum(finite) / n if n else math.nan
+    variance = sum((v - mean) ** 2 for v in finite) / (n - 1) if n >= 2 else math.nan
+    return n, mean, variance
+
+
+def seed_interval(values: list[float]) -> dict:
+    """Mean over seeds of per-run means, its 95% t interval (n - 1 df) and the seed-to-seed sd.
+
+    Example::
+
+        >>> seed_interval([0.20, 0.22, 0.21])["half_width"]  # t_{0.975,2} * 0.01 / sqrt(3)
+        0.0248...
+    """
+    n, mean, variance = _sample(values)
+    half = t_quantile(0.5 + CONFIDENCE / 2, n - 1) * math.sqrt(variance / n) if n >= 2 else math.nan
+    return {"n": n, "mean": mean, "sd": math.sqrt(variance) if n >= 2 else math.nan, "half_width": half, "ci_low": mean - half, "ci_high": mean + half}
+
+
+def compare_seeds(values: list[float], baseline: list[float]) -> dict:
+    """Difference of two groups of per-seed values (``values`` minus ``baseline``), Welch's t test
+    and the minimum detectable effect at 95% confidence and 80% power.
+
+    ``se = sqrt(s_a^2 / n_a + s_b^2 / n_b)``, Welch-Satterthwaite ``df``, ``MDE = (t_{0.975,df} +
+    t_{0.80,df}) * se``: a true difference of that size would be declared significant (two-sided,
+    5%) in 80% of repeats of the experiment with these many seeds and this seed-to-seed spread; an
+    observed difference below it is "no effect larger than the MDE", not "no effect". Needs two
+    seeds per group (NaN otherwise).
+
+    Example::
+
+        >>> result = compare_seeds([0.25, 0.28, 0.31], [0.20, 0.23, 0.26])
+        >>> round(result["difference"], 3), round(result["df"], 1), round(result["mde"], 4)
+        (0.05, 4.0, 0.0911)
+    """
+    n_a, mean_a, var_a = _sample(values)
+    n_b, mean_b, var_b = _sample(baseline)
+    result = {"n": n_a, "n_baseline": n_b, "difference": mean_a - mean_b}
+    se = math.sqrt(var_a / n_a + var_b / n_b) if n_a >= 2 and n_b >= 2 else math.nan
+    if se > 0:
+        df = se**4 / ((var_a / n_a) ** 2 / (n_a - 1) + (var_b / n_b) ** 2 / (n_b - 1))
+        t_confidence, t_power = t_quantile(0.5 + CONFIDENCE / 2, df), t_quantile(POWER, df)
+        t = result["difference"] / se
+        result.update(
+            se=se, df=df, ci_low=result["difference"] - t_confidence * se, ci_high=result["difference"] + t_confidence * se,
+            p_value=2.0 * (1.0 - t_cdf(abs(t), df)), mde=(t_confidence + t_power) * se,
+        )  # fmt: skip
+    else:  # fewer than two seeds on a side, or no spread at all: nothing to measure against
+        result.update(se=se, df=math.nan, ci_low=math.nan, ci_high=math.nan, p_value=math.nan, mde=math.nan)
+    return result
+
+
+def seed_groups(runs: list[Run], skip: float) -> list[dict]:
+    """Runs of the same setting and world size, as repeats over seeds: per span (fault runs:
+    before and after the fault), each signal's per-run means and :func:`seed_interval` of them.
+    ``differs`` lists config fields other than the seed that are not the same in every run.
+
+    Example::
+
+        groups = seed_groups([read_run(p) for p in paths], skip=0.1)
+        groups[0]["signals"]["loss_std"]  # {"n": 3, "mean": ..., "ci_low": ..., "ci_high": ..., ...}
+    """
+    grouped: dict[tuple, list[Run]] = {}
+    for run in runs:
+        grouped.setdefault((run.setting, run.world), []).append(run)
+    groups = []
+    for (setting, world), members in grouped.items():
+        configs = [run.header.get("config", {}) for run in members]
+        fields = sorted({key for config in configs for key in config} - set(SEED_FREE_FIELDS))
+        differs = [key for key in fields if len({json.dumps(config.get(key), sort_keys=True) for config in configs}) > 1]
+        per_run = [summary_rows(run, skip) for run in members]
+        for span in dict.fromkeys(row["steps"] for rows in per_run for row in rows):
+            values = {key: [row[key] for rows in per_run for row in rows if row["steps"] == span] for key in TABLE_KEYS}
+            groups.append({
+                "setting": setting, "world_size": world, "steps": span, "runs": len(members), "seeds": [run.seed for run in members],
+                "differs": differs, "values": values, "signals": {key: seed_interval(values[key]) for key in TABLE_KEYS},
+            })  # fmt: skip
+    return groups
+
+
+def seed_comparisons(groups: list[dict]) -> list[dict]:
+    """:func:`compare_seeds` of each setting of COMPARISONS against its baseline, per world size
+    (the ``all`` span of :func:`seed_groups`' groups).
+
+    Example::
+
+        comparisons = seed_comparisons(seed_groups(runs, skip=0.1))
+    """
+    by_key = {(g["setting"], g["world_size"]): g for g in groups if g["steps"] == "all"}
+    comparisons = []
+    for setting, baseline in COMPARISONS:
+        for (name, world), group in by_key.items():
+            base = by_key.get((baseline, world))
+            if name != setting or base is None:
+                continue
+            signals = {key: compare_seeds(group["values"][key], base["values"][key]) for key in TABLE_KEYS}
+            comparisons.append({"setting": setting, "baseline": baseline, "world_size": world, "runs": group["runs"], "baseline_runs": base["runs"], "signals": signals})
+    return comparisons
+
+
 def _pyplot():
     """``matplotlib.pyplot`` on the non-interactive Agg backend; ImportError without matplotlib."""
     import matplotlib
@@ -172,7 +430,9 @@ def _pyplot():
     return plt
 
 
-def _plot_signals(plt, runs: list[Run], out: Path, window: int) -> Path:
+def _plot_signals(plt, runs: list[Run], out: Path, window: int, alerts: list[list[dict]]) -> Path:
+    """One panel per signal, a line per run; ``alerts[i]`` (run i's) are triangles along the foot of
+    the mean-cosine panel, in the run's colour, one per step with an alert."""
     figure, axes = plt.subplots(len(SIGNALS), 1, figsize=(9, 2.2 * len(SIGNALS) + 0.8), sharex=True)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for axis, (key, title) in zip(axes, SIGNALS):
@@ -188,12 +448,19 @@ def _plot_signals(plt, runs: list[Run], out: Path, window: int) -> Path:
                 low, high = min(low, min(finite)), max(high, max(finite))
             if run.fault_step is not None:
                 axis.axvline(run.fault_step, color=color, ls=":", lw=1.2)
+            steps_alerted = sorted({a["step"] for a in alerts[index] if isinstance(a.get("step"), int)})
+            if key == "mean_cosine" and steps_alerted:
+                # x in steps, y in axes units: the markers stay in view whatever the signal's range;
+                # each run on its own row so that runs alerting at the same step stay apart.
+                height = 0.05 + 0.07 * (index % 8)
+                axis.scatter(steps_alerted, [height] * len(steps_alerted), transform=axis.get_xaxis_transform(), marker="^", s=28, color=color, zorder=3, clip_on=False)
         if math.isfinite(low) and high > low:
             margin = 0.15 * (high - low)
             axis.set_ylim(low - margin, high + margin)  # raw values may leave the frame; the trend may not
         axis.set_ylabel(title, fontsize=8)
         axis.grid(alpha=0.3)
-    axes[-1].set_xlabel(f"step (thick: mean of the last {window} steps; faint: every step; dotted: fault)")
+    marked = "; triangles: alerts" if any(alerts) else ""
+    axes[-1].set_xlabel(f"step (thick: mean of the last {window} steps; faint: every step; dotted: fault{marked})")
     figure.suptitle("Global mean loss (top) and the worker-level signals of silent inconsistency (below)", fontsize=10, y=0.99)
     figure.legend(*axes[0].get_legend_handles_labels(), loc="upper center", bbox_to_anchor=(0.5, 0.965), ncol=min(len(runs), 4), fontsize=8, frameon=False)
     figure.tight_layout(rect=(0, 0, 1, 0.92))
@@ -236,12 +503,88 @@ def _plot_cosines(plt, run: Run, out: Path, count: int, window: int) -> Path | N
     return path
 
 
-def _fmt(value: float) -> str:
-    return "n/a" if not math.isfinite(value) else f"{value:.4f}"
+def _fmt(value: float, digits: int = 4) -> str:
+    return "n/a" if not math.isfinite(value) else f"{value:.{digits}f}"
+
+
+def _label_runs(runs: list[Run]) -> None:
+    """Give runs that would share a name (one setting, several seeds) their seed, or their file."""
+    names: dict[str, list[Run]] = {}
+    for run in runs:
+        names.setdefault(run.name, []).append(run)
+    for same in names.values():
+        if len(same) > 1:
+            seeds = [run.seed for run in same]
+            for run in same:
+                run.label = f"{run.name} seed {run.seed}" if len(set(seeds)) == len(seeds) else f"{run.name} ({run.path.stem})"
+
+
+def _strict(value: object) -> object:
+    """``value`` with non-finite floats as None, so summary.json is strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _strict(v) for key, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(v) for v in value]
+    return value
+
+
+def _markdown_alerts(runs: list[Run], alerts: list[list[dict]], sources: list[str]) -> list[str]:
+    lines = ["", "## Alerts", "", "Source per run: the records' own `alerts` (the detector ran during training) or `ddphooks.detect` run on the records now.", ""]
+    lines += [f"- {run.name}: {len(found)} alert{'' if len(found) == 1 else 's'}, {source}" for run, found, source in zip(runs, alerts, sources)]
+    rows = [(run, alert) for run, found in zip(runs, alerts) for alert in found]
+    if rows:
+        lines += ["", "| run | step | rank | kind | message |", "|---|---|---|---|---|"]
+        lines += [f"| {run.name} | {_cell(a.get('step'))} | {_cell(a.get('rank'))} | {_cell(a.get('kind'))} | {_cell(a.get('message'))} |" for run, a in rows]
+    return lines
+
+
+def _interval(entry: dict) -> str:
+    return "n/a" if not math.isfinite(entry["ci_low"]) else f"[{entry['ci_low']:.4f}, {entry['ci_high']:.4f}]"
+
+
+def _markdown_seeds(groups: list[dict], comparisons: list[dict]) -> list[str]:
+    level = f"{CONFIDENCE:.0%}"
+    lines = [
+        "", "## Over seeds", "",
+        "Runs of one setting and world size with different seeds are repeats: per signal, the mean over seeds of each run's mean (the",
+        f"steps of the tables above), its {level} confidence interval (t distribution, n - 1 degrees of freedom; n/a below 2 seeds) and the",
+        "seed-to-seed standard deviation (signals no run recorded are left out).",
+    ]  # fmt: skip
+    for group in groups:
+        seeds = ", ".join("?" if seed is None else str(seed) for seed in group["seeds"])
+        differs = f"; configs also differ in {', '.join(group['differs'])}" if group["differs"] else ""
+        lines += ["", f"### {group['setting']} x{group['world_size']}, {group['steps']} (seeds {seeds}{differs})", ""]
+        lines += [f"| signal | n | mean | {level} CI | sd |", "|---|---|---|---|---|"]
+        lines += [f"| {key} | {e['n']} | {_fmt(e['mean'])} | {_interval(e)} | {_fmt(e['sd'])} |" for key, e in group["signals"].items() if e["n"]]
+    if comparisons:
+        lines += [
+            "", "### Against the synchronised baseline", "",
+            f"Difference of the seed means (setting minus baseline) with its {level} CI and p-value (Welch's t test), and the minimum detectable",
+            f"effect MDE = (t_{{0.975,df}} + t_{{0.80,df}}) x SE: a true difference of that size is found ({level} confidence, two-sided) in",
+            f"{POWER:.0%} of repeats with these seeds. |difference| < MDE reads \"no effect larger than the MDE\", not \"no effect\".",
+        ]  # fmt: skip
+        for comparison in comparisons:
+            lines += ["", f"#### {comparison['setting']} - {comparison['baseline']}, x{comparison['world_size']} ({comparison['runs']} and {comparison['baseline_runs']} seeds)", ""]
+            lines += [f"| signal | difference | {level} CI | p | MDE | df |", "|---|---|---|---|---|---|"]
+            lines += [
+                f"| {key} | {_fmt(e['difference'])} | {_interval(e)} | {_fmt(e['p_value'])} | {_fmt(e['mde'])} | {_fmt(e['df'], 1)} |"
+                for key, e in comparison["signals"].items()
+                if e["n"] and e["n_baseline"]
+            ]
+    return lines
 
 
 def write_report(paths: list[str], out: str | Path, skip: float = 0.1, heatmaps: int = 3, window: int | None = None) -> Path:
     """Figures (PNG), ``summary.md`` and ``summary.json`` for the given run files.
+
+    ``summary.md`` has the per-run means, the per-rank table, the alerts (the records' own, else
+    ``ddphooks.detect`` run offline) and, where a setting was run with several seeds, the mean over
+    seeds with its confidence interval and the comparison of each desynchronised setting with its
+    baseline (difference and minimum detectable effect). ``summary.json`` holds the same numbers
+    (strict JSON: null where a value is undefined): ``{"runs": [...], "ranks": [...], "alerts":
+    [...], "seeds": [...], "comparisons": [...]}``.
 
     Args:
         paths: run files (JSON lines: an optional header line, then one record per step).
@@ -266,6 +609,8 @@ def write_report(paths: list[str], out: str | Path, skip: float = 0.1, heatmaps:
     if window is not None and window < 1:
         raise ValueError(f"--window {window} must be >= 1 (or left out for a 25th of the run)")
     runs = [read_run(path) for path in paths]
+    _label_runs(runs)
+    alerts, sources = zip(*(run_alerts(run) for run in runs))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     window = window or max(1, max(len(run.records) for run in runs) // 25)
@@ -277,10 +622,14 @@ def write_report(paths: list[str], out: str | Path, skip: float = 0.1, heatmaps:
         warnings.warn(f"figures skipped: {skipped} (summary.md and summary.json are written)", stacklevel=2)
     else:
         skipped = ""
-        figures.append(_plot_signals(plt, runs, out, window))
+        figures.append(_plot_signals(plt, runs, out, window, list(alerts)))
         if heatmaps:
             figures += [f for f in (_plot_cosines(plt, run, out, heatmaps, window) for run in runs) if f is not None]
     rows = [row for run in runs for row in summary_rows(run, skip)]
+    ranks = [row for run in runs for row in rank_rows(run, skip)]
+    groups = seed_groups(runs, skip)
+    repeated = any(group["runs"] > 1 for group in groups)
+    comparisons = seed_comparisons(groups) if repeated else []
     lines = [
         "# ddphooks experiment report",
         "",
@@ -300,22 +649,29 @@ def write_report(paths: list[str], out: str | Path, skip: float = 0.1, heatmaps:
         "| run | rank | loss - mean | norm / mean | cosine to others |",
         "|---|---|---|---|---|",
     ]
-    lines += [
-        f"| {r['run']} | {r['rank']} | {_fmt(r['loss_minus_mean'])} | {_fmt(r['norm_over_mean'])} | {_fmt(r['cosine_to_others'])} |"
-        for run in runs
-        for r in rank_rows(run, skip)
-    ]
+    lines += [f"| {r['run']} | {r['rank']} | {_fmt(r['loss_minus_mean'])} | {_fmt(r['norm_over_mean'])} | {_fmt(r['cosine_to_others'])} |" for r in ranks]
+    lines += _markdown_alerts(runs, list(alerts), list(sources))
+    if repeated:
+        lines += _markdown_seeds(groups, comparisons)
     lines += ["", "## Runs", ""]
     for run in runs:
         config = run.header.get("config", {})
+        fault = f", fault {run.header.get('fault_kind') or 'labels'} on rank {run.header.get('fault_rank', '?')} from step {run.fault_step}" if run.fault_step is not None else ""
         lines.append(
             f"- `{run.path.name}`: {run.name}, {len(run.records)} steps, model `{config.get('model', '?')}`, data `{config.get('data', '?')}`, "
-            f"{run.header.get('parameters', '?')} parameters"
+            f"seed {config.get('seed', '?')}, {run.header.get('parameters', '?')} parameters{fault}"
         )
     lines += ["", "## Figures", ""] + ([f"![{f.stem}]({f.name})" for f in figures] or [f"Skipped: {skipped}."])
     summary = out / "summary.md"
     summary.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    (out / "summary.json").write_text(json.dumps(rows, indent=1, allow_nan=True), encoding="utf-8")
+    document = {
+        "runs": rows,
+        "ranks": ranks,
+        "alerts": [{"run": run.name, "source": source, "alerts": found} for run, found, source in zip(runs, alerts, sources)],
+        "seeds": groups if repeated else [],
+        "comparisons": comparisons,
+    }
+    (out / "summary.json").write_text(json.dumps(_strict(document), indent=1), encoding="utf-8")
     return summary
 
 
@@ -331,4 +687,37 @@ def main(args: argparse.Namespace) -> int:
     summary = write_report(args.runs, args.out, args.skip, args.heatmaps, args.window)
     print(summary.read_text())
     print(f"report written to {summary.parent}")
+    return 0
+
+
+# -- ddphooks detect -------------------------------------------------------------------------------
+def add_detect_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("runs", nargs="+", help="run files (run-<setting>-w<W>.jsonl, or any JsonlSink file with sketches)")
+
+
+def detect_main(args: argparse.Namespace) -> int:
+    """``ddphooks detect RUN.jsonl ...``: the alerts of ``ddphooks.detect`` run offline on each
+    run's records (the detector the hook runs online with ``detect=True``), as a table per run,
+    then the total. Every file is read and checked before anything is printed.
+
+    Example::
+
+        $ ddphooks detect runs/run-fault-w2.jsonl
+        runs/run-fault-w2.jsonl: fault x2, 120 steps, 1 alert (1 recorded during training)
+        step  rank  kind  since  score  parameters  message
+          42     1  loss     40   9.31  -           rank 1: loss 0.52 above the others since step 40
+        1 alert in 1 run
+    """
+    runs = [read_run(path) for path in args.runs]
+    _label_runs(runs)
+    found = [detect_alerts(run) for run in runs]
+    for run, alerts in zip(runs, found):
+        recorded = recorded_alerts(run)
+        online = "" if recorded is None else f" ({len(recorded)} recorded during training)"
+        plural = "" if len(alerts) == 1 else "s"
+        print(f"{run.path}: {run.name}, {len(run.records)} steps, {len(alerts) or 'no'} alert{plural}{online}")
+        if alerts:
+            print("\n".join("  " + line for line in alert_table(alerts)))
+    total = sum(len(alerts) for alerts in found)
+    print(f"{total} alert{'' if total == 1 else 's'} in {len(runs)} run{'' if len(runs) == 1 else 's'}")
     return 0

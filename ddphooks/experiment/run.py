@@ -1,8 +1,10 @@
 """``ddphooks experiment``: data-parallel SFT of a causal LM with silent_hook, one run per setting.
 
-Each run writes ``run-<setting>-w<W>.jsonl`` under ``--out``: a header line (settings, versions,
-world size) and one line per step with the statistics of every rank. On the CPU it spawns its own
-gloo workers; under ``torchrun`` it joins the launched process group instead.
+Each run writes ``run-<setting>-w<W>.jsonl`` under ``--out`` (``run-fault-<kind>-w<W>.jsonl`` for a
+fault kind other than ``labels``, ``-s<seed>`` before ``.jsonl`` for a seed other than 0): a header
+line (settings, versions, world size, the fault) and one line per step with the statistics of every
+rank and the alerts of the online detector (also printed as they come). On the CPU it spawns its
+own gloo workers; under ``torchrun`` it joins the launched process group instead.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddphooks
 from ddphooks.experiment.data import EMBEDDED, collate, encode, load_rows
-from ddphooks.experiment.settings import SETTINGS, rank_batches, seeds_for, shuffled_outputs
+from ddphooks.experiment.settings import FAULT_KINDS, SETTINGS, RankFault, rank_batches, sdc_parameter, seeds_for, shuffled_outputs
 from ddphooks.hook import SilentState, silent_hook
 from ddphooks.launch import spawn
 from ddphooks.sinks import JsonlSink
@@ -57,10 +59,17 @@ class ExperimentConfig:
     """Base seed of shuffling, dropout and the embedded data."""
     sketch_dim: int = 256
     """ddphooks sketch size."""
+    fault_kind: str = "labels"
+    """What goes wrong in the 'fault' setting: labels (shuffled responses), sdc (one parameter's
+    gradient corrupted), stuck (the same batch over and over) or replica (another learning rate)."""
     fault_rank: int = 1
-    """Rank whose responses are shuffled in the 'fault' setting."""
+    """Rank that goes wrong in the 'fault' setting."""
     fault_step: int | None = None
     """First step of the fault (None: a third of max_steps)."""
+    detect: bool = True
+    """Run the online detector in the hook (alerts in the records)."""
+    check_replicas_every: int = 10
+    """Compare the ranks' parameters every N steps (0: never)."""
     limit: int | None = None
     """Use only the first N rows of the data."""
     device: str = "cpu"
@@ -80,13 +89,23 @@ class ExperimentConfig:
             raise ValueError(f"--device {self.device!r} is not one of {', '.join(BACKENDS)}")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"--dropout {self.dropout} must be in [0, 1)")
+        if self.fault_kind not in FAULT_KINDS:
+            raise ValueError(f"--fault-kind {self.fault_kind!r} is not one of {', '.join(FAULT_KINDS)}")
+        if self.check_replicas_every < 0:
+            raise ValueError(f"--check-replicas-every {self.check_replicas_every} must be >= 0 (0: never)")
 
     @property
     def first_fault_step(self) -> int:
         return self.max_steps // 3 if self.fault_step is None else self.fault_step
 
+    @property
+    def run_name(self) -> str:
+        """The setting, with the fault kind where it is not the default ``labels``."""
+        return f"fault-{self.fault_kind}" if self.setting == "fault" and self.fault_kind != "labels" else self.setting
+
     def run_path(self, world: int) -> Path:
-        return Path(self.out) / f"run-{self.setting}-w{world}.jsonl"
+        seed = f"-s{self.seed}" if self.seed else ""
+        return Path(self.out) / f"run-{self.run_name}-w{world}{seed}.jsonl"
 
 
 # -- model and tokenizer ---------------------------------------------------------------------------
@@ -182,41 +201,64 @@ def train_rank(rank: int, world: int, config: ExperimentConfig) -> dict:
     tokenizer = load_tokenizer(config)
     examples = [encode(tokenizer, row, config.max_length) for row in rows]
     lengths = np.array([len(e["input_ids"]) for e in examples])
-    batches = rank_batches(config.setting, lengths, world, rank, config.batch_size, config.max_steps, config.seed)
+    fault = RankFault.of(config.setting, config.fault_kind, config.fault_rank, config.first_fault_step, rank)
+    batches = fault.batches(rank_batches(config.setting, lengths, world, rank, config.batch_size, config.max_steps, config.seed))
     swap = shuffled_outputs(len(rows), config.seed)
 
     torch.manual_seed(config.seed)  # the same initial weights everywhere (DDP broadcasts rank 0's anyway)
     model = load_model(config, tokenizer).to(device)
+    corruption = fault.corrupt(model, config.seed)
     torch.manual_seed(seeds.random)  # dropout masks: per-rank only in desync-all
     ddp = DDP(model, device_ids=None if device.type == "cpu" else [device])
+    faulty = config.setting == "fault"  # this run has a fault (on the fault rank)
     header = {
         "setting": config.setting,
         "world_size": world,
         "config": dataclasses.asdict(config),
-        "fault_step": config.first_fault_step if config.setting == "fault" else None,
+        "fault_kind": config.fault_kind if faulty else None,
+        "fault_step": config.first_fault_step if faulty else None,
+        "fault_rank": config.fault_rank if faulty else None,
+        "fault_parameter": sdc_parameter(model) if faulty and config.fault_kind == "sdc" else None,
         "parameters": sum(p.numel() for p in model.parameters()),
         "examples": len(rows),
         "versions": _versions(),
     }
-    # Every record in detail: the report's heatmaps average cosine matrices over windows of steps.
-    sink = JsonlSink(config.run_path(world), header=header)
-    state = SilentState(model=ddp, sketch_dim=config.sketch_dim, sinks=[sink], detail_every=1)
-    ddp.register_comm_hook(state, silent_hook)
-    lr = config.lr if config.lr is not None else (3e-3 if config.model == EMBEDDED else 2e-5)
-    optimizer = torch.optim.AdamW(ddp.parameters(), lr=lr, weight_decay=0.0)
-    warmup = max(1, config.max_steps // 20)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
-
     progress = None
     if rank == 0 and config.progress:
         from tqdm import tqdm
 
-        progress = tqdm(total=config.max_steps, desc=f"{config.setting} x{world}", file=sys.stderr, dynamic_ncols=True)
+        progress = tqdm(total=config.max_steps, desc=f"{config.run_name} x{world}", file=sys.stderr, dynamic_ncols=True)
+    alerts: list[dict] = []
+
+    def on_alert(alert: dict) -> None:  # every rank gets every alert; rank 0 shows it
+        alerts.append(alert)
+        if rank == 0:
+            line = f"{config.run_name} x{world}: alert at step {alert['step']}: {alert['message']}"
+            if progress is not None:
+                progress.write(line, file=sys.stderr)  # above the bar, which stays intact
+            else:
+                print(line, file=sys.stderr, flush=True)
+
+    # Every record in detail: the report's heatmaps average cosine matrices over windows of steps.
+    sink = JsonlSink(config.run_path(world), header=header)
+    state = SilentState(
+        model=ddp, sketch_dim=config.sketch_dim, sinks=[sink], detail_every=1, detect=config.detect,
+        check_replicas_every=config.check_replicas_every, on_alert=on_alert,
+    )  # fmt: skip
+    ddp.register_comm_hook(state, silent_hook)
+    lr = config.lr if config.lr is not None else (3e-3 if config.model == EMBEDDED else 2e-5)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=lr, weight_decay=0.0)
+    warmup = max(1, config.max_steps // 20)
+    # LambdaLR calls this with the index of the step the rate is for; the replica fault changes this rank's rate only.
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup) * fault.lr_factor(step))
+
     ddp.train()
     for step, indices in enumerate(batches):
-        faulty = config.setting == "fault" and rank == config.fault_rank and step >= config.first_fault_step
+        if corruption is not None:
+            corruption.step = step
+        swapped = fault.shuffles_labels(step)
         batch_examples = [
-            encode(tokenizer, {**rows[i], "output": rows[swap[i]]["output"]}, config.max_length) if faulty else examples[i] for i in indices
+            encode(tokenizer, {**rows[i], "output": rows[swap[i]]["output"]}, config.max_length) if swapped else examples[i] for i in indices
         ]
         batch = {k: v.to(device) for k, v in collate(batch_examples, tokenizer.pad_token_id).items()}
         loss = ddp(**batch).loss
@@ -234,7 +276,17 @@ def train_rank(rank: int, world: int, config: ExperimentConfig) -> dict:
         progress.close()
     final = state.latest.summary()
     state.close()
-    return {"path": str(config.run_path(world)), "final_loss": final["loss_mean"]}
+    return {"path": str(config.run_path(world)), "final_loss": final["loss_mean"], "alerts": alerts if config.detect else None}
+
+
+def _alerts_line(alerts: list[dict] | None) -> str:
+    """``, N alerts (first: ...)`` of the online detector, or ``""`` without it."""
+    if alerts is None:
+        return ""
+    if not alerts:
+        return ", no alerts"
+    first = alerts[0]
+    return f", {len(alerts)} alert{'s' * (len(alerts) > 1)} (first: step {first.get('step')}, rank {first.get('rank')}, {first.get('kind')})"
 
 
 # -- command line ----------------------------------------------------------------------------------
@@ -251,8 +303,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dropout", type=float, default=defaults.dropout)
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--sketch-dim", type=int, default=defaults.sketch_dim)
+    parser.add_argument(
+        "--fault-kind", default=defaults.fault_kind,
+        help=f"what goes wrong in the fault setting, one of {', '.join(FAULT_KINDS)}: shuffled responses, one parameter's gradient "
+        "silently corrupted, the same batch over and over, another learning rate on the faulty rank",
+    )  # fmt: skip
     parser.add_argument("--fault-rank", type=int, default=defaults.fault_rank)
     parser.add_argument("--fault-step", type=int, default=None, help="first faulty step (default: max_steps / 3)")
+    parser.add_argument("--detect", action=argparse.BooleanOptionalAction, default=defaults.detect, help="online detector in the hook (alerts in the records)")
+    parser.add_argument("--check-replicas-every", type=int, default=defaults.check_replicas_every, help="compare the ranks' parameters every N steps (0: never)")
     parser.add_argument("--limit", type=int, default=None, help="use only the first N rows")
     parser.add_argument("--device", default="cpu", choices=sorted(BACKENDS))
     parser.add_argument("--out", default=defaults.out, help="folder for the run files")
@@ -264,6 +323,10 @@ def main(args: argparse.Namespace) -> int:
     for setting in settings:
         if setting not in SETTINGS:
             raise SystemExit(f"--setting {setting!r} is not one of {', '.join(SETTINGS)} (or 'all')")
+    if args.fault_kind not in FAULT_KINDS:
+        raise SystemExit(f"--fault-kind {args.fault_kind!r} is not one of {', '.join(FAULT_KINDS)}")
+    if args.check_replicas_every < 0:
+        raise SystemExit(f"--check-replicas-every {args.check_replicas_every} must be >= 0 (0: never)")
     under_torchrun = "RANK" in os.environ
     if under_torchrun:
         if args.device != "cpu":
@@ -281,8 +344,8 @@ def main(args: argparse.Namespace) -> int:
         config = ExperimentConfig(
             setting=setting, data=args.data, model=args.model, max_steps=args.max_steps, batch_size=args.batch_size,
             max_length=args.max_length, lr=args.lr, dropout=args.dropout, seed=args.seed, sketch_dim=args.sketch_dim,
-            fault_rank=args.fault_rank, fault_step=args.fault_step, limit=args.limit, device=args.device, out=args.out,
-            progress=not args.no_progress,
+            fault_kind=args.fault_kind, fault_rank=args.fault_rank, fault_step=args.fault_step, detect=args.detect,
+            check_replicas_every=args.check_replicas_every, limit=args.limit, device=args.device, out=args.out, progress=not args.no_progress,
         )  # fmt: skip
         if config.model == EMBEDDED and (not under_torchrun or dist.get_rank() == 0):
             train_embedded_tokenizer(config)
@@ -293,7 +356,7 @@ def main(args: argparse.Namespace) -> int:
             summary = spawn(train_rank, world, args=(config,), timeout=24 * 3600)[0]
         paths.append(summary["path"])
         if not under_torchrun or dist.get_rank() == 0:
-            print(f"{setting}: final mean loss {summary['final_loss']:.4f} -> {summary['path']}", flush=True)
+            print(f"{config.run_name}: final mean loss {summary['final_loss']:.4f}{_alerts_line(summary['alerts'])} -> {summary['path']}", flush=True)
     if under_torchrun:
         dist.destroy_process_group()
     return 0
