@@ -20,9 +20,11 @@ itself:
    of the other ranks, so a change every rank shares (the training trend, a learning-rate step)
    scores nothing;
 3. **per layer**: ``d_{i,p} = log|g_{i,p}| - median_j log|g_{j,p}|`` for every parameter ``p``
-   against its exponential average, in units of its average absolute deviation; the rank's score
-   is its largest rise over all parameters (a corrupted gradient carries more energy: that
-   direction also tells which of two ranks it is), with an extra allowance for taking a maximum.
+   against its exponential average, in units of its average absolute deviation; only a rise
+   counts (a corrupted gradient carries more energy: that direction also tells which of two
+   ranks it is), accumulated in one CUSUM per rank and parameter (allowance ``layer_drift``), so
+   that a lasting change in one layer is not lost among the hundreds of parameters that did not
+   change; the rank's level is its largest.
 
 Baselines are the median and the scaled median absolute deviation (``1.4826 * MAD``) of the last
 ``window`` steps, never including the steps of a rank whose CUSUM is past half the threshold or
@@ -80,8 +82,8 @@ class DetectorConfig:
     drift: float = 3.0
     """Allowance subtracted from every step's score: shifts smaller than this never accumulate."""
 
-    layer_allowance: float = 2.0
-    """Extra drift for the per-parameter score (the largest over all parameters of a rank)."""
+    layer_drift: float = 2.0
+    """Allowance of the per-parameter CUSUMs (one per rank and parameter, in standard deviations)."""
 
     cosine_floor: float = 2.0
     """Cosine deviations smaller than this many ``cosine_noise`` units score zero."""
@@ -97,7 +99,7 @@ class DetectorConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"DetectorConfig.{name}={value!r} must be an int >= 1")
-        for name in ("threshold", "drift", "cosine_floor", "layer_allowance"):
+        for name in ("threshold", "drift", "cosine_floor", "layer_drift"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"DetectorConfig.{name}={value!r} must be a number > 0")
@@ -262,6 +264,7 @@ class Detector:
         self.parameter_level: np.ndarray | None = None  # W x P exponential averages of log|g_{i,p}|
         self.parameter_spread: np.ndarray | None = None  # ... and of its absolute deviation
         self.parameter_change: np.ndarray | None = None  # this step's W x P change (see _parameter_changes)
+        self.layer_level: np.ndarray | None = None  # W x P per-parameter CUSUMs
         self.parameter_names: list[str] | None = None
 
     # -- the step ------------------------------------------------------------------------------
@@ -340,23 +343,20 @@ class Detector:
                 z = np.abs(gap) / scale if name != "cosine" else -gap / scale
                 scores[("cross", name)] = np.maximum(np.nan_to_num(z, nan=0.0), 0.0)
         if self.parameter_change is not None:
-            # In standard deviations (a mean absolute deviation is 0.80 of one), minus the
-            # typical largest of P standard normals, sqrt(2 ln P): the maximum over 272
-            # parameters is not evidence by itself.
-            count = self.parameter_change.shape[1]
-            largest = self.parameter_change.max(axis=1) * math.sqrt(2 / math.pi) - math.sqrt(2 * math.log(max(count, 2)))
-            scores[("own", "layer")] = np.maximum(largest, 0.0)
+            # Per rank and parameter, in standard deviations (a mean absolute deviation is 0.80
+            # of one); accumulated per parameter in _score_alerts.
+            scores[("own", "layer")] = self.parameter_change * math.sqrt(2 / math.pi)
         return scores
 
     # -- alerts ----------------------------------------------------------------------------------
     def _score_alerts(self, obs: Observation, scores: dict, values: dict) -> list[dict]:
         config = self.config
         for key, z in scores.items():
+            if key == ("own", "layer"):
+                self._layer_cusum(obs.step, z)
+                continue
             previous = self.cusum[key]
-            # The layer score is the largest of P parameters' scores: its tail is heavier, so it
-            # must clear a larger allowance.
-            drift = config.drift + (config.layer_allowance if key[1] == "layer" else 0.0)
-            updated = np.maximum(0.0, previous + z - drift)
+            updated = np.maximum(0.0, previous + z - config.drift)
             starting = (previous == 0) & (updated > 0)
             self.rising_since[key] = np.where(starting, obs.step, np.where(updated > 0, self.rising_since[key], -1))
             self.cusum[key] = updated
@@ -381,13 +381,29 @@ class Detector:
                     del self.episodes[rank]
         return alerts
 
+    def _layer_cusum(self, step: int, z: np.ndarray) -> None:
+        """One CUSUM per rank and parameter: a lasting rise of one parameter's gradient norm on one
+        rank (silent corruption of that layer) accumulates there instead of drowning in the
+        noise of all the others; the rank's layer level is its largest."""
+        if self.layer_level is None or self.layer_level.shape != z.shape:
+            self.layer_level = np.zeros_like(z)
+            self.layer_since = np.full(z.shape, -1)
+        previous = self.layer_level
+        self.layer_level = np.maximum(0.0, previous + z - self.config.layer_drift)
+        self.layer_since = np.where((previous == 0) & (self.layer_level > 0), step, np.where(self.layer_level > 0, self.layer_since, -1))
+        top = self.layer_level.argmax(axis=1)
+        ranks = np.arange(self.world)
+        self.cusum[("own", "layer")] = self.layer_level[ranks, top]
+        self.rising_since[("own", "layer")] = self.layer_since[ranks, top]
+
     def _alert(self, obs: Observation, rank: int, strongest: tuple[str, str], levels: dict, since: int, values: dict) -> dict:
         kind, name = strongest
         signals = sorted({f"{n} ({k})" for (k, n), level in levels.items() if level > self.config.threshold / 2})
         parameters = self._suspicious_parameters(rank)
         against = "the other ranks" if kind == "cross" else "its own recent steps"
         if name == "layer":
-            detail = f"largest per-parameter gradient-norm change, in average deviations: {self._relative_parameter_change()[rank].max():.3g}"
+            top = int(self.layer_level[rank].argmax())
+            detail = f"the gradient norm of {self.parameter_names[top]} rose against the median rank's, step after step"
         else:
             history = (self.cross if kind == "cross" else self.raw)[name].values[:, rank]
             usual = float(np.nanmedian(history)) if np.isfinite(history).any() else math.nan
@@ -482,6 +498,8 @@ class Detector:
         level = self._parameter_now
         deviation = np.abs(level - self.parameter_level)
         keep = np.isfinite(level) & ~suspect[:, None]  # a suspect rank does not teach the baseline its fault
+        if self.layer_level is not None and self.layer_level.shape == keep.shape:
+            keep &= self.layer_level == 0  # nor does a parameter whose evidence is accumulating
         self.parameter_level = np.where(keep, (1 - rate) * self.parameter_level + rate * level, self.parameter_level)
         self.parameter_spread = np.where(keep, (1 - rate) * self.parameter_spread + rate * deviation, self.parameter_spread)
         self.parameter_seen += 1
@@ -489,7 +507,8 @@ class Detector:
     def _suspicious_parameters(self, rank: int) -> list[str]:
         if self.parameter_change is None:
             return []
-        relative = self._relative_parameter_change()[rank]
+        # Accumulated evidence first (the per-parameter CUSUMs), this step's rise where there is none.
+        relative = self.layer_level[rank] + 1e-6 * self._relative_parameter_change()[rank] if self.layer_level is not None else self._relative_parameter_change()[rank]
         order = np.argsort(-relative)[: self.config.top_parameters]
         return [self.parameter_names[p] for p in order if relative[p] > 0]
 
