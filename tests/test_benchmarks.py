@@ -121,3 +121,23 @@ def test_transport_table():
     stdout = _run("transport.py", "--bucket-mb", "1", "--rounds", "2")
     for name in ("bucket only", "piggyback", "coalesced", "separate"):
         assert name in stdout
+
+
+def test_detection_measures_delay_and_false_alarms(tmp_path):
+    from test_detect import _stream
+
+    fault = tmp_path / "faults" / "run-fault-w4.jsonl"
+    healthy = tmp_path / "healthy" / "run-sync-w4.jsonl"
+    for path, header, records in (
+        (fault, {"setting": "fault", "world_size": 4, "fault_kind": "labels", "fault_step": 60, "config": {"fault_rank": 2}},
+         _stream(4, 100, seed=0, fault_rank=2, fault_step=60)),
+        (healthy, {"setting": "sync", "world_size": 4, "config": {}}, _stream(4, 200, seed=1)),
+    ):  # fmt: skip
+        path.parent.mkdir(parents=True)
+        path.write_text("\n".join(json.dumps(line) for line in [{"header": header}, *records]) + "\n")
+    out = _run("detection.py", str(tmp_path / "faults"), str(tmp_path / "healthy"), "--json", str(tmp_path / "d.json"))
+    assert "labels" in out and "pooled" in out
+    result = json.loads((tmp_path / "d.json").read_text())
+    (row,) = result["delays"]
+    assert (row["kind"], row["world"], row["missed"]) == ("labels", 4, 0) and 0 <= row["median"] <= 5
+    assert {(h["setting"], h["alerts"]) for h in result["healthy"]} >= {("sync", 0)}
