@@ -486,11 +486,6 @@ class Detector:
             rise = self._parameter_now - self.parameter_level
             self.parameter_change = np.nan_to_num(rise / (self.parameter_spread + 1e-3), nan=0.0, posinf=1e9, neginf=-1e9)
 
-    def _relative_parameter_change(self) -> np.ndarray:
-        """W x P: how far each rank's share of each parameter's gradient norm rose (already
-        relative to the median rank)."""
-        return self.parameter_change
-
     def _learn_parameters(self, obs: Observation, suspect: np.ndarray) -> None:
         if obs.parameter_norms is None or self.parameter_level is None or self.parameter_names != obs.parameter_names:
             return
@@ -508,7 +503,7 @@ class Detector:
         if self.parameter_change is None:
             return []
         # Accumulated evidence first (the per-parameter CUSUMs), this step's rise where there is none.
-        relative = self.layer_level[rank] + 1e-6 * self._relative_parameter_change()[rank] if self.layer_level is not None else self._relative_parameter_change()[rank]
+        relative = self.parameter_change[rank] if self.layer_level is None else self.layer_level[rank] + 1e-6 * self.parameter_change[rank]
         order = np.argsort(-relative)[: self.config.top_parameters]
         return [self.parameter_names[p] for p in order if relative[p] > 0]
 
