@@ -19,7 +19,12 @@ itself:
    score that counts is the rank's change minus the largest (W = 2) or the median (W >= 3) change
    of the other ranks, so a change every rank shares (the training trend, a learning-rate step)
    scores nothing;
-3. **per layer**: ``d_{i,p} = log|g_{i,p}| - median_j log|g_{j,p}|`` for every parameter ``p``
+3. **several signals at once** (W >= 3): the sum of the rank's three cross-rank scores, each
+   capped at ``combined_cap``, in a CUSUM of its own (allowance ``combined_drift``). A rank a
+   little off in its loss *and* its gradient norm *and* its cosine (shuffled labels: every signal
+   moves by one or two standard deviations, none enough alone) is found far sooner than by any one
+   of them; the cap keeps one wild signal from passing for several;
+4. **per layer**: ``d_{i,p} = log|g_{i,p}| - median_j log|g_{j,p}|`` for every parameter ``p``
    against its exponential average, in units of its average absolute deviation; only a rise
    counts (a corrupted gradient carries more energy: that direction also tells which of two
    ranks it is), accumulated in one CUSUM per rank and parameter (allowance ``layer_drift``), so
@@ -28,8 +33,13 @@ itself:
 
 Baselines are the median and the scaled median absolute deviation (``1.4826 * MAD``) of the last
 ``window`` steps, never including the steps of a rank whose CUSUM is past half the threshold or
-that is under alert (a lasting fault does not become the new normal before it is reported), with floors so that a constant signal does not divide by zero. A
-cosine scale never goes below the sketch's own noise, ``cosine_noise = 1/sqrt(sketch_dim)``, and a
+that is under alert (a lasting fault does not become the new normal before it is reported), with
+floors so that a constant signal does not divide by zero. A scale grows with the spread of the
+last ``recent`` steps: in the first steps of training the ranks' losses are close together and
+then spread out, and a baseline that still remembers the calm steps would take the new normal for
+a fault. The growth is the median over ranks of each rank's recent MAD over its window MAD, so the
+one rank that is off does not raise its own bar (W >= 3; at W = 2 there is no majority to take it
+from, and the scales are the window's). A cosine scale never goes below the sketch's own noise, ``cosine_noise = 1/sqrt(sketch_dim)``, and a
 cosine deviation below ``cosine_floor`` times that noise scores zero: a cosine change inside the
 sketch's noise never raises an alert.
 
@@ -37,8 +47,10 @@ Each score feeds a one-sided CUSUM per (rank, signal): ``S <- max(0, S + z - dri
 raised when ``S > threshold``, after ``warmup`` steps. With the defaults (drift 3, threshold 20) a
 lasting shift of 10 standard deviations alerts on its 3rd step, one of 6 on its 7th; a single
 outlier step, however large, never alerts alone unless it exceeds ``threshold + drift`` standard
-deviations (23), and shifts under 3 never do. An alert names the rank, its strongest signal, every
-signal over half the threshold, since which step the CUSUM has been rising, and the parameters
+deviations (23), and shifts under 3 never do. The combined CUSUM (drift 3.5, the same threshold)
+alerts on the 4th step of a rank 3 standard deviations off in all three signals; one signal alone,
+capped at 4, adds at most 0.5 a step beyond the allowance, so a lone signal is left to its own
+CUSUM. An alert names the rank, its strongest signal, every signal over half the threshold, since which step the CUSUM has been rising, and the parameters
 that deviate most on that rank: per parameter, how far the rank's gradient norm moved from its own
 recent level (exponential averages of ``log|g_{i,p}|`` and of its absolute deviation), minus the
 median of the same over the other ranks. One alert per episode: a rank's episode ends after
@@ -64,6 +76,7 @@ import numpy as np
 
 SIGNALS = ("loss", "grad_norm", "cosine")
 MAD_TO_STD = 1.4826
+PARAMETER_RATE = 0.1  # weight of a new step in the per-parameter exponential averages
 
 
 @dataclass(frozen=True)
@@ -88,6 +101,16 @@ class DetectorConfig:
     cosine_floor: float = 2.0
     """Cosine deviations smaller than this many ``cosine_noise`` units score zero."""
 
+    recent: int = 8
+    """Last steps whose spread bounds every baseline scale from below (a spread that grows, as in
+    the first steps of training, is not mistaken for a fault)."""
+
+    combined_drift: float = 3.5
+    """Allowance of the combined CUSUM (W >= 3), which sums a rank's three cross-rank scores."""
+
+    combined_cap: float = 4.0
+    """Cap on each score entering the combined CUSUM, so that one signal cannot pass for several."""
+
     quiet_steps: int = 8
     """Steps with every score below threshold that end a rank's alert episode."""
 
@@ -95,16 +118,18 @@ class DetectorConfig:
     """Parameters named in an alert."""
 
     def __post_init__(self) -> None:
-        for name in ("window", "warmup", "quiet_steps", "top_parameters"):
+        for name in ("window", "warmup", "quiet_steps", "top_parameters", "recent"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"DetectorConfig.{name}={value!r} must be an int >= 1")
-        for name in ("threshold", "drift", "cosine_floor", "layer_drift"):
+        for name in ("threshold", "drift", "cosine_floor", "layer_drift", "combined_drift", "combined_cap"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"DetectorConfig.{name}={value!r} must be a number > 0")
         if self.window < 4:
             raise ValueError(f"DetectorConfig.window={self.window} must be >= 4 (a median and a MAD need a few steps)")
+        if self.recent > self.window:
+            raise ValueError(f"DetectorConfig.recent={self.recent} must be <= window={self.window} (the recent steps are the window's last)")
 
 
 @dataclass
@@ -212,6 +237,18 @@ def _robust(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return median, MAD_TO_STD * np.nan_to_num(mad, nan=0.0)
 
 
+def _growth(spread: np.ndarray, recent: int) -> np.ndarray:
+    """How much the spread grew lately, per signal: ``spread`` is signals x steps x W absolute
+    deviations from the baseline; per rank, the median of its last ``recent`` steps over the
+    median of all, then the median over ranks (so the one rank that is off cannot move it),
+    never below 1 (a spread that shrinks keeps the window's scale)."""
+    signals, steps, world = spread.shape
+    columns = spread.transpose(1, 0, 2).reshape(steps, signals * world)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = _column_medians(columns[-recent:]) / _column_medians(columns)
+    return np.fmax(1.0, np.nan_to_num(_column_medians(ratio.reshape(signals, world).T), nan=1.0))
+
+
 def _others_change(z: np.ndarray) -> np.ndarray:
     """Per rank, the other ranks' change: the largest at W = 2 (there is one), the median at
     W >= 3; O(W log W) from one sort, not one median per rank."""
@@ -257,6 +294,8 @@ class Detector:
         self.raw = {name: _History(window, world) for name in SIGNALS}  # own-history values
         self.cross = {name: _History(window, world) for name in SIGNALS}  # deviations from the others
         self.cusum = {(kind, name): np.zeros(world) for kind in ("own", "cross") for name in SIGNALS}
+        if world >= 3:
+            self.cusum[("cross", "combined")] = np.zeros(world)
         self.cusum[("own", "layer")] = np.zeros(world)
         self.rising_since = {key: np.full(world, -1) for key in self.cusum}
         self.episodes: dict[int, _Episode] = {}
@@ -317,11 +356,19 @@ class Detector:
         floors = {"loss": 1e-3, "grad_norm": 1e-3, "cosine": max(noise, 1e-3)}
         scores = {}
         # All baselines in two sorts (one per kind): the detector runs on the training thread.
-        own_median, own_scale = _robust(np.concatenate([self.raw[name].values for name in SIGNALS], axis=1))
+        # The scales grow with the spread of the last steps (see the module docstring).
+        recent = self.config.recent
+        own = np.stack([self.raw[name].values for name in SIGNALS])  # signals x steps x W
+        own_median, own_scale = _robust(own.transpose(1, 0, 2).reshape(own.shape[1], -1))
         own_median, own_scale = own_median.reshape(len(SIGNALS), -1), own_scale.reshape(len(SIGNALS), -1)
+        if self.world >= 3:  # at W = 2 a median over ranks is a mean: the rank that is off would move it
+            own_scale = own_scale * _growth(np.abs(own - own_median[:, None, :]), recent)[:, None]
         crossed = [name for name in SIGNALS if name in deviations]
         if crossed:
-            cross_median, cross_scale = _robust(np.stack([self.cross[name].values.ravel() for name in crossed], axis=1))
+            # Pooled over ranks: healthy ranks are exchangeable.
+            cross = np.stack([self.cross[name].values for name in crossed])
+            cross_median, cross_scale = _robust(cross.reshape(len(crossed), -1).T)
+            cross_scale = cross_scale * _growth(np.abs(cross - cross_median[:, None, None]), recent)
         for index, name in enumerate(SIGNALS):
             # Own history: the rank's change against its trailing median, minus the others' change.
             median, scale = own_median[index], np.maximum(own_scale[index], floors[name])
@@ -342,6 +389,8 @@ class Detector:
                     gap = np.where(np.abs(gap) < self.config.cosine_floor * noise, 0.0, gap)
                 z = np.abs(gap) / scale if name != "cosine" else -gap / scale
                 scores[("cross", name)] = np.maximum(np.nan_to_num(z, nan=0.0), 0.0)
+        if crossed:
+            scores[("cross", "combined")] = sum(np.minimum(scores[("cross", name)], self.config.combined_cap) for name in crossed)
         if self.parameter_change is not None:
             # Per rank and parameter, in standard deviations (a mean absolute deviation is 0.80
             # of one); accumulated per parameter in _score_alerts.
@@ -356,7 +405,7 @@ class Detector:
                 self._layer_cusum(obs.step, z)
                 continue
             previous = self.cusum[key]
-            updated = np.maximum(0.0, previous + z - config.drift)
+            updated = np.maximum(0.0, previous + z - (config.combined_drift if key[1] == "combined" else config.drift))
             starting = (previous == 0) & (updated > 0)
             self.rising_since[key] = np.where(starting, obs.step, np.where(updated > 0, self.rising_since[key], -1))
             self.cusum[key] = updated
@@ -404,22 +453,13 @@ class Detector:
         if name == "layer":
             top = int(self.layer_level[rank].argmax())
             detail = f"the gradient norm of {self.parameter_names[top]} rose against the median rank's, step after step"
+        elif name == "combined":
+            detail = "; ".join(self._now_and_usual(("cross", signal), rank, values) for signal in SIGNALS)
         else:
-            history = (self.cross if kind == "cross" else self.raw)[name].values[:, rank]
-            usual = float(np.nanmedian(history)) if np.isfinite(history).any() else math.nan
-            now = float((self._deviations(values) if kind == "cross" else values)[name][rank])
-            describe = {
-                ("cross", "loss"): "loss minus the median rank's",
-                ("own", "loss"): "loss minus the step's mean loss",
-                ("cross", "grad_norm"): "log gradient norm minus the median rank's",
-                ("own", "grad_norm"): "log gradient norm",
-                ("cross", "cosine"): "gradient cosine to the others minus the median rank's",
-                ("own", "cosine"): "gradient cosine to the other ranks",
-            }[strongest]
-            detail = f"{describe}: now {now:.4g}, usually {usual:.4g}"
-        label = "layer gradients" if name == "layer" else name.replace("_", " ")
+            detail = self._now_and_usual(strongest, rank, values)
+        label = {"layer": "layer gradients", "combined": "loss, gradient norm and cosine together"}.get(name, name.replace("_", " "))
         message = (
-            f"rank {rank} has diverged since step {since}: its {label} depart{'' if name == 'layer' else 's'} from {against} "
+            f"rank {rank} has diverged since step {since}: its {label} depart{'' if name in ('layer', 'combined') else 's'} from {against} "
             f"({detail}; CUSUM {levels[strongest]:.1f} > {self.config.threshold:g})"
         )
         if parameters:
@@ -434,6 +474,22 @@ class Detector:
             "parameters": parameters,
             "message": message,
         }
+
+    def _now_and_usual(self, key: tuple[str, str], rank: int, values: dict) -> str:
+        """One signal of one rank for a message: its value now and its trailing median."""
+        kind, name = key
+        history = (self.cross if kind == "cross" else self.raw)[name].values[:, rank]
+        usual = float(np.nanmedian(history)) if np.isfinite(history).any() else math.nan
+        now = float((self._deviations(values) if kind == "cross" else values)[name][rank])
+        describe = {
+            ("cross", "loss"): "loss minus the median rank's",
+            ("own", "loss"): "loss minus the step's mean loss",
+            ("cross", "grad_norm"): "log gradient norm minus the median rank's",
+            ("own", "grad_norm"): "log gradient norm",
+            ("cross", "cosine"): "gradient cosine to the others minus the median rank's",
+            ("own", "cosine"): "gradient cosine to the other ranks",
+        }[key]
+        return f"{describe}: now {now:.4g}, usually {usual:.4g}"
 
     def _replica_alerts(self, obs: Observation) -> list[dict]:
         replicas = obs.replicas
@@ -484,12 +540,15 @@ class Detector:
             return
         if self.parameter_seen >= self.config.warmup:
             rise = self._parameter_now - self.parameter_level
-            self.parameter_change = np.nan_to_num(rise / (self.parameter_spread + 1e-3), nan=0.0, posinf=1e9, neginf=-1e9)
+            # The spread average starts from zero: divided by the weight it has gathered (as in
+            # Adam's bias correction), it is not underestimated over the first steps.
+            spread = self.parameter_spread / (1 - (1 - PARAMETER_RATE) ** self.parameter_seen)
+            self.parameter_change = np.nan_to_num(rise / (spread + 1e-3), nan=0.0, posinf=1e9, neginf=-1e9)
 
     def _learn_parameters(self, obs: Observation, suspect: np.ndarray) -> None:
         if obs.parameter_norms is None or self.parameter_level is None or self.parameter_names != obs.parameter_names:
             return
-        rate = 0.1
+        rate = PARAMETER_RATE
         level = self._parameter_now
         deviation = np.abs(level - self.parameter_level)
         keep = np.isfinite(level) & ~suspect[:, None]  # a suspect rank does not teach the baseline its fault

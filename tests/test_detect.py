@@ -45,7 +45,7 @@ def test_a_planted_outlier_rank_is_named_within_a_few_steps():
     alerts = detect_run(_stream(4, 120, seed=0, fault_rank=2, fault_step=60))
     assert alerts, "the planted fault raised no alert"
     first = alerts[0]
-    assert first["rank"] == 2 and 60 <= first["step"] <= 63 and first["since"] >= 58
+    assert first["rank"] == 2 and 60 <= first["step"] <= 64 and first["since"] >= 58
     assert "rank 2 has diverged since step" in first["message"]
     assert len([a for a in alerts if a["rank"] == 2]) == 1  # one alert per episode, not one per step
 
@@ -67,6 +67,43 @@ def test_a_change_on_one_of_two_ranks_is_attributed_from_its_own_history():
 def test_healthy_streams_stay_silent(world):
     for seed in range(5):
         assert detect_run(_stream(world, 400, seed=100 + seed)) == []
+
+
+def test_a_rank_a_little_off_in_every_signal_is_named_by_the_combined_score():
+    # 2 standard deviations of the per-rank noise in each of loss, gradient norm and cosine: under
+    # the per-signal allowance of 3, so only their sum (the combined CUSUM) accumulates.
+    records = _stream(4, 160, seed=8)
+    for record in records[100:]:
+        record["losses"][3] += 2 * 0.08
+        record["grad_norms"][3] *= math.exp(2 * 0.1)
+        record["cosine_loo"][3] -= 2 * 0.08
+    alerts = detect_run(records)
+    assert alerts and alerts[0]["rank"] == 3 and alerts[0]["kind"] == "combined" and 100 <= alerts[0]["step"] <= 115
+    assert "loss, gradient norm and cosine together depart from the other ranks" in alerts[0]["message"]
+    assert "log gradient norm minus the median rank's: now" in alerts[0]["message"]
+    # Without the combined CUSUM (an allowance no sum reaches) the same fault goes unreported.
+    assert detect_run(records, DetectorConfig(combined_drift=1e6)) == []
+
+
+def test_one_signal_alone_does_not_pass_for_several_in_the_combined_score():
+    records = _stream(4, 160, seed=9)
+    for record in records[100:]:
+        record["losses"][3] += 2.5 * 0.08  # 2.5 sigma in the loss only: capped sum stays under the allowance
+    assert detect_run(records) == []
+
+
+def test_a_spread_that_grows_on_every_rank_is_not_taken_for_a_fault():
+    # The first steps of training: the ranks' losses and gradient norms start close together and
+    # then spread out (here about 3x from step 40), on every rank alike.
+    for seed in range(10, 16):
+        records = _stream(4, 120, seed=seed)
+        rng = np.random.default_rng(seed + 100)
+        for record in records[40:]:
+            record["losses"] = (np.array(record["losses"]) + 3 * 0.08 * rng.standard_normal(4)).tolist()
+            record["grad_norms"] = (np.array(record["grad_norms"]) * np.exp(3 * 0.1 * rng.standard_normal(4))).tolist()
+        assert detect_run(records) == [], seed
+        # Scales that do not grow with the recent spread (recent = the whole window) raise alerts.
+        assert detect_run(records, DetectorConfig(recent=32)) != [], seed
 
 
 def test_a_cosine_change_inside_the_sketch_noise_never_alerts():
@@ -99,6 +136,10 @@ def test_runs_without_sketches_and_bad_settings_are_rejected():
         DetectorConfig(window=2)
     with pytest.raises(ValueError, match=r"DetectorConfig.threshold=0 must be a number > 0"):
         DetectorConfig(threshold=0)
+    with pytest.raises(ValueError, match=r"DetectorConfig.recent=40 must be <= window=32"):
+        DetectorConfig(recent=40)
+    with pytest.raises(ValueError, match=r"DetectorConfig.combined_cap=-1 must be a number > 0"):
+        DetectorConfig(combined_cap=-1)
 
 
 def test_the_others_change_is_the_median_of_the_other_ranks():
