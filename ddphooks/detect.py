@@ -50,9 +50,9 @@ outlier step, however large, never alerts alone unless it exceeds ``threshold + 
 deviations (23), and shifts under 3 never do. The combined CUSUM (drift 3.5, the same threshold)
 alerts on the 4th step of a rank 3 standard deviations off in all three signals; one signal alone,
 capped at 4, adds at most 0.5 a step beyond the allowance, so a lone signal is left to its own
-CUSUM. An alert names the rank, its strongest signal, every signal over half the threshold, since which step the CUSUM has been rising, and the parameters
-that deviate most on that rank: per parameter, how far the rank's gradient norm moved from its own
-recent level (exponential averages of ``log|g_{i,p}|`` and of its absolute deviation), minus the
+CUSUM. An alert names the rank, its strongest signal, every signal over half the threshold, since
+which step the CUSUM has been rising, and the parameters that deviate most on that rank: per
+parameter, how far the rank's gradient norm moved from its own recent level (exponential averages of ``log|g_{i,p}|`` and of its absolute deviation), minus the
 median of the same over the other ranks. One alert per episode: a rank's episode ends after
 ``quiet_steps`` steps with every score below threshold.
 
