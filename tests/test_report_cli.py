@@ -129,7 +129,7 @@ def _markers(figure):
     return sorted(float(x) for collection in axis.collections for x, _ in collection.get_offsets())
 
 
-def test_report_lists_and_marks_the_alerts_the_records_carry(tmp_path, monkeypatch):
+def test_report_lists_and_marks_the_alerts_the_records_carry(tmp_path, monkeypatch, capsys):
     records = planted_records(world=2, steps=20)
     raised = {"rank": 1, "kind": "loss", "since": 9, "score": 31.5, "signals": ["loss (own)"], "parameters": ["w"], "message": "rank 1 has diverged"}
     for record in records:
@@ -142,6 +142,11 @@ def test_report_lists_and_marks_the_alerts_the_records_carry(tmp_path, monkeypat
     assert "| fault x2 | 12 | 1 | loss | rank 1 has diverged |" in summary and "| fault x2 | 17 | 1 | loss |" in summary
     [entry] = json.loads((tmp_path / "out" / "summary.json").read_text())["alerts"]
     assert entry["source"] == "recorded during training" and [a["step"] for a in entry["alerts"]] == [12, 17]
+    # --alerts offline: the detector of this version instead of the records' own alerts.
+    expected = detect_run(records)
+    assert _cli(["report", str(path), "-o", str(tmp_path / "again"), "--alerts", "offline", "--heatmaps", "0"], capsys)[0] == 0
+    [entry] = json.loads((tmp_path / "again" / "summary.json").read_text())["alerts"]
+    assert entry["source"] == "detected offline" and [a["step"] for a in entry["alerts"]] == [a["step"] for a in expected] != [12, 17]
 
 
 def test_report_detects_alerts_offline_when_the_records_have_none(tmp_path, monkeypatch):

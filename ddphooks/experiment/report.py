@@ -219,10 +219,11 @@ def detect_alerts(run: Run) -> list[dict]:
         raise ValueError(f"{run.path}: {error}") from None
 
 
-def run_alerts(run: Run) -> tuple[list[dict], str]:
+def run_alerts(run: Run, offline: bool = False) -> tuple[list[dict], str]:
     """A run's alerts and where they come from: the records' own (``recorded``), else the offline
-    detector (``detected offline``), else none (``not available: <why>``)."""
-    recorded = recorded_alerts(run)
+    detector (``detected offline``), else none (``not available: <why>``). With ``offline``, the
+    detector runs even where the records carry alerts (a run made with older thresholds)."""
+    recorded = None if offline else recorded_alerts(run)
     if recorded is not None:
         return recorded, "recorded during training"
     try:
@@ -576,7 +577,7 @@ def _markdown_seeds(groups: list[dict], comparisons: list[dict]) -> list[str]:
     return lines
 
 
-def write_report(paths: list[str], out: str | Path, skip: float = 0.1, heatmaps: int = 3, window: int | None = None) -> Path:
+def write_report(paths: list[str], out: str | Path, skip: float = 0.1, heatmaps: int = 3, window: int | None = None, alerts: str = "recorded") -> Path:
     """Figures (PNG), ``summary.md`` and ``summary.json`` for the given run files.
 
     ``summary.md`` has the per-run means, the per-rank table, the alerts (the records' own, else
@@ -592,6 +593,9 @@ def write_report(paths: list[str], out: str | Path, skip: float = 0.1, heatmaps:
         skip: fraction of each run's first steps left out of the table means, in [0, 1).
         heatmaps: cosine heatmaps per run (0: none).
         window: steps in the trend lines and heatmap means (None: a 25th of the longest run).
+        alerts: ``"recorded"``: the records' own alerts, else the detector run offline;
+            ``"offline"``: always the detector of this ddphooks run offline (to compare runs made
+            with other thresholds or versions).
 
     Returns the path of ``summary.md``. Without matplotlib the figures are skipped with a
     ``UserWarning`` naming the ``plot`` extra; the summaries are written all the same.
@@ -608,9 +612,11 @@ def write_report(paths: list[str], out: str | Path, skip: float = 0.1, heatmaps:
         raise ValueError(f"--heatmaps {heatmaps} must be >= 0 (0: no heatmaps)")
     if window is not None and window < 1:
         raise ValueError(f"--window {window} must be >= 1 (or left out for a 25th of the run)")
+    if alerts not in ("recorded", "offline"):
+        raise ValueError(f"--alerts {alerts!r} must be 'recorded' (the records' own, else detected offline) or 'offline' (always detected now)")
     runs = [read_run(path) for path in paths]
     _label_runs(runs)
-    alerts, sources = zip(*(run_alerts(run) for run in runs))
+    alerts, sources = zip(*(run_alerts(run, offline=alerts == "offline") for run in runs))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     window = window or max(1, max(len(run.records) for run in runs) // 25)
@@ -681,10 +687,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip", type=float, default=0.1, help="fraction of initial steps left out of the table means")
     parser.add_argument("--heatmaps", type=int, default=3, help="cosine heatmaps per run (first, ..., last step)")
     parser.add_argument("--window", type=int, default=None, help="steps in the trend lines (default: a 25th of the run)")
+    parser.add_argument(
+        "--alerts", choices=("recorded", "offline"), default="recorded",
+        help="'recorded': the alerts the records carry, else the detector run now; 'offline': always the detector run now",
+    )  # fmt: skip
 
 
 def main(args: argparse.Namespace) -> int:
-    summary = write_report(args.runs, args.out, args.skip, args.heatmaps, args.window)
+    summary = write_report(args.runs, args.out, args.skip, args.heatmaps, args.window, args.alerts)
     print(summary.read_text())
     print(f"report written to {summary.parent}")
     return 0
