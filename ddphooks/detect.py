@@ -37,9 +37,9 @@ that is under alert (a lasting fault does not become the new normal before it is
 floors so that a constant signal does not divide by zero. A scale grows with the spread of the
 last ``recent`` steps: in the first steps of training the ranks' losses are close together and
 then spread out, and a baseline that still remembers the calm steps would take the new normal for
-a fault. The growth is the median over ranks of each rank's recent MAD over its window MAD, so the
-one rank that is off does not raise its own bar (W >= 3; at W = 2 there is no majority to take it
-from, and the scales are the window's). A cosine scale never goes below the sketch's own noise, ``cosine_noise = 1/sqrt(sketch_dim)``, and a
+a fault. The growth is measured on each step's MAD across ranks, which the one rank that is off
+cannot move, so that rank does not raise its own bar (W >= 3; at W = 2 there is no majority, and
+the scales are the window's). A cosine scale never goes below the sketch's own noise, ``cosine_noise = 1/sqrt(sketch_dim)``, and a
 cosine deviation below ``cosine_floor`` times that noise scores zero: a cosine change inside the
 sketch's noise never raises an alert.
 
@@ -237,16 +237,18 @@ def _robust(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return median, MAD_TO_STD * np.nan_to_num(mad, nan=0.0)
 
 
-def _growth(spread: np.ndarray, recent: int) -> np.ndarray:
-    """How much the spread grew lately, per signal: ``spread`` is signals x steps x W absolute
-    deviations from the baseline; per rank, the median of its last ``recent`` steps over the
-    median of all, then the median over ranks (so the one rank that is off cannot move it),
-    never below 1 (a spread that shrinks keeps the window's scale)."""
-    signals, steps, world = spread.shape
-    columns = spread.transpose(1, 0, 2).reshape(steps, signals * world)
+def _growth(deviations: np.ndarray, recent: int) -> np.ndarray:
+    """How much the spread across ranks grew lately, per signal (W >= 3). ``deviations`` is
+    signals x steps x W; each step's spread is its MAD across ranks, which the one rank that is
+    off cannot move (at W = 3 it is the smaller of the two gaps to the middle rank); the result is
+    the median of the last ``recent`` steps' spreads over the median of all, never below 1 (a
+    spread that shrinks keeps the window's scale)."""
+    signals, steps, world = deviations.shape
+    rows = deviations.reshape(signals * steps, world).T  # one column per (signal, step)
+    per_step = _column_medians(np.abs(rows - _column_medians(rows))).reshape(signals, steps).T
     with np.errstate(divide="ignore", invalid="ignore"):
-        ratio = _column_medians(columns[-recent:]) / _column_medians(columns)
-    return np.fmax(1.0, np.nan_to_num(_column_medians(ratio.reshape(signals, world).T), nan=1.0))
+        ratio = _column_medians(per_step[-recent:]) / _column_medians(per_step)
+    return np.fmax(1.0, np.nan_to_num(ratio, nan=1.0, posinf=1.0))
 
 
 def _others_change(z: np.ndarray) -> np.ndarray:
@@ -361,14 +363,14 @@ class Detector:
         own = np.stack([self.raw[name].values for name in SIGNALS])  # signals x steps x W
         own_median, own_scale = _robust(own.transpose(1, 0, 2).reshape(own.shape[1], -1))
         own_median, own_scale = own_median.reshape(len(SIGNALS), -1), own_scale.reshape(len(SIGNALS), -1)
-        if self.world >= 3:  # at W = 2 a median over ranks is a mean: the rank that is off would move it
-            own_scale = own_scale * _growth(np.abs(own - own_median[:, None, :]), recent)[:, None]
+        if self.world >= 3:  # at W = 2 the spread across ranks is the gap that the rank that is off makes
+            own_scale = own_scale * _growth(own - own_median[:, None, :], recent)[:, None]
         crossed = [name for name in SIGNALS if name in deviations]
         if crossed:
             # Pooled over ranks: healthy ranks are exchangeable.
             cross = np.stack([self.cross[name].values for name in crossed])
             cross_median, cross_scale = _robust(cross.reshape(len(crossed), -1).T)
-            cross_scale = cross_scale * _growth(np.abs(cross - cross_median[:, None, None]), recent)
+            cross_scale = cross_scale * _growth(cross, recent)
         for index, name in enumerate(SIGNALS):
             # Own history: the rank's change against its trailing median, minus the others' change.
             median, scale = own_median[index], np.maximum(own_scale[index], floors[name])
