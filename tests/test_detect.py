@@ -158,3 +158,24 @@ def test_observation_from_a_compact_record_has_no_parameters():
     obs = Observation.from_record(record)
     assert obs.parameter_norms is None and obs.losses.shape == (3,)
     assert Detector().update(obs) == []
+
+
+def test_the_growth_of_the_spread_matches_a_slow_reference():
+    from ddphooks.detect import _growth
+
+    def slow(deviations, recent):  # per signal: each step's MAD across ranks, recent median over all
+        ratios = []
+        for signal in deviations:
+            spreads = [np.median(np.abs(step - np.median(step))) for step in signal]
+            ratios.append(max(1.0, np.median(spreads[-recent:]) / np.median(spreads)))
+        return ratios
+
+    rng = np.random.default_rng(12)
+    for world in (3, 4, 7):
+        deviations = rng.standard_normal((3, 32, world)) * np.linspace(1, 4, 32)[None, :, None]  # the spread grows
+        deviations[1, :, 0] += 50.0  # one rank far off in signal 1: it must not move that signal's growth
+        np.testing.assert_allclose(_growth(deviations, 8), slow(deviations, 8))
+        assert min(slow(deviations, 8)) > 1.1  # the reference itself sees the growth
+        shrinking = deviations[:, ::-1]
+        np.testing.assert_allclose(_growth(shrinking, 8), slow(shrinking, 8))
+    np.testing.assert_allclose(_growth(shrinking, 8), 1.0)  # W = 7: a spread that shrinks keeps the window's scale
