@@ -39,7 +39,8 @@ last ``recent`` steps: in the first steps of training the ranks' losses are clos
 then spread out, and a baseline that still remembers the calm steps would take the new normal for
 a fault. The growth is measured on each step's MAD across ranks, which the one rank that is off
 cannot move, so that rank does not raise its own bar (W >= 3; at W = 2 there is no majority, and
-the scales are the window's). A cosine scale never goes below the sketch's own noise, ``cosine_noise = 1/sqrt(sketch_dim)``, and a
+the scales are the window's). A cosine scale never goes below the sketch's own noise,
+``cosine_noise = 1/sqrt(sketch_dim)``, and a
 cosine deviation below ``cosine_floor`` times that noise scores zero: a cosine change inside the
 sketch's noise never raises an alert.
 
@@ -52,7 +53,8 @@ alerts on the 4th step of a rank 3 standard deviations off in all three signals;
 capped at 4, adds at most 0.5 a step beyond the allowance, so a lone signal is left to its own
 CUSUM. An alert names the rank, its strongest signal, every signal over half the threshold, since
 which step the CUSUM has been rising, and the parameters that deviate most on that rank: per
-parameter, how far the rank's gradient norm moved from its own recent level (exponential averages of ``log|g_{i,p}|`` and of its absolute deviation), minus the
+parameter, how far the rank's gradient norm moved from its own recent level (exponential
+averages of ``log|g_{i,p}|`` and of its absolute deviation), minus the
 median of the same over the other ranks. One alert per episode: a rank's episode ends after
 ``quiet_steps`` steps with every score below threshold.
 
@@ -102,8 +104,8 @@ class DetectorConfig:
     """Cosine deviations smaller than this many ``cosine_noise`` units score zero."""
 
     recent: int = 8
-    """Last steps whose spread bounds every baseline scale from below (a spread that grows, as in
-    the first steps of training, is not mistaken for a fault)."""
+    """Last steps whose spread across ranks, against the whole window's, scales the baselines up
+    (W >= 3): a spread that grows, as in the first steps of training, is not taken for a fault."""
 
     combined_drift: float = 3.5
     """Allowance of the combined CUSUM (W >= 3), which sums a rank's three cross-rank scores."""
