@@ -359,8 +359,9 @@ class Detector:
         noise = cosine_noise if math.isfinite(cosine_noise) else 0.0
         floors = {"loss": 1e-3, "grad_norm": 1e-3, "cosine": max(noise, 1e-3)}
         scores = {}
-        # All baselines in two sorts (one per kind): the detector runs on the training thread.
-        # The scales grow with the spread of the last steps (see the module docstring).
+        # Baselines in batched sorts (per kind, over every signal and rank at once), since the
+        # detector runs on the training thread; the scales grow with the recent spread (see the
+        # module docstring).
         recent = self.config.recent
         own = np.stack([self.raw[name].values for name in SIGNALS])  # signals x steps x W
         own_median, own_scale = _robust(own.transpose(1, 0, 2).reshape(own.shape[1], -1))

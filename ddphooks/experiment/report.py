@@ -577,7 +577,7 @@ def _markdown_seeds(groups: list[dict], comparisons: list[dict]) -> list[str]:
     return lines
 
 
-def write_report(paths: list[str], out: str | Path, skip: float = 0.1, heatmaps: int = 3, window: int | None = None, alerts: str = "recorded") -> Path:
+def write_report(paths: list[str], out: str | Path, skip: float = 0.1, heatmaps: int = 3, window: int | None = None, alert_source: str = "recorded") -> Path:
     """Figures (PNG), ``summary.md`` and ``summary.json`` for the given run files.
 
     ``summary.md`` has the per-run means, the per-rank table, the alerts (the records' own, else
@@ -593,7 +593,7 @@ def write_report(paths: list[str], out: str | Path, skip: float = 0.1, heatmaps:
         skip: fraction of each run's first steps left out of the table means, in [0, 1).
         heatmaps: cosine heatmaps per run (0: none).
         window: steps in the trend lines and heatmap means (None: a 25th of the longest run).
-        alerts: ``"recorded"``: the records' own alerts, else the detector run offline;
+        alert_source: ``"recorded"``: the records' own alerts, else the detector run offline;
             ``"offline"``: always the detector of this ddphooks run offline (to compare runs made
             with other thresholds or versions).
 
@@ -612,11 +612,11 @@ def write_report(paths: list[str], out: str | Path, skip: float = 0.1, heatmaps:
         raise ValueError(f"--heatmaps {heatmaps} must be >= 0 (0: no heatmaps)")
     if window is not None and window < 1:
         raise ValueError(f"--window {window} must be >= 1 (or left out for a 25th of the run)")
-    if alerts not in ("recorded", "offline"):
-        raise ValueError(f"--alerts {alerts!r} must be 'recorded' (the records' own, else detected offline) or 'offline' (always detected now)")
+    if alert_source not in ("recorded", "offline"):
+        raise ValueError(f"--alerts {alert_source!r} must be 'recorded' (the records' own, else detected offline) or 'offline' (always detected now)")
     runs = [read_run(path) for path in paths]
     _label_runs(runs)
-    alerts, sources = zip(*(run_alerts(run, offline=alerts == "offline") for run in runs))
+    alerts, sources = zip(*(run_alerts(run, offline=alert_source == "offline") for run in runs))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     window = window or max(1, max(len(run.records) for run in runs) // 25)
