@@ -7,19 +7,25 @@ step at a time (``Detector.update``) and returns the alerts that step raises.
 Per rank ``i`` and step ``t`` it scores, as robust z-scores against baselines learned from the run
 itself:
 
-1. **against the other ranks** (W >= 3; at W = 2 the two ranks are symmetric), each as the
-   distance from the median over all ranks (robust to the one rank that is off):
+1. **against the other ranks** (W >= 3), each as the distance from the median over all ranks
+   (robust to the one rank that is off); at W = 2 the two distances are opposite, and only
+   ``cosine_previous``, where a rise alone is suspicious, says which rank it is:
    - ``loss``: ``loss_i - median_j loss_j``,
    - ``grad_norm``: ``log|g_i| - median_j log|g_j|``,
    - ``cosine``: the leave-one-out cosine ``cos(s_i, sum_{j != i} s_j)`` minus the median of
      those (only a drop counts: the rank disagrees with the rest);
+   - ``cosine_previous``: the rank's sketched cosine to its own gradient of the previous step,
+     ``cos(s_i(t), s_i(t-1))``, minus the median of those (only a rise counts: a rank that keeps
+     training on the same batch, a stuck data loader, produces nearly the same gradient again,
+     while healthy ranks draw a new batch every step);
 2. **against its own history** (every W, the only way to tell which of two ranks changed): the
-   rank's loss (only a rise counts), its log gradient norm (either way) and its leave-one-out
-   cosine (only a drop counts), each against the rank's trailing median; the
+   rank's loss (only a rise counts), its log gradient norm (either way), its leave-one-out
+   cosine (only a drop counts) and its cosine to its previous step (only a rise counts), each
+   against the rank's trailing median; the
    score that counts is the rank's change minus the largest (W = 2) or the median (W >= 3) change
    of the other ranks, so a change every rank shares (the training trend, a learning-rate step)
    scores nothing;
-3. **several signals at once** (W >= 3): the sum of the rank's three cross-rank scores, each
+3. **several signals at once** (W >= 3): the sum of the rank's cross-rank scores, each
    capped at ``combined_cap``, in a CUSUM of its own (allowance ``combined_drift``). A rank a
    little off in its loss *and* its gradient norm *and* its cosine (shuffled labels: every signal
    moves by one or two standard deviations, none enough alone) is found far sooner than by any one
@@ -48,9 +54,9 @@ Each score feeds a one-sided CUSUM per (rank, signal): ``S <- max(0, S + z - dri
 raised when ``S > threshold``, after ``warmup`` steps. With the defaults (drift 3, threshold 20) a
 lasting shift of 10 standard deviations alerts on its 3rd step, one of 6 on its 7th; a single
 outlier step, however large, never alerts alone unless it exceeds ``threshold + drift`` standard
-deviations (23), and shifts under 3 never do. The combined CUSUM (drift 3.5, the same threshold)
-alerts on the 4th step of a rank 3 standard deviations off in all three signals; one signal alone,
-capped at 4, adds at most 0.5 a step beyond the allowance, so a lone signal is left to its own
+deviations (23), and shifts under 3 never do. The combined CUSUM (drift 4, the same threshold)
+alerts on the 5th step of a rank 3 standard deviations off in three of its four signals; one
+signal alone, capped at 4, never gets past the allowance, so a lone signal is left to its own
 CUSUM. An alert names the rank, its strongest signal, every signal over half the threshold, since
 which step the CUSUM has been rising, and the parameters that deviate most on that rank: per
 parameter, how far the rank's gradient norm moved from its own recent level (exponential
@@ -76,7 +82,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-SIGNALS = ("loss", "grad_norm", "cosine")
+SIGNALS = ("loss", "grad_norm", "cosine", "cosine_previous")
+#: Which change of each signal is suspicious, against the rank's own history and against the other
+#: ranks: +1 a rise, -1 a drop, 0 either way (see the module docstring).
+OWN_DIRECTION = {"loss": +1, "grad_norm": 0, "cosine": -1, "cosine_previous": +1}
+CROSS_DIRECTION = {"loss": 0, "grad_norm": 0, "cosine": -1, "cosine_previous": +1}
+#: Signals measured by the sketch, whose changes inside the sketch's noise never count.
+SKETCHED = ("cosine", "cosine_previous")
 MAD_TO_STD = 1.4826
 PARAMETER_RATE = 0.1  # weight of a new step in the per-parameter exponential averages
 
@@ -107,8 +119,8 @@ class DetectorConfig:
     """Last steps whose spread across ranks, against the whole window's, scales the baselines up
     (W >= 3): a spread that grows, as in the first steps of training, is not taken for a fault."""
 
-    combined_drift: float = 3.5
-    """Allowance of the combined CUSUM (W >= 3), which sums a rank's three cross-rank scores."""
+    combined_drift: float = 4.0
+    """Allowance of the combined CUSUM (W >= 3), which sums a rank's four cross-rank scores."""
 
     combined_cap: float = 4.0
     """Cap on each score entering the combined CUSUM, so that one signal cannot pass for several."""
@@ -144,6 +156,7 @@ class Observation:
     grad_norms: np.ndarray  # W
     cosine_loo: np.ndarray | None  # W, None without a sketch
     cosine_noise: float
+    cosine_previous: np.ndarray | None = None  # W, None without a sketch or a comparable previous step
     replicas: dict | None = None
     parameter_names: list[str] | None = None
     parameter_norms: np.ndarray | None = None  # W x P, only where the step carries them
@@ -172,6 +185,7 @@ class Observation:
             grad_norms=vector("grad_norms"),
             cosine_loo=vector("cosine_loo"),
             cosine_noise=math.nan if noise is None else float(noise),
+            cosine_previous=vector("cosine_previous"),
             replicas=record.get("replicas"),
             parameter_names=names,
             parameter_norms=norms,
@@ -187,6 +201,7 @@ class Observation:
             grad_norms=stats.grad_norms,
             cosine_loo=stats.cosine_loo,
             cosine_noise=stats.cosine_noise,
+            cosine_previous=stats.cosine_previous,
             replicas=stats.replicas,
             parameter_names=stats.parameter_names,
             parameter_norms=np.sqrt(stats.param_sq),
@@ -251,6 +266,18 @@ def _growth(deviations: np.ndarray, recent: int) -> np.ndarray:
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = _column_medians(per_step[-recent:]) / _column_medians(per_step)
     return np.fmax(1.0, np.nan_to_num(ratio, nan=1.0, posinf=1.0))
+
+
+def _fisher(cosine: np.ndarray) -> np.ndarray:
+    """Fisher's ``atanh`` of a cosine: a rank whose gradient repeats lands near 1, where a sketched
+    cosine's error shrinks (about ``(1 - c^2) / sqrt(k)``); on this scale it is about the same
+    everywhere, so 0.6 -> 0.9 counts for what it is, far more than 0.0 -> 0.3."""
+    return np.arctanh(np.clip(cosine, -0.999, 0.999))
+
+
+def _directed(change: np.ndarray, direction: int) -> np.ndarray:
+    """The suspicious part of a change: itself (+1, a rise), its negative (-1, a drop) or its size (0)."""
+    return np.abs(change) if direction == 0 else direction * change
 
 
 def _others_change(z: np.ndarray) -> np.ndarray:
@@ -318,7 +345,7 @@ class Detector:
         if self.world != obs.world_size:
             self._start(obs.world_size)
         values = self._values(obs)
-        deviations = self._deviations(values) if obs.world_size >= 3 else {}
+        deviations = self._deviations(values)
         self._parameter_changes(obs)
         # No scores before the baselines hold `warmup` steps: a median of three steps is no baseline.
         scores = self._scores(values, deviations, obs.cosine_noise) if self.seen >= self.config.warmup else {}
@@ -346,18 +373,27 @@ class Detector:
                 "loss": obs.losses - np.nanmean(obs.losses) if obs.losses is not None else nan,
                 "grad_norm": np.log(obs.grad_norms),
                 "cosine": obs.cosine_loo if obs.cosine_loo is not None else nan,
+                "cosine_previous": _fisher(obs.cosine_previous) if obs.cosine_previous is not None else nan,
             }
 
     @staticmethod
     def _deviations(values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         # From the median of all ranks, the rank itself included: at W = 3 the median of the
         # *other* two would be pulled halfway to a faulty rank, making the healthy ones look off.
-        return {name: row - _column_medians(row[:, None])[0] for name, row in values.items()}
+        # At W = 2 the two deviations are opposite: only a signal where one direction is the
+        # suspicious one (a rise of the cosine to the previous step) can say which rank it is.
+        world = len(values["loss"])
+        return {
+            name: row - _column_medians(row[:, None])[0]
+            for name, row in values.items()
+            if world >= 3 or (CROSS_DIRECTION[name] > 0)
+        }
 
     def _scores(self, values: dict, deviations: dict, cosine_noise: float) -> dict[tuple[str, str], np.ndarray]:
         """Per (kind, signal), every rank's z-score for this step (>= 0; suspicious direction)."""
         noise = cosine_noise if math.isfinite(cosine_noise) else 0.0
-        floors = {"loss": 1e-3, "grad_norm": 1e-3, "cosine": max(noise, 1e-3)}
+        floors = {name: max(noise, 1e-3) if name in SKETCHED else 1e-3 for name in SIGNALS}
+        ignored = self.config.cosine_floor * noise  # a sketched change below this is the sketch's noise
         scores = {}
         # Baselines in batched sorts (per kind, over every signal and rank at once), since the
         # detector runs on the training thread; the scales grow with the recent spread (see the
@@ -373,28 +409,25 @@ class Detector:
             # Pooled over ranks: healthy ranks are exchangeable.
             cross = np.stack([self.cross[name].values for name in crossed])
             cross_median, cross_scale = _robust(cross.reshape(len(crossed), -1).T)
-            cross_scale = cross_scale * _growth(cross, recent)
+            if self.world >= 3:
+                cross_scale = cross_scale * _growth(cross, recent)
         for index, name in enumerate(SIGNALS):
             # Own history: the rank's change against its trailing median, minus the others' change.
             median, scale = own_median[index], np.maximum(own_scale[index], floors[name])
             change = values[name] - median
-            if name == "cosine":
-                change = np.where(np.abs(change) < self.config.cosine_floor * noise, 0.0, change)
-            # Only a rise of the loss counts: a rank whose loss falls (a stuck loader memorising its
-            # batch) would make the other rank's loss look risen at W = 2 and take the blame.
-            # The gradient norm counts both ways, the cosine only down.
-            z = {"loss": change, "grad_norm": np.abs(change), "cosine": -change}[name] / scale
-            z = np.nan_to_num(z, nan=0.0)
+            if name in SKETCHED:
+                change = np.where(np.abs(change) < ignored, 0.0, change)
+            z = np.nan_to_num(_directed(change, OWN_DIRECTION[name]) / scale, nan=0.0)
             scores[("own", name)] = np.maximum(z - _others_change(np.maximum(z, 0.0)), 0.0)
             if name in deviations:
                 position = crossed.index(name)
                 median, scale = cross_median[position], max(cross_scale[position], floors[name])
                 gap = deviations[name] - median
-                if name == "cosine":
-                    gap = np.where(np.abs(gap) < self.config.cosine_floor * noise, 0.0, gap)
-                z = np.abs(gap) / scale if name != "cosine" else -gap / scale
+                if name in SKETCHED:
+                    gap = np.where(np.abs(gap) < ignored, 0.0, gap)
+                z = _directed(gap, CROSS_DIRECTION[name]) / scale
                 scores[("cross", name)] = np.maximum(np.nan_to_num(z, nan=0.0), 0.0)
-        if crossed:
+        if self.world >= 3:
             scores[("cross", "combined")] = sum(np.minimum(scores[("cross", name)], self.config.combined_cap) for name in crossed)
         if self.parameter_change is not None:
             # Per rank and parameter, in standard deviations (a mean absolute deviation is 0.80
@@ -459,10 +492,14 @@ class Detector:
             top = int(self.layer_level[rank].argmax())
             detail = f"the gradient norm of {self.parameter_names[top]} rose against the median rank's, step after step"
         elif name == "combined":
-            detail = "; ".join(self._now_and_usual(("cross", signal), rank, values) for signal in SIGNALS)
+            detail = "; ".join(self._now_and_usual(("cross", signal), rank, values) for signal in SIGNALS if np.isfinite(values[signal][rank]))
         else:
             detail = self._now_and_usual(strongest, rank, values)
-        label = {"layer": "layer gradients", "combined": "loss, gradient norm and cosine together"}.get(name, name.replace("_", " "))
+        label = {
+            "layer": "layer gradients",
+            "combined": "loss, gradient norm and cosines together",
+            "cosine_previous": "gradient cosine to its own previous step",
+        }.get(name, name.replace("_", " "))
         message = (
             f"rank {rank} has diverged since step {since}: its {label} depart{'' if name in ('layer', 'combined') else 's'} from {against} "
             f"({detail}; CUSUM {levels[strongest]:.1f} > {self.config.threshold:g})"
@@ -493,6 +530,8 @@ class Detector:
             ("own", "grad_norm"): "log gradient norm",
             ("cross", "cosine"): "gradient cosine to the others minus the median rank's",
             ("own", "cosine"): "gradient cosine to the other ranks",
+            ("cross", "cosine_previous"): "gradient cosine to its own previous step minus the median rank's",
+            ("own", "cosine_previous"): "gradient cosine to its own previous step",
         }[key]
         return f"{describe}: now {now:.4g}, usually {usual:.4g}"
 

@@ -5,6 +5,8 @@ queues it there. The queued steps are *processed* on the training thread, at a p
 reaches in the same order: the first bucket of the next step (inside backward), or ``flush()`` /
 ``close()``. Processing a step:
 
+0. links it to the step processed before it (``SilentStats.follow``), for each rank's cosine to
+   its own previous gradient; steps are processed in order, so that is the previous step;
 1. runs the detector (``ddphooks.detect``) on it, the same on every rank, so every rank sees the
    same alerts; a detector error is reported once and never reaches training;
 2. logs one ``logging`` warning per new alert (logger ``"ddphooks"``) on the log rank;
@@ -54,6 +56,8 @@ class StepPipeline:
         self._pending: deque = deque()
         self._lock = threading.Lock()
         self._detector_failed = False
+        self._previous = None  # the last processed step, for SilentStats.follow
+        self._link_failed = False
 
     def complete(self, stats) -> None:
         """Queue a complete step (any thread)."""
@@ -67,6 +71,8 @@ class StepPipeline:
             self._pending.clear()
         raised = []
         for stats in steps:
+            if self.detector is not None or self.writer is not None:  # somebody reads cosine_previous
+                self._link(stats)
             stats.alerts = self._detect(stats)
             self.alerts.extend(stats.alerts)
             if self.warns:
@@ -78,6 +84,15 @@ class StepPipeline:
         if call_on_alert and self.on_alert is not None:
             for alert in raised:
                 self.on_alert(alert)
+
+    def _link(self, stats) -> None:
+        try:
+            stats.follow(self._previous)
+        except Exception as error:  # like a detector error: reported once, never raised into backward
+            if not self._link_failed:
+                logger.warning("ddphooks: step %d could not be linked to the previous step (no cosine_previous): %s: %s", stats.step, type(error).__name__, error)
+            self._link_failed = True
+        self._previous = stats
 
     def _detect(self, stats) -> list[dict]:
         if self.detector is None or self._detector_failed:

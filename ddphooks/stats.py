@@ -18,6 +18,9 @@ are zero, so the sum is a gather). Together with the squared norms of the *reduc
    O(W k) without the matrix: each rank's mean cosine to the others and their overall mean, from
    the unit sketches ``u_i = s_i / |s_i|`` and ``U = sum_i u_i``:
    ``sum_{j != i} <u_i, u_j> = <u_i, U> - 1`` and ``sum_{i != j} <u_i, u_j> = |U|^2 - W``;
+   and each rank's cosine to its *own* gradient of the previous instrumented step,
+   ``cos(s_i(t), s_i(t'))``, once the step is linked to that one (``follow``; the signs of a
+   sketch are fixed per bucket layout, so two steps with the same layout are comparable);
 4. the gradient noise scale (McCandlish et al. 2018) in units of one rank's batch, from
    ``|G_s|^2 = mean_i |g_i|^2`` and ``|G_b|^2 = |gbar|^2``:
    ``tr(Sigma) ~ W (|G_s|^2 - |G_b|^2) / (W - 1)``, ``|G|^2 ~ (W |G_b|^2 - |G_s|^2) / (W - 1)``,
@@ -191,6 +194,20 @@ def cosine_leave_one_out(sketches: np.ndarray) -> np.ndarray:
     return np.clip(result, -1.0, 1.0)
 
 
+def cosine_to_previous(sketches: np.ndarray, previous: np.ndarray) -> np.ndarray:
+    """Per rank, ``cos(s_i(t), s_i(t'))``: its sketch against its own sketch of an earlier step.
+
+    Healthy ranks draw a new batch every step, so consecutive gradients share little more than
+    the slowly moving mean gradient; a rank that keeps seeing the same batch (a stuck loader)
+    produces nearly the same gradient again, and its value rises towards 1. NaN where a sketch is
+    zero.
+    """
+    with np.errstate(divide="ignore", invalid="ignore"):
+        result = (sketches * previous).sum(axis=1) / (np.linalg.norm(sketches, axis=1) * np.linalg.norm(previous, axis=1))
+    result[~np.isfinite(result)] = np.nan
+    return np.clip(result, -1.0, 1.0)
+
+
 def replica_differences(fingerprints: np.ndarray, names: list[str]) -> dict:
     """Which ranks hold parameters (or buffers) that differ from the others', from fingerprints.
 
@@ -273,6 +290,7 @@ class SilentStats:
         fingerprinted: list[str] | None = None,
     ) -> None:
         self.fingerprinted = fingerprinted or []
+        self.previous_sketches: np.ndarray | None = None  # set by follow()
         self.alerts: list[dict] = []  # set by the pipeline once the detector has seen the step
         self.step = step
         self.world_size = world_size
@@ -384,6 +402,24 @@ class SilentStats:
         without a sketch."""
         return cosine_leave_one_out(self._sketches) if self.bins else None
 
+    def follow(self, previous: "SilentStats | None") -> None:
+        """Link this step to the previous instrumented one, for ``cosine_previous``. The link is
+        kept only where both sketches used the same signs (same bucket layouts, bins and world
+        size; DDP rebuilds its buckets after the first step), and holds only the previous
+        sketches (a W x bins copy), never the previous step itself."""
+        if previous is None or not self.bins or (previous.buckets, previous.bins, previous.world_size) != (self.buckets, self.bins, self.world_size):
+            self.previous_sketches = None
+            return
+        self.previous_sketches = previous._sketches.copy()
+
+    @property
+    def cosine_previous(self) -> np.ndarray | None:
+        """Per rank, the sketched cosine of its gradient to its own gradient of the previous
+        instrumented step; None without a sketch or before ``follow`` linked a comparable step."""
+        if self.previous_sketches is None:
+            return None
+        return cosine_to_previous(self._sketches, self.previous_sketches)
+
     @cached_property
     def replicas(self) -> dict | None:
         """On replica-check steps, the ranks and tensors whose fingerprints differ (see
@@ -485,6 +521,7 @@ class SilentStats:
             **{key: _float(summary[key]) for key in ("grad_norm_mean", "grad_norm_std", "grad_norm_cv", "reduced_grad_norm")},
             "cosine_to_others": None if per_rank_cosine is None else _floats(per_rank_cosine),
             "cosine_loo": None if self.cosine_loo is None else _floats(self.cosine_loo),
+            "cosine_previous": None if self.cosine_previous is None else _floats(self.cosine_previous),
             **{key: _float(summary[key]) for key in ("mean_cosine", "weighted_mean_cosine", "noise_scale")},
             "nonfinite": self.nonfinite,
             "replicas": self.replicas,

@@ -13,8 +13,10 @@ NAMES = [f"model.layers.{i}.mlp.down_proj.weight" for i in range(6)]
 def _stream(world: int, steps: int, seed: int, fault_rank: int | None = None, fault_step: int = 10**9, kind: str = "labels",
             sketch_dim: int = 256) -> list[dict]:  # fmt: skip
     """Records of a healthy run (loss trending down with per-rank batch noise, gradient norms
-    with noise, leave-one-out cosines around 0.35 with the sketch's noise), with an optional fault."""
+    with noise, leave-one-out cosines around 0.35 with the sketch's noise, cosines to the previous
+    step around 0.15), with an optional fault."""
     rng = np.random.default_rng(seed)
+    rng_previous = np.random.default_rng(seed + 10_000)  # its own stream: the other draws stay as they were
     noise = 1 / math.sqrt(sketch_dim)
     records = []
     for step in range(steps):
@@ -23,6 +25,7 @@ def _stream(world: int, steps: int, seed: int, fault_rank: int | None = None, fa
         norms = np.exp(0.1 * rng.standard_normal(world)) * (1.0 + 0.3 * math.exp(-step / 100))
         loo = 0.35 + 0.05 * rng.standard_normal(world) + noise * rng.standard_normal(world)
         params = np.exp(0.1 * rng.standard_normal((len(NAMES), world)))
+        previous = 0.15 + 0.15 * rng_previous.standard_normal(world)
         if fault_rank is not None and step >= fault_step:
             if kind == "labels":
                 losses[fault_rank] += 0.6
@@ -31,10 +34,13 @@ def _stream(world: int, steps: int, seed: int, fault_rank: int | None = None, fa
                 params[3, fault_rank] *= 20
                 norms[fault_rank] *= 3
                 loo[fault_rank] = 0.1 + noise * rng.standard_normal()
+            elif kind == "stuck":  # the same batch again: nearly the same gradient as the step before
+                previous[fault_rank] = 0.75 + 0.1 * rng_previous.standard_normal()
         records.append(
             {
                 "step": step, "world_size": world, "sketch_dim": sketch_dim, "cosine_noise": noise,
                 "losses": losses.tolist(), "grad_norms": norms.tolist(), "cosine_loo": loo.tolist(),
+                "cosine_previous": None if step == 0 else np.clip(previous, -1, 1).tolist(),
                 "parameters": [{"name": n, "grad_norms": params[p].tolist()} for p, n in enumerate(NAMES)],
             }
         )  # fmt: skip
@@ -45,7 +51,8 @@ def test_a_planted_outlier_rank_is_named_within_a_few_steps():
     alerts = detect_run(_stream(4, 120, seed=0, fault_rank=2, fault_step=60))
     assert alerts, "the planted fault raised no alert"
     first = alerts[0]
-    assert first["rank"] == 2 and 60 <= first["step"] <= 64 and first["since"] >= 58
+    # A 7.5-sigma loss shift gains 4.5 a step over the allowance of 3: past 20 on its 5th step.
+    assert first["rank"] == 2 and 60 <= first["step"] <= 65 and first["since"] >= 58
     assert "rank 2 has diverged since step" in first["message"]
     assert len([a for a in alerts if a["rank"] == 2]) == 1  # one alert per episode, not one per step
 
@@ -61,6 +68,22 @@ def test_a_change_on_one_of_two_ranks_is_attributed_from_its_own_history():
     alerts = detect_run(_stream(2, 120, seed=2, fault_rank=0, fault_step=70))
     assert alerts and alerts[0]["rank"] == 0 and alerts[0]["step"] <= 80  # a 5-sigma shift: 7 steps of CUSUM
     assert "own recent steps" in alerts[0]["message"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_rank_stuck_on_one_batch_is_named_from_its_cosine_to_its_previous_step(world):
+    # At W = 2 too: only a rise of this cosine is suspicious, so the rank that rose is the one named.
+    fault_rank = world - 1
+    alerts = detect_run(_stream(world, 100, seed=20 + world, fault_rank=fault_rank, fault_step=50, kind="stuck"))
+    assert alerts and alerts[0]["rank"] == fault_rank and 50 <= alerts[0]["step"] <= 56, alerts[:1]
+    assert any(signal.startswith("cosine_previous") for signal in alerts[0]["signals"]), alerts[0]["signals"]
+    assert "gradient cosine to its own previous step" in alerts[0]["message"]
+    assert {a["rank"] for a in alerts} == {fault_rank}
+    # The same stream without the new key (a run written before it existed) misses the fault.
+    old = _stream(world, 100, seed=20 + world, fault_rank=fault_rank, fault_step=50, kind="stuck")
+    for record in old:
+        del record["cosine_previous"]
+    assert detect_run(old) == []
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
@@ -79,7 +102,7 @@ def test_a_rank_a_little_off_in_every_signal_is_named_by_the_combined_score():
         record["cosine_loo"][3] -= 2 * 0.08
     alerts = detect_run(records)
     assert alerts and alerts[0]["rank"] == 3 and alerts[0]["kind"] == "combined" and 100 <= alerts[0]["step"] <= 115
-    assert "loss, gradient norm and cosine together depart from the other ranks" in alerts[0]["message"]
+    assert "loss, gradient norm and cosines together depart from the other ranks" in alerts[0]["message"]
     assert "log gradient norm minus the median rank's: now" in alerts[0]["message"]
     # Without the combined CUSUM (an allowance no sum reaches) the same fault goes unreported.
     assert detect_run(records, DetectorConfig(combined_drift=1e6)) == []

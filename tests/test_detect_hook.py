@@ -18,9 +18,10 @@ class _Abort(Exception):
     pass
 
 
-def _train_with_fault(rank: int, world: int, steps: int, fault_rank: int, on_alert=None, lr_fault: bool = False, **settings):
+def _train_with_fault(rank: int, world: int, steps: int, fault_rank: int, on_alert=None, lr_fault: bool = False, stuck: bool = False, **settings):
     """SGD on rank-dependent data; from FAULT_STEP, ``fault_rank`` gets targets of the wrong sign
-    (a silent data fault), or with ``lr_fault`` a different learning rate (a replica fault)."""
+    (a silent data fault), or with ``lr_fault`` a different learning rate (a replica fault), or
+    with ``stuck`` the batch of FAULT_STEP over and over (a stuck data loader)."""
     model = _make_ddp()
     warnings = []
     handler = logging.Handler()
@@ -29,9 +30,9 @@ def _train_with_fault(rank: int, world: int, steps: int, fault_rank: int, on_ale
     state = ddphooks.attach(model, sketch_dim=256, on_alert=on_alert, **settings)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.02)
     for step in range(steps):
-        x, y = _batch(rank, step)
         faulty = rank == fault_rank and step >= FAULT_STEP
-        if faulty and not lr_fault:
+        x, y = _batch(rank, FAULT_STEP if faulty and stuck else step)
+        if faulty and not (lr_fault or stuck):
             y = -3 * y
         loss = _loss(model, x, y)
         state.observe_loss(loss)
@@ -58,6 +59,17 @@ def test_the_hook_names_the_faulty_rank_on_every_rank_and_warns_once_per_alert()
     assert all(result[0] == alerts for result in results)  # the same alerts on every rank
     assert len(warnings) == len(alerts) and warnings[0].endswith(alerts[0]["message"])
     assert results[1][1] == [] and results[2][1] == []  # only the log rank warns
+
+
+def _check_stuck(rank: int, world: int) -> tuple:
+    return _train_with_fault(rank, world, 45, fault_rank=1, stuck=True, check_replicas_every=0)
+
+
+def test_a_stuck_loader_is_named_at_two_ranks_from_the_cosine_to_the_previous_step():
+    alerts, _, _ = spawn(_check_stuck, 2, timeout=TIMEOUT)[0]
+    assert alerts, "no alert for a rank that trains on the same batch over and over"
+    assert {a["rank"] for a in alerts} == {1} and FAULT_STEP <= alerts[0]["step"] <= FAULT_STEP + 8, alerts
+    assert any(signal.startswith("cosine_previous") for signal in alerts[0]["signals"]), alerts[0]
 
 
 def _check_abort(rank: int, world: int) -> None:

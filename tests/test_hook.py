@@ -91,6 +91,7 @@ def _reference(module: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.
         "weighted_mean_cosine": (gram[off].sum() / torch.outer(norms, norms)[off].sum()).item(),
         "param_norms": {n: g.norm(dim=1).tolist() for n, g in per_param.items()},
         "param_gradients": per_param,
+        "full": full,
     }
 
 
@@ -101,7 +102,7 @@ def _weighted_cosine(gradients: torch.Tensor) -> float:
     return (gram[off].sum() / torch.outer(norms, norms)[off].sum()).item()
 
 
-def _compare(record: dict, ref: dict, sketch_dim: int) -> None:
+def _compare(record: dict, ref: dict, sketch_dim: int, previous: dict | None = None) -> None:
     def close(got, expected, atol: float = 0.0) -> None:
         torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64), rtol=RTOL, atol=atol)
 
@@ -126,6 +127,10 @@ def _compare(record: dict, ref: dict, sketch_dim: int) -> None:
         error = (torch.tensor(record["cosine"]) - torch.tensor(ref["cosine"])).abs().max().item()
         assert error <= 4 / math.sqrt(sketch_dim), f"sketched cosine off by {error}"
         assert record["cosine"][0][0] == 1.0
+        if previous is not None:  # each rank's gradient against its own of the step before
+            exact = torch.nn.functional.cosine_similarity(ref["full"], previous["full"], dim=1)
+            error = (torch.tensor(record["cosine_previous"], dtype=torch.float64) - exact).abs().max().item()
+            assert error <= 4 / math.sqrt(sketch_dim), f"sketched cosine to the previous step off by {error}"
     else:
         assert record["cosine"] is None and record["mean_cosine"] is None
 
@@ -136,17 +141,22 @@ def _check_reference(rank: int, world: int, sketch_dim: int, steps: int, ddp_kwa
     state = SilentState(model=model, sketch_dim=sketch_dim)
     model.register_comm_hook(state, silent_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    records = []
+    records, previous = [], None
     for step in range(steps):
         x, y = _batch(rank, step)
         ref = _reference(model.module, [(x, y)])
         loss = _loss(model, x, y)
         state.observe_loss(loss)
         loss.backward()
+        state.flush()  # processes the step now (links it to the previous one) instead of at the next step
         record = state.latest.to_dict()
         json.dumps(record, allow_nan=False)  # strict JSON
         assert record["step"] == step and record["world_size"] == world
-        _compare(record, ref, sketch_dim)
+        # DDP rebuilds its buckets after the first step, so steps 0 and 1 have no comparable
+        # previous sketch; from step 2 on every step has one.
+        assert (record["cosine_previous"] is not None) == (sketch_dim > 0 and step >= 2), (step, record["cosine_previous"])
+        _compare(record, ref, sketch_dim, previous if step >= 2 else None)
+        previous = ref
         optimizer.step()
         optimizer.zero_grad()
         records.append(record)

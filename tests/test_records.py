@@ -13,7 +13,7 @@ from ddphooks.stats import BucketLayout, SilentStats, slot_size
 SUMMARY_KEYS = {
     "step", "world_size", "transport", "sketch_dim", "cosine_noise", "losses", "loss_mean", "loss_std", "loss_range", "loss_cv",
     "grad_norms", "grad_norm_mean", "grad_norm_std", "grad_norm_cv", "reduced_grad_norm", "cosine_to_others", "mean_cosine",
-    "weighted_mean_cosine", "noise_scale", "nonfinite", "detail", "cosine_loo", "replicas", "alerts",
+    "weighted_mean_cosine", "noise_scale", "nonfinite", "detail", "cosine_loo", "cosine_previous", "replicas", "alerts",
 }  # fmt: skip
 
 

@@ -59,6 +59,30 @@ def test_cosine_matrix_from_sketches():
     assert np.isnan(cosine[0, 2]) and cosine[2, 2] == 1.0  # a zero sketch has no direction
 
 
+def test_cosine_to_the_previous_step_against_a_loop():
+    rng = np.random.default_rng(3)
+    before = [rng.standard_normal(5) for _ in range(3)]
+    after = [b + 0.5 * rng.standard_normal(5) for b in before]
+    earlier, later = _stats(before, [1.0] * 3, bins=5), _stats(after, [1.0] * 3, bins=5)
+    assert later.cosine_previous is None and later.to_dict()["cosine_previous"] is None  # not linked yet
+    later.follow(earlier)
+    expected = [a.astype(np.float32) @ b.astype(np.float32) / (np.linalg.norm(a.astype(np.float32)) * np.linalg.norm(b.astype(np.float32))) for a, b in zip(after, before)]
+    assert later.to_dict()["cosine_previous"] == pytest.approx(expected, abs=1e-6)
+    # The link holds a copy of the sketches, not the previous step (which would chain every step).
+    assert isinstance(later.previous_sketches, np.ndarray) and not np.shares_memory(later.previous_sketches, earlier._arrays[0])
+
+
+def test_no_cosine_to_a_previous_step_sketched_with_other_signs():
+    rng = np.random.default_rng(4)
+    grads = [rng.standard_normal(5) for _ in range(2)]
+    later = _stats(grads, [1.0, 1.0], bins=5)
+    other_layout = _stats(grads, [1.0, 1.0], bins=5)
+    other_layout.buckets = [BucketLayout(1, ("a", "b"), (3, 2))]  # DDP rebuilt its buckets
+    for previous in (None, other_layout, _stats(grads, [1.0, 1.0], bins=3), _stats(grads[:1] * 3, [1.0] * 3, bins=5)):
+        later.follow(previous)
+        assert later.cosine_previous is None
+
+
 def test_single_rank_has_no_pairwise_statistics():
     record = _stats([np.ones(5)], [0.5], bins=2).to_dict()
     assert record["weighted_mean_cosine"] is None and record["mean_cosine"] is None

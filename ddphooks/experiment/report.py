@@ -79,7 +79,7 @@ def _check_record(path: Path, number: int, record: object) -> dict:
         value = record.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise ValueError(f"{path}:{number}: '{key}' must be a number or null, got {value!r}")
-    for key in ("losses", "grad_norms", "cosine_to_others", "cosine_loo"):
+    for key in ("losses", "grad_norms", "cosine_to_others", "cosine_loo", "cosine_previous"):
         values = record.get(key)
         if values is not None and not (isinstance(values, list) and all(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in values)):
             raise ValueError(f"{path}:{number}: '{key}' must be a list of numbers (or nulls), or null")

@@ -4,8 +4,8 @@ A record (see the README's record keys) holds lists and nested detail; a metric 
 flat ``tag -> float``. ``record_scalars`` gives, under one prefix:
 
 - ``<prefix><key>`` for each signal in ``SIGNALS``;
-- ``<prefix>rank<r>/loss``, ``<prefix>rank<r>/grad_norm`` and ``<prefix>rank<r>/cosine_to_others``
-  for ranks ``0 .. max_ranks - 1``.
+- ``<prefix>rank<r>/loss``, ``<prefix>rank<r>/grad_norm``, ``<prefix>rank<r>/cosine_to_others`` and
+  ``<prefix>rank<r>/cosine_previous`` for ranks ``0 .. max_ranks - 1``.
 
 ``null`` values (non-finite numbers, or no sketch) are left out, never written as NaN.
 """
@@ -31,9 +31,9 @@ SIGNALS = (
 )
 
 #: Per-rank record lists and the tag suffix each one is written under.
-PER_RANK = (("losses", "loss"), ("grad_norms", "grad_norm"), ("cosine_to_others", "cosine_to_others"))
+PER_RANK = (("losses", "loss"), ("grad_norms", "grad_norm"), ("cosine_to_others", "cosine_to_others"), ("cosine_previous", "cosine_previous"))
 
-#: Default cap on the ranks that get their own series. Three series per rank make a dashboard
+#: Default cap on the ranks that get their own series. Four series per rank make a dashboard
 #: unreadable (and slow) well before W = 100; the full per-rank lists stay in the JSONL records.
 DEFAULT_MAX_RANKS = 16
 
