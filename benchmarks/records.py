@@ -182,14 +182,17 @@ def measure_after(fresh, world, submits, detail_submits, folder):
 
 
 def measure_detector(fresh_variant, steps, budget_s):
-    """Training-thread seconds of one detector step (reading the step's statistics included), after
-    the detector's warm-up, when it starts scoring; stops early once ``budget_s`` is spent."""
-    detector, times = Detector(), []
+    """Training-thread seconds of one detector step (reading the step's statistics and linking it to
+    the previous step for ``cosine_previous`` included, as the pipeline does), after the detector's
+    warm-up, when it starts scoring; stops early once ``budget_s`` is spent."""
+    detector, times, previous = Detector(), [], None
     warmup = DetectorConfig().warmup
     for step in range(warmup + steps):
         stats = fresh_variant(step)
         start = time.perf_counter()
+        stats.follow(previous)
         detector.update(Observation.from_stats(stats))
+        previous = stats
         if step >= warmup:
             times.append(time.perf_counter() - start)
             if sum(times) > budget_s:

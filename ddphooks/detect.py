@@ -84,7 +84,10 @@ import numpy as np
 
 SIGNALS = ("loss", "grad_norm", "cosine", "cosine_previous")
 #: Which change of each signal is suspicious, against the rank's own history and against the other
-#: ranks: +1 a rise, -1 a drop, 0 either way (see the module docstring).
+#: ranks: +1 a rise, -1 a drop, 0 either way (see the module docstring). Against its own history
+#: only a rise of the loss counts: a rank whose loss falls (a stuck loader memorising its batch)
+#: would make the other rank's loss, relative to the step's mean, look risen at W = 2 and take
+#: the blame.
 OWN_DIRECTION = {"loss": +1, "grad_norm": 0, "cosine": -1, "cosine_previous": +1}
 CROSS_DIRECTION = {"loss": 0, "grad_norm": 0, "cosine": -1, "cosine_previous": +1}
 #: Signals measured by the sketch, whose changes inside the sketch's noise never count.
@@ -386,7 +389,7 @@ class Detector:
         return {
             name: row - _column_medians(row[:, None])[0]
             for name, row in values.items()
-            if world >= 3 or (CROSS_DIRECTION[name] > 0)
+            if world >= 3 or CROSS_DIRECTION[name] > 0
         }
 
     def _scores(self, values: dict, deviations: dict, cosine_noise: float) -> dict[tuple[str, str], np.ndarray]:
@@ -530,9 +533,11 @@ class Detector:
             ("own", "grad_norm"): "log gradient norm",
             ("cross", "cosine"): "gradient cosine to the others minus the median rank's",
             ("own", "cosine"): "gradient cosine to the other ranks",
-            ("cross", "cosine_previous"): "gradient cosine to its own previous step minus the median rank's",
+            ("cross", "cosine_previous"): "atanh of its gradient cosine to its own previous step minus the median rank's",
             ("own", "cosine_previous"): "gradient cosine to its own previous step",
         }[key]
+        if key == ("own", "cosine_previous"):  # scored on Fisher's scale, shown as a cosine
+            now, usual = math.tanh(now), math.tanh(usual)
         return f"{describe}: now {now:.4g}, usually {usual:.4g}"
 
     def _replica_alerts(self, obs: Observation) -> list[dict]:

@@ -1,6 +1,7 @@
 """The detector on synthetic record streams: planted faults are named, healthy streams stay silent."""
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -78,6 +79,10 @@ def test_a_rank_stuck_on_one_batch_is_named_from_its_cosine_to_its_previous_step
     assert alerts and alerts[0]["rank"] == fault_rank and 50 <= alerts[0]["step"] <= 56, alerts[:1]
     assert any(signal.startswith("cosine_previous") for signal in alerts[0]["signals"]), alerts[0]["signals"]
     assert "gradient cosine to its own previous step" in alerts[0]["message"]
+    shown_values = re.findall(r"its own previous step: now ([-+.\de]+), usually ([-+.\de]+)", alerts[0]["message"])
+    assert shown_values or world > 2  # at W = 2 the rank's own history names it, shown as a cosine
+    for shown in shown_values:
+        assert all(-1 <= float(v) <= 1 for v in shown), alerts[0]["message"]  # a cosine, not its atanh
     assert {a["rank"] for a in alerts} == {fault_rank}
     # The same stream without the new key (a run written before it existed) misses the fault.
     old = _stream(world, 100, seed=20 + world, fault_rank=fault_rank, fault_step=50, kind="stuck")
