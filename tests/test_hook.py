@@ -152,14 +152,18 @@ def _check_reference(rank: int, world: int, sketch_dim: int, steps: int, ddp_kwa
         record = state.latest.to_dict()
         json.dumps(record, allow_nan=False)  # strict JSON
         assert record["step"] == step and record["world_size"] == world
-        # DDP rebuilds its buckets after the first step, so steps 0 and 1 have no comparable
-        # previous sketch; from step 2 on every step has one.
-        assert (record["cosine_previous"] is not None) == (sketch_dim > 0 and step >= 2), (step, record["cosine_previous"])
-        _compare(record, ref, sketch_dim, previous if step >= 2 else None)
+        # A step is compared with the previous one exactly where both used the same bucket layout
+        # (the same sketch signs): DDP rebuilds its buckets after its first step or two.
+        layout = [(b["index"], b["parameters"], b["numel"]) for b in record["buckets"]]
+        linked = record["cosine_previous"] is not None
+        assert linked == (sketch_dim > 0 and previous is not None and layout == previous["layout"]), (step, record["cosine_previous"])
+        _compare(record, ref, sketch_dim, previous if linked else None)
+        ref["layout"] = layout
         previous = ref
         optimizer.step()
         optimizer.zero_grad()
         records.append(record)
+    assert sketch_dim == 0 or any(r["cosine_previous"] is not None for r in records), "no step was compared with its previous one"
     return records
 
 
