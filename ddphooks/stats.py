@@ -290,7 +290,9 @@ class SilentStats:
         fingerprinted: list[str] | None = None,
     ) -> None:
         self.fingerprinted = fingerprinted or []
-        self.previous_sketches: np.ndarray | None = None  # set by follow()
+        self.cosine_previous: np.ndarray | None = None
+        """Per rank, the sketched cosine of its gradient to its own gradient of the previous
+        instrumented step; None without a sketch, or until ``follow`` linked a comparable step."""
         self.alerts: list[dict] = []  # set by the pipeline once the detector has seen the step
         self.step = step
         self.world_size = world_size
@@ -403,22 +405,11 @@ class SilentStats:
         return cosine_leave_one_out(self._sketches) if self.bins else None
 
     def follow(self, previous: "SilentStats | None") -> None:
-        """Link this step to the previous instrumented one, for ``cosine_previous``. The link is
-        kept only where both sketches used the same signs (same bucket layouts, bins and world
-        size; DDP rebuilds its buckets after the first step), and holds only the previous
-        sketches (a W x bins copy), never the previous step itself."""
-        if previous is None or not self.bins or (previous.buckets, previous.bins, previous.world_size) != (self.buckets, self.bins, self.world_size):
-            self.previous_sketches = None
-            return
-        self.previous_sketches = previous._sketches.copy()
-
-    @property
-    def cosine_previous(self) -> np.ndarray | None:
-        """Per rank, the sketched cosine of its gradient to its own gradient of the previous
-        instrumented step; None without a sketch or before ``follow`` linked a comparable step."""
-        if self.previous_sketches is None:
-            return None
-        return cosine_to_previous(self._sketches, self.previous_sketches)
+        """Compute ``cosine_previous`` against the previous instrumented step (W numbers; no
+        reference to that step is kept). Only where both sketches used the same signs: same
+        bucket layouts, bins and world size (DDP rebuilds its buckets after its first steps)."""
+        comparable = previous is not None and self.bins and (previous.buckets, previous.bins, previous.world_size) == (self.buckets, self.bins, self.world_size)
+        self.cosine_previous = cosine_to_previous(self._sketches, previous._sketches) if comparable else None
 
     @cached_property
     def replicas(self) -> dict | None:
