@@ -38,7 +38,7 @@ itself:
    change; the rank's level is its largest.
 
 Baselines are the median and the scaled median absolute deviation (``1.4826 * MAD``) of the last
-``window`` steps, never including the steps of a rank whose CUSUM is past half the threshold or
+``window`` steps, never including the steps of a rank with a CUSUM past half its threshold or
 that is under alert (a lasting fault does not become the new normal before it is reported), with
 floors so that a constant signal does not divide by zero. A scale grows with the spread of the
 last ``recent`` steps: in the first steps of training the ranks' losses are close together and
@@ -57,7 +57,13 @@ outlier step, however large, never alerts alone unless it exceeds ``threshold + 
 deviations (23), and shifts under 3 never do. The combined CUSUM (drift 4, the same threshold)
 alerts on the 5th step of a rank 3 standard deviations off in three of its four signals; one
 signal alone, capped at 4, never gets past the allowance, so a lone signal is left to its own
-CUSUM. An alert names the rank, its strongest signal, every signal over half the threshold, since
+CUSUM. The cross-rank ``cosine_previous`` CUSUM has its own settings (allowance 1, each step's
+score capped at 5, threshold 14): the score has light tails in healthy runs (Fisher's scale, a
+scale pooled over ranks), while a stuck rank's cosine to its previous step rises a few standard
+deviations on most steps but falls back on some (it overshoots on the batch it keeps seeing), so a
+small allowance lets the raised steps add up; the cap keeps one wild step from alerting alone (4 at
+most a step: the 4th raised step at the earliest). An alert names the rank, its strongest signal
+(the CUSUM furthest up its own threshold), every signal over half its threshold, since
 which step the CUSUM has been rising, and the parameters that deviate most on that rank: per
 parameter, how far the rank's gradient norm moved from its own recent level (exponential
 averages of ``log|g_{i,p}|`` and of its absolute deviation), minus the
@@ -128,6 +134,19 @@ class DetectorConfig:
     combined_cap: float = 4.0
     """Cap on each score entering the combined CUSUM, so that one signal cannot pass for several."""
 
+    repeat_drift: float = 1.0
+    """Allowance of the cross-rank ``cosine_previous`` CUSUM. Lower than ``drift``: on Fisher's
+    scale, against a scale pooled over ranks, this score has light tails in healthy runs, and a
+    stuck rank raises it by a few standard deviations on most steps, not on all."""
+
+    repeat_cap: float = 5.0
+    """Cap on one step's cross-rank ``cosine_previous`` score: a step adds at most ``repeat_cap -
+    repeat_drift`` to that CUSUM, so no single step, however wild, alerts alone."""
+
+    repeat_threshold: float = 14.0
+    """Level at which the cross-rank ``cosine_previous`` CUSUM alerts: with the cap, on the 4th
+    raised step at the earliest."""
+
     quiet_steps: int = 8
     """Steps with every score below threshold that end a rank's alert episode."""
 
@@ -139,12 +158,20 @@ class DetectorConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"DetectorConfig.{name}={value!r} must be an int >= 1")
-        for name in ("threshold", "drift", "cosine_floor", "layer_drift", "combined_drift", "combined_cap"):
+        for name in (
+            "threshold", "drift", "cosine_floor", "layer_drift", "combined_drift", "combined_cap",
+            "repeat_drift", "repeat_cap", "repeat_threshold",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"DetectorConfig.{name}={value!r} must be a number > 0")
         if self.window < 4:
             raise ValueError(f"DetectorConfig.window={self.window} must be >= 4 (a median and a MAD need a few steps)")
+        if self.repeat_cap <= self.repeat_drift:
+            raise ValueError(
+                f"DetectorConfig.repeat_cap={self.repeat_cap} must be > repeat_drift={self.repeat_drift} "
+                "(a capped step would never raise the cosine_previous CUSUM)"
+            )
         if self.recent > self.window:
             raise ValueError(f"DetectorConfig.recent={self.recent} must be <= window={self.window} (the recent steps are the window's last)")
 
@@ -332,6 +359,16 @@ class Detector:
             self.cusum[("cross", "combined")] = np.zeros(world)
         self.cusum[("own", "layer")] = np.zeros(world)
         self.rising_since = {key: np.full(world, -1) for key in self.cusum}
+        config = self.config
+        # Per CUSUM: its allowance, the cap on one step's score, and its alert level.
+        self.allowance = {key: config.drift for key in self.cusum}
+        self.cap = {key: math.inf for key in self.cusum}
+        self.limit = {key: config.threshold for key in self.cusum}
+        repeat = ("cross", "cosine_previous")
+        self.allowance[repeat], self.cap[repeat], self.limit[repeat] = config.repeat_drift, config.repeat_cap, config.repeat_threshold
+        if world >= 3:
+            self.allowance[("cross", "combined")] = config.combined_drift
+        self.allowance[("own", "layer")] = config.layer_drift
         self.episodes: dict[int, _Episode] = {}
         self.replica_episodes: set[int] = set()
         self.parameter_level: np.ndarray | None = None  # W x P exponential averages of log|g_{i,p}|
@@ -355,7 +392,7 @@ class Detector:
         alerts = self._replica_alerts(obs) + self._score_alerts(obs, scores, values)
         # A rank with half the evidence of an alert (or under alert) does not teach the baselines:
         # otherwise a lasting fault becomes the new normal before it is reported.
-        suspect = np.max(np.stack(list(self.cusum.values())), axis=0) > self.config.threshold / 2
+        suspect = self._strength() > 0.5
         suspect[list(self.episodes)] = True
         for name in SIGNALS:
             self.raw[name].push(values[name], ~suspect)
@@ -446,19 +483,18 @@ class Detector:
                 self._layer_cusum(obs.step, z)
                 continue
             previous = self.cusum[key]
-            updated = np.maximum(0.0, previous + z - (config.combined_drift if key[1] == "combined" else config.drift))
+            updated = np.maximum(0.0, previous + np.minimum(z, self.cap[key]) - self.allowance[key])
             starting = (previous == 0) & (updated > 0)
             self.rising_since[key] = np.where(starting, obs.step, np.where(updated > 0, self.rising_since[key], -1))
             self.cusum[key] = updated
         alerts = []
-        keys = list(self.cusum)
-        strongest_level = np.max(np.stack([self.cusum[key] for key in keys]), axis=0)
-        # Only ranks over the threshold or in an episode need a look (a few, not W).
-        for rank in sorted(set(np.flatnonzero(strongest_level > config.threshold).tolist()) | set(self.episodes)):
-            levels = {key: self.cusum[key][rank] for key in keys}
-            strongest = max(levels, key=levels.get)
+        # Only ranks over their alert level or in an episode need a look (a few, not W).
+        for rank in sorted(set(np.flatnonzero(self._strength() > 1).tolist()) | set(self.episodes)):
+            levels = {key: self.cusum[key][rank] for key in self.cusum}
+            strength = {key: level / self.limit[key] for key, level in levels.items()}
+            strongest = max(strength, key=strength.get)
             episode = self.episodes.get(rank)
-            if levels[strongest] > config.threshold:
+            if strength[strongest] > 1:
                 if episode is None:
                     since = int(self.rising_since[strongest][rank])
                     self.episodes[rank] = _Episode(since)
@@ -471,6 +507,10 @@ class Detector:
                     del self.episodes[rank]
         return alerts
 
+    def _strength(self) -> np.ndarray:
+        """Per rank, its highest CUSUM as a fraction of that CUSUM's alert level."""
+        return np.max(np.stack([self.cusum[key] / self.limit[key] for key in self.cusum]), axis=0)
+
     def _layer_cusum(self, step: int, z: np.ndarray) -> None:
         """One CUSUM per rank and parameter: a lasting rise of one parameter's gradient norm on one
         rank (silent corruption of that layer) accumulates there instead of drowning in the
@@ -479,7 +519,7 @@ class Detector:
             self.layer_level = np.zeros_like(z)
             self.layer_since = np.full(z.shape, -1)
         previous = self.layer_level
-        self.layer_level = np.maximum(0.0, previous + z - self.config.layer_drift)
+        self.layer_level = np.maximum(0.0, previous + z - self.allowance[("own", "layer")])
         self.layer_since = np.where((previous == 0) & (self.layer_level > 0), step, np.where(self.layer_level > 0, self.layer_since, -1))
         top = self.layer_level.argmax(axis=1)
         ranks = np.arange(self.world)
@@ -488,7 +528,7 @@ class Detector:
 
     def _alert(self, obs: Observation, rank: int, strongest: tuple[str, str], levels: dict, since: int, values: dict) -> dict:
         kind, name = strongest
-        signals = sorted({f"{n} ({k})" for (k, n), level in levels.items() if level > self.config.threshold / 2})
+        signals = sorted({f"{n} ({k})" for (k, n), level in levels.items() if level > self.limit[(k, n)] / 2})
         parameters = self._suspicious_parameters(rank)
         against = "the other ranks" if kind == "cross" else "its own recent steps"
         if name == "layer":
@@ -505,7 +545,7 @@ class Detector:
         }.get(name, name.replace("_", " "))
         message = (
             f"rank {rank} has diverged since step {since}: its {label} depart{'' if name in ('layer', 'combined') else 's'} from {against} "
-            f"({detail}; CUSUM {levels[strongest]:.1f} > {self.config.threshold:g})"
+            f"({detail}; CUSUM {levels[strongest]:.1f} > {self.limit[strongest]:g})"
         )
         if parameters:
             message += f", mostly in {', '.join(parameters[:3])}"

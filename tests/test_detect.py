@@ -77,6 +77,9 @@ def test_a_rank_stuck_on_one_batch_is_named_from_its_cosine_to_its_previous_step
     fault_rank = world - 1
     alerts = detect_run(_stream(world, 100, seed=20 + world, fault_rank=fault_rank, fault_step=50, kind="stuck"))
     assert alerts and alerts[0]["rank"] == fault_rank and 50 <= alerts[0]["step"] <= 56, alerts[:1]
+    if world > 2:  # about 5.5 sigma a step, capped at 5, less the allowance of 1: past 14 on the 4th step
+        assert alerts[0]["step"] == 53 and alerts[0]["kind"] == "cosine_previous", alerts[0]
+        assert re.search(r"CUSUM 1\d\.\d > 14\)", alerts[0]["message"]), alerts[0]["message"]
     assert any(signal.startswith("cosine_previous") for signal in alerts[0]["signals"]), alerts[0]["signals"]
     assert "gradient cosine to its own previous step" in alerts[0]["message"]
     shown_values = re.findall(r"its own previous step: now ([-+.\de]+), usually ([-+.\de]+)", alerts[0]["message"])
@@ -118,6 +121,18 @@ def test_one_signal_alone_does_not_pass_for_several_in_the_combined_score():
     for record in records[100:]:
         record["losses"][3] += 2.5 * 0.08  # 2.5 sigma in the loss only: capped sum stays under the allowance
     assert detect_run(records) == []
+
+
+def test_one_wild_step_of_the_cosine_to_the_previous_step_never_alerts_alone():
+    records = _stream(4, 120, seed=11)
+    records[80]["cosine_previous"][2] = 0.999  # about 25 sigma on Fisher's scale, for one step
+    # Every other CUSUM out of reach (its own-history twin would flag a step this wild), so the
+    # cross-rank cosine_previous CUSUM is the one on trial.
+    others_off = {"threshold": 1e6}
+    assert detect_run(records, DetectorConfig(**others_off)) == []
+    # The same step scored uncapped would have alerted at once: the cap is what holds it back.
+    alerts = detect_run(records, DetectorConfig(**others_off, repeat_cap=1e6))
+    assert [(a["step"], a["rank"], a["kind"]) for a in alerts] == [(80, 2, "cosine_previous")]
 
 
 def test_a_spread_that_grows_on_every_rank_is_not_taken_for_a_fault():
@@ -168,6 +183,8 @@ def test_runs_without_sketches_and_bad_settings_are_rejected():
         DetectorConfig(recent=40)
     with pytest.raises(ValueError, match=r"DetectorConfig.combined_cap=-1 must be a number > 0"):
         DetectorConfig(combined_cap=-1)
+    with pytest.raises(ValueError, match=r"DetectorConfig.repeat_cap=1 must be > repeat_drift=1.0"):
+        DetectorConfig(repeat_cap=1)
 
 
 def test_the_others_change_is_the_median_of_the_other_ranks():
