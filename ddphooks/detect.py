@@ -25,11 +25,13 @@ itself:
    score that counts is the rank's change minus the largest (W = 2) or the median (W >= 3) change
    of the other ranks, so a change every rank shares (the training trend, a learning-rate step)
    scores nothing;
-3. **several signals at once** (W >= 3): the sum of the rank's cross-rank scores, each
-   capped at ``combined_cap``, in a CUSUM of its own (allowance ``combined_drift``). A rank a
-   little off in its loss *and* its gradient norm *and* its cosine (shuffled labels: every signal
-   moves by one or two standard deviations, none enough alone) is found far sooner than by any one
-   of them; the cap keeps one wild signal from passing for several;
+3. **several signals at once** (W >= 3): the sum of the rank's cross-rank scores, each in one
+   direction (loss and gradient norm rising, cosine to the others falling, cosine to the previous
+   step rising: a rank training on wrong data) and capped at ``combined_cap``, in a CUSUM of its
+   own (allowance ``combined_drift``). A rank a little off in its loss *and* its gradient norm
+   *and* its cosine (shuffled labels: every signal moves by one or two standard deviations, none
+   enough alone) is found far sooner than by any one of them; one direction per signal keeps the
+   healthy ranks' noise out of the sum, and the cap keeps one wild signal from passing for several;
 4. **per layer**: ``d_{i,p} = log|g_{i,p}| - median_j log|g_{j,p}|`` for every parameter ``p``
    against its exponential average, in units of its average absolute deviation; only a rise
    counts (a corrupted gradient carries more energy: that direction also tells which of two
@@ -40,7 +42,9 @@ itself:
 Baselines are the median and the scaled median absolute deviation (``1.4826 * MAD``) of the last
 ``window`` steps, never including the steps of a rank with a CUSUM past half its threshold or
 that is under alert (a lasting fault does not become the new normal before it is reported), with
-floors so that a constant signal does not divide by zero. A scale grows with the spread of the
+floors so that a constant signal does not divide by zero; a baseline of fewer than
+``MIN_BASELINE_STEPS`` (8) steps scores nothing (a rank kept out of its own for a whole window is
+not scored until it has learned 8 steps again). A scale grows with the spread of the
 last ``recent`` steps: in the first steps of training the ranks' losses are close together and
 then spread out, and a baseline that still remembers the calm steps would take the new normal for
 a fault. The growth is measured on each step's MAD across ranks, which the one rank that is off
@@ -54,9 +58,9 @@ Each score feeds a one-sided CUSUM per (rank, signal): ``S <- max(0, S + z - dri
 raised when ``S > threshold``, after ``warmup`` steps. With the defaults (drift 3, threshold 20) a
 lasting shift of 10 standard deviations alerts on its 3rd step, one of 6 on its 7th; a single
 outlier step, however large, never alerts alone unless it exceeds ``threshold + drift`` standard
-deviations (23), and shifts under 3 never do. The combined CUSUM (drift 4, the same threshold)
-alerts on the 5th step of a rank 3 standard deviations off in three of its four signals; one
-signal alone, capped at 4, never gets past the allowance, so a lone signal is left to its own
+deviations (23), and shifts under 3 never do. The combined CUSUM (drift 3, the same threshold)
+alerts on the 4th step of a rank 3 standard deviations off in three of its four signals; one
+signal alone, capped at 4, adds at most 1 a step, what the same shift adds to its own
 CUSUM. The cross-rank ``cosine_previous`` CUSUM has its own settings (allowance 1, each step's
 score capped at 5, threshold 14): the score has light tails in healthy runs (Fisher's scale, a
 scale pooled over ranks), while a stuck rank's cosine to its previous step rises a few standard
@@ -96,10 +100,20 @@ SIGNALS = ("loss", "grad_norm", "cosine", "cosine_previous")
 #: the blame.
 OWN_DIRECTION = {"loss": +1, "grad_norm": 0, "cosine": -1, "cosine_previous": +1}
 CROSS_DIRECTION = {"loss": 0, "grad_norm": 0, "cosine": -1, "cosine_previous": +1}
+#: Which change of each signal counts in the combined CUSUM (W >= 3): the pattern of a rank that
+#: trains on wrong data, whose loss and gradient norm rise while its gradient turns from the
+#: others'. Each signal's own CUSUM still counts either way (CROSS_DIRECTION); in the sum, a change
+#: either way would add every healthy rank's folded noise (0.8 standard deviations a signal on
+#: average) to the allowance, and a rank a little off would have to be off by that much more.
+COMBINED_DIRECTION = {"loss": +1, "grad_norm": +1, "cosine": -1, "cosine_previous": +1}
 #: Signals measured by the sketch, whose changes inside the sketch's noise never count.
 SKETCHED = ("cosine", "cosine_previous")
 MAD_TO_STD = 1.4826
 PARAMETER_RATE = 0.1  # weight of a new step in the per-parameter exponential averages
+#: Fewest steps a baseline is learned from: a median and MAD of one or two steps have no spread,
+#: and a rank kept out of its own baseline for a whole window (while it is suspect, see
+#: ``Detector.update``) would otherwise score its next steps against the scale's floor.
+MIN_BASELINE_STEPS = 8
 
 
 @dataclass(frozen=True)
@@ -118,8 +132,10 @@ class DetectorConfig:
     drift: float = 3.0
     """Allowance subtracted from every step's score: shifts smaller than this never accumulate."""
 
-    layer_drift: float = 2.0
-    """Allowance of the per-parameter CUSUMs (one per rank and parameter, in standard deviations)."""
+    layer_drift: float = 2.25
+    """Allowance of the per-parameter CUSUMs (one per rank and parameter, in standard deviations).
+    There are W x P of them, so it sits above the 2 that one CUSUM alone would need: at 2, healthy
+    runs raised per-parameter alerts (5 in 1000 steps of one healthy seed at W = 4)."""
 
     cosine_floor: float = 2.0
     """Cosine deviations smaller than this many ``cosine_noise`` units score zero."""
@@ -128,11 +144,14 @@ class DetectorConfig:
     """Last steps whose spread across ranks, against the whole window's, scales the baselines up
     (W >= 3): a spread that grows, as in the first steps of training, is not taken for a fault."""
 
-    combined_drift: float = 4.0
-    """Allowance of the combined CUSUM (W >= 3), which sums a rank's four cross-rank scores."""
+    combined_drift: float = 3.0
+    """Allowance of the combined CUSUM (W >= 3), which sums a rank's four cross-rank scores, each
+    in the direction of ``COMBINED_DIRECTION``."""
 
     combined_cap: float = 4.0
-    """Cap on each score entering the combined CUSUM, so that one signal cannot pass for several."""
+    """Cap on each score entering the combined CUSUM, so that one signal cannot pass for several:
+    alone it adds at most ``combined_cap - combined_drift`` a step, what a shift of that size adds
+    to the signal's own CUSUM."""
 
     repeat_drift: float = 1.0
     """Allowance of the cross-rank ``cosine_previous`` CUSUM. Lower than ``drift``: on Fisher's
@@ -435,6 +454,7 @@ class Detector:
         floors = {name: max(noise, 1e-3) if name in SKETCHED else 1e-3 for name in SIGNALS}
         ignored = self.config.cosine_floor * noise  # a sketched change below this is the sketch's noise
         scores = {}
+        combined_terms = []
         # Baselines in batched sorts (per kind, over every signal and rank at once), since the
         # detector runs on the training thread; the scales grow with the recent spread (see the
         # module docstring).
@@ -442,6 +462,7 @@ class Detector:
         own = np.stack([self.raw[name].values for name in SIGNALS])  # signals x steps x W
         own_median, own_scale = _robust(own.transpose(1, 0, 2).reshape(own.shape[1], -1))
         own_median, own_scale = own_median.reshape(len(SIGNALS), -1), own_scale.reshape(len(SIGNALS), -1)
+        own_median[np.sum(np.isfinite(own), axis=1) < MIN_BASELINE_STEPS] = np.nan  # no baseline: no score
         if self.world >= 3:  # at W = 2 the spread across ranks is the gap that the rank that is off makes
             own_scale = own_scale * _growth(own - own_median[:, None, :], recent)[:, None]
         crossed = [name for name in SIGNALS if name in deviations]
@@ -449,6 +470,7 @@ class Detector:
             # Pooled over ranks: healthy ranks are exchangeable.
             cross = np.stack([self.cross[name].values for name in crossed])
             cross_median, cross_scale = _robust(cross.reshape(len(crossed), -1).T)
+            cross_median[np.sum(np.isfinite(cross), axis=(1, 2)) < MIN_BASELINE_STEPS] = np.nan
             if self.world >= 3:
                 cross_scale = cross_scale * _growth(cross, recent)
         for index, name in enumerate(SIGNALS):
@@ -467,8 +489,11 @@ class Detector:
                     gap = np.where(np.abs(gap) < ignored, 0.0, gap)
                 z = _directed(gap, CROSS_DIRECTION[name]) / scale
                 scores[("cross", name)] = np.maximum(np.nan_to_num(z, nan=0.0), 0.0)
-        if self.world >= 3:
-            scores[("cross", "combined")] = sum(np.minimum(scores[("cross", name)], self.config.combined_cap) for name in crossed)
+                if self.world >= 3:
+                    z = _directed(gap, COMBINED_DIRECTION[name]) / scale
+                    combined_terms.append(np.minimum(np.maximum(np.nan_to_num(z, nan=0.0), 0.0), self.config.combined_cap))
+        if combined_terms:
+            scores[("cross", "combined")] = sum(combined_terms)
         if self.parameter_change is not None:
             # Per rank and parameter, in standard deviations (a mean absolute deviation is 0.80
             # of one); accumulated per parameter in _score_alerts.
