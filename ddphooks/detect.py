@@ -56,9 +56,10 @@ sketch's noise never raises an alert.
 
 Each score feeds a one-sided CUSUM per (rank, signal): ``S <- max(0, S + z - drift)``; an alert is
 raised when ``S > threshold``, after ``warmup`` steps. With the defaults (drift 3, threshold 20) a
-lasting shift of 10 standard deviations alerts on its 3rd step, one of 6 on its 7th; a single
-outlier step, however large, never alerts alone unless it exceeds ``threshold + drift`` standard
-deviations (23), and shifts under 3 never do. The combined CUSUM (drift 3, the same threshold)
+lasting shift of 10 standard deviations alerts on its 3rd step, one of 6 on its 7th, and shifts
+under 3 never do. A step's score counts up to ``step_cap`` (12): a single outlier step, however
+large, never alerts alone (one odd batch is not a rank that diverged); one signal alerts on the
+3rd step of a rank that stays off at the earliest. The combined CUSUM (drift 3, the same threshold)
 alerts on the 4th step of a rank 3 standard deviations off in three of its four signals; one
 signal alone, capped at 4, adds at most 1 a step, what the same shift adds to its own
 CUSUM. The cross-rank ``cosine_previous`` CUSUM has its own settings (allowance 1, each step's
@@ -132,6 +133,13 @@ class DetectorConfig:
     drift: float = 3.0
     """Allowance subtracted from every step's score: shifts smaller than this never accumulate."""
 
+    step_cap: float = 12.0
+    """Cap on one step's score in each CUSUM of one signal (own and cross loss, gradient norm and
+    cosines, and each per-parameter CUSUM): a step adds at most ``step_cap - drift`` (9), so no
+    single step, however wild, alerts alone, and a rank must stay off for 3 steps. One odd batch
+    (in a healthy run, a length-grouped batch whose gradient was 3.5x smaller than the others')
+    is not a rank that diverged."""
+
     layer_drift: float = 2.25
     """Allowance of the per-parameter CUSUMs (one per rank and parameter, in standard deviations).
     There are W x P of them, so it sits above the 2 that one CUSUM alone would need: at 2, healthy
@@ -178,7 +186,7 @@ class DetectorConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"DetectorConfig.{name}={value!r} must be an int >= 1")
         for name in (
-            "threshold", "drift", "cosine_floor", "layer_drift", "combined_drift", "combined_cap",
+            "threshold", "drift", "step_cap", "cosine_floor", "layer_drift", "combined_drift", "combined_cap",
             "repeat_drift", "repeat_cap", "repeat_threshold",
         ):
             value = getattr(self, name)
@@ -186,6 +194,11 @@ class DetectorConfig:
                 raise ValueError(f"DetectorConfig.{name}={value!r} must be a number > 0")
         if self.window < 4:
             raise ValueError(f"DetectorConfig.window={self.window} must be >= 4 (a median and a MAD need a few steps)")
+        if self.step_cap <= max(self.drift, self.layer_drift):
+            raise ValueError(
+                f"DetectorConfig.step_cap={self.step_cap} must be > drift={self.drift} and layer_drift={self.layer_drift} "
+                "(a capped step would never raise a CUSUM)"
+            )
         if self.repeat_cap <= self.repeat_drift:
             raise ValueError(
                 f"DetectorConfig.repeat_cap={self.repeat_cap} must be > repeat_drift={self.repeat_drift} "
@@ -381,12 +394,12 @@ class Detector:
         config = self.config
         # Per CUSUM: its allowance, the cap on one step's score, and its alert level.
         self.allowance = {key: config.drift for key in self.cusum}
-        self.cap = {key: math.inf for key in self.cusum}
+        self.cap = {key: config.step_cap for key in self.cusum}
         self.limit = {key: config.threshold for key in self.cusum}
         repeat = ("cross", "cosine_previous")
         self.allowance[repeat], self.cap[repeat], self.limit[repeat] = config.repeat_drift, config.repeat_cap, config.repeat_threshold
-        if world >= 3:
-            self.allowance[("cross", "combined")] = config.combined_drift
+        if world >= 3:  # its terms are capped one by one (combined_cap)
+            self.allowance[("cross", "combined")], self.cap[("cross", "combined")] = config.combined_drift, math.inf
         self.allowance[("own", "layer")] = config.layer_drift
         self.episodes: dict[int, _Episode] = {}
         self.replica_episodes: set[int] = set()
@@ -544,7 +557,8 @@ class Detector:
             self.layer_level = np.zeros_like(z)
             self.layer_since = np.full(z.shape, -1)
         previous = self.layer_level
-        self.layer_level = np.maximum(0.0, previous + z - self.allowance[("own", "layer")])
+        layer = ("own", "layer")
+        self.layer_level = np.maximum(0.0, previous + np.minimum(z, self.cap[layer]) - self.allowance[layer])
         self.layer_since = np.where((previous == 0) & (self.layer_level > 0), step, np.where(self.layer_level > 0, self.layer_since, -1))
         top = self.layer_level.argmax(axis=1)
         ranks = np.arange(self.world)

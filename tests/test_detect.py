@@ -144,6 +144,21 @@ def test_one_wild_step_of_the_cosine_to_the_previous_step_never_alerts_alone():
     assert [(a["step"], a["rank"], a["kind"]) for a in alerts] == [(80, 2, "cosine_previous")]
 
 
+def test_one_wild_step_of_any_signal_never_alerts_alone_and_three_do():
+    # The false alarm this guards against: one odd batch (in a real run, a length-grouped batch
+    # whose gradient was 3.5x smaller than the other ranks') far outside the run's spread, once.
+    records = _stream(4, 120, seed=13)
+    records[80]["grad_norms"][1] /= 20  # 30 standard deviations of the log gradient norm
+    assert detect_run(records) == []
+    alerts = detect_run(records, DetectorConfig(step_cap=1e6))  # uncapped, that one step alerts at once
+    assert [(a["step"], a["rank"], a["kind"]) for a in alerts] == [(80, 1, "grad_norm")]
+    # The same step three times running is a rank that is off: capped at 12, 3 x (12 - 3) > 20.
+    for record in records[81:83]:
+        record["grad_norms"][1] /= 20
+    alerts = detect_run(records)
+    assert [(a["step"], a["rank"]) for a in alerts] == [(82, 1)], alerts
+
+
 def test_a_rank_kept_out_of_its_baseline_for_a_whole_window_is_not_scored_against_nothing(monkeypatch):
     # One parameter of rank 2 runs high for 40 steps: an alert, and rank 2 stays suspect long
     # enough that its own-history windows hold no step of it. When it comes back, its steps are
@@ -151,11 +166,14 @@ def test_a_rank_kept_out_of_its_baseline_for_a_whole_window_is_not_scored_agains
     records = _stream(4, 260, seed=12)
     for record in records[40:80]:
         record["parameters"][3]["grad_norms"][2] *= 1.5
-    alerts = [(a["step"], a["rank"], a["kind"]) for a in detect_run(records)]
-    assert alerts == [(45, 2, "layer")], alerts
+    # Uncapped, so that the guard is on trial and not step_cap, which also limits the damage.
+    uncapped = DetectorConfig(step_cap=1e6)
+    for config in (None, uncapped):
+        alerts = [(a["step"], a["rank"], a["kind"]) for a in detect_run(records, config)]
+        assert alerts == [(45, 2, "layer")], alerts
     # Scored against a median of one or two steps and the scale's floor, its next steps "diverge".
     monkeypatch.setattr(detect, "MIN_BASELINE_STEPS", 0)
-    assert len(detect_run(records)) > 1
+    assert len(detect_run(records, uncapped)) > 1
 
 
 def test_a_spread_that_grows_on_every_rank_is_not_taken_for_a_fault():
@@ -208,6 +226,8 @@ def test_runs_without_sketches_and_bad_settings_are_rejected():
         DetectorConfig(recent=40)
     with pytest.raises(ValueError, match=r"DetectorConfig.combined_cap=-1 must be a number > 0"):
         DetectorConfig(combined_cap=-1)
+    with pytest.raises(ValueError, match=r"DetectorConfig.step_cap=3 must be > drift=3.0 and layer_drift=2.25"):
+        DetectorConfig(step_cap=3)
     with pytest.raises(ValueError, match=r"DetectorConfig.repeat_cap=1 must be > repeat_drift=1.0"):
         DetectorConfig(repeat_cap=1)
 
