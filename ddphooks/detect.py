@@ -57,9 +57,9 @@ sketch's noise never raises an alert.
 Each score feeds a one-sided CUSUM per (rank, signal): ``S <- max(0, S + z - drift)``; an alert is
 raised when ``S > threshold``, after ``warmup`` steps. With the defaults (drift 3, threshold 20) a
 lasting shift of 10 standard deviations alerts on its 3rd step, one of 6 on its 7th, and shifts
-under 3 never do. A step's score counts up to ``step_cap`` (12): a single outlier step, however
+under 3 never do. A step's score counts up to ``step_cap`` (16): a single outlier step, however
 large, never alerts alone (one odd batch is not a rank that diverged); one signal alerts on the
-3rd step of a rank that stays off at the earliest. The combined CUSUM (drift 3, the same threshold)
+2nd step of a rank that stays off at the earliest. The combined CUSUM (drift 3, the same threshold)
 alerts on the 4th step of a rank 3 standard deviations off in three of its four signals; one
 signal alone, capped at 4, adds at most 1 a step, what the same shift adds to its own
 CUSUM. The cross-rank ``cosine_previous`` CUSUM has its own settings (allowance 1, each step's
@@ -133,12 +133,13 @@ class DetectorConfig:
     drift: float = 3.0
     """Allowance subtracted from every step's score: shifts smaller than this never accumulate."""
 
-    step_cap: float = 12.0
+    step_cap: float = 16.0
     """Cap on one step's score in each CUSUM of one signal (own and cross loss, gradient norm and
-    cosines, and each per-parameter CUSUM): a step adds at most ``step_cap - drift`` (9), so no
-    single step, however wild, alerts alone, and a rank must stay off for 3 steps. One odd batch
-    (in a healthy run, a length-grouped batch whose gradient was 3.5x smaller than the others')
-    is not a rank that diverged."""
+    cosines, and each per-parameter CUSUM): a step adds at most ``step_cap - drift`` (13), so no
+    single step, however wild, alerts alone: one odd batch (in a healthy run, a length-grouped
+    batch whose gradient was 3.5x smaller than the others', 25 standard deviations) is not a rank
+    that diverged. Not lower: on a pretrained model, wrong labels raise the loss by 12-16 standard
+    deviations a step, and two such steps must be enough."""
 
     layer_drift: float = 2.25
     """Allowance of the per-parameter CUSUMs (one per rank and parameter, in standard deviations).
