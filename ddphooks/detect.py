@@ -33,11 +33,16 @@ itself:
    enough alone) is found far sooner than by any one of them; one direction per signal keeps the
    healthy ranks' noise out of the sum, and the cap keeps one wild signal from passing for several;
 4. **per layer**: ``d_{i,p} = log|g_{i,p}| - median_j log|g_{j,p}|`` for every parameter ``p``
-   against its exponential average, in units of its average absolute deviation; only a rise
-   counts (a corrupted gradient carries more energy: that direction also tells which of two
-   ranks it is), accumulated in one CUSUM per rank and parameter (allowance ``layer_drift``), so
-   that a lasting change in one layer is not lost among the hundreds of parameters that did not
-   change; the rank's level is its largest.
+   against its exponential average, in standard deviations; only a rise counts (a corrupted
+   gradient carries more energy: that direction also tells which of two ranks it is),
+   accumulated in one CUSUM per rank and parameter (allowance ``layer_drift``), so that a lasting
+   change in one layer is not lost among the hundreds of parameters that did not change; the
+   rank's level is its largest. The scale of a parameter's rises is learned on every step,
+   pooled over ranks (an exponential average of their median absolute rise, which the one rank
+   that is off cannot move; W >= 3). A scale learned only on calm steps would be too small by
+   the steps it skips, and healthy runs would raise per-parameter alerts. At W = 2, with no
+   majority, each rank's scale is its own average absolute rise, learned on the steps when its
+   evidence on that parameter is not accumulating.
 
 Baselines are the median and the scaled median absolute deviation (``1.4826 * MAD``) of the last
 ``window`` steps, never including the steps of a rank with a CUSUM past half its threshold or
@@ -70,9 +75,8 @@ small allowance lets the raised steps add up; the cap keeps one wild step from a
 most a step: the 4th raised step at the earliest). An alert names the rank, its strongest signal
 (the CUSUM furthest up its own threshold), every signal over half its threshold, since
 which step the CUSUM has been rising, and the parameters that deviate most on that rank: per
-parameter, how far the rank's gradient norm moved from its own recent level (exponential
-averages of ``log|g_{i,p}|`` and of its absolute deviation), minus the
-median of the same over the other ranks. One alert per episode: a rank's episode ends after
+parameter, the evidence of its CUSUM, and where there is none, how far the rank's gradient
+norm, against the median rank's, rose above its own recent level. One alert per episode: a rank's episode ends after
 ``quiet_steps`` steps with every score below threshold.
 
 Replica divergence (records' ``replicas`` key, from parameter fingerprints) alerts at once, with
@@ -405,7 +409,7 @@ class Detector:
         self.episodes: dict[int, _Episode] = {}
         self.replica_episodes: set[int] = set()
         self.parameter_level: np.ndarray | None = None  # W x P exponential averages of log|g_{i,p}|
-        self.parameter_spread: np.ndarray | None = None  # ... and of its absolute deviation
+        self.parameter_scale: np.ndarray | None = None  # W x P standard deviations of their rises (see _learn_parameters)
         self.parameter_change: np.ndarray | None = None  # this step's W x P change (see _parameter_changes)
         self.layer_level: np.ndarray | None = None  # W x P per-parameter CUSUMs
         self.parameter_names: list[str] | None = None
@@ -509,9 +513,8 @@ class Detector:
         if combined_terms:
             scores[("cross", "combined")] = sum(combined_terms)
         if self.parameter_change is not None:
-            # Per rank and parameter, in standard deviations (a mean absolute deviation is 0.80
-            # of one); accumulated per parameter in _score_alerts.
-            scores[("own", "layer")] = self.parameter_change * math.sqrt(2 / math.pi)
+            # Per rank and parameter, in standard deviations; accumulated per parameter in _score_alerts.
+            scores[("own", "layer")] = self.parameter_change
         return scores
 
     # -- alerts ----------------------------------------------------------------------------------
@@ -653,8 +656,7 @@ class Detector:
     # -- which layers ----------------------------------------------------------------------------
     def _parameter_changes(self, obs: Observation) -> None:
         """Per rank and parameter, how far ``log|g_{i,p}| - median_j log|g_{j,p}|`` rose above its
-        exponential average, in units of its average absolute deviation (``parameter_change``;
-        None without the norms)."""
+        exponential average, in standard deviations (``parameter_change``; None without the norms)."""
         self.parameter_change = None
         if obs.parameter_norms is None or obs.parameter_names is None:
             return
@@ -664,15 +666,15 @@ class Detector:
         if self.parameter_names != obs.parameter_names or self.parameter_level is None:
             self.parameter_names = list(obs.parameter_names)
             self.parameter_level = self._parameter_now.copy()
-            self.parameter_spread = np.zeros_like(self.parameter_level)
+            self.parameter_scale = np.zeros_like(self.parameter_level)
             self.parameter_seen = 0
             return
         if self.parameter_seen >= self.config.warmup:
             rise = self._parameter_now - self.parameter_level
-            # The spread average starts from zero: divided by the weight it has gathered (as in
+            # The scale's average starts from zero: divided by the weight it has gathered (as in
             # Adam's bias correction), it is not underestimated over the first steps.
-            spread = self.parameter_spread / (1 - (1 - PARAMETER_RATE) ** self.parameter_seen)
-            self.parameter_change = np.nan_to_num(rise / (spread + 1e-3), nan=0.0, posinf=1e9, neginf=-1e9)
+            scale = self.parameter_scale / (1 - (1 - PARAMETER_RATE) ** self.parameter_seen)
+            self.parameter_change = np.nan_to_num(rise / (scale + 1e-3), nan=0.0, posinf=1e9, neginf=-1e9)
 
     def _learn_parameters(self, obs: Observation, suspect: np.ndarray) -> None:
         if obs.parameter_norms is None or self.parameter_level is None or self.parameter_names != obs.parameter_names:
@@ -680,11 +682,22 @@ class Detector:
         rate = PARAMETER_RATE
         level = self._parameter_now
         deviation = np.abs(level - self.parameter_level)
-        keep = np.isfinite(level) & ~suspect[:, None]  # a suspect rank does not teach the baseline its fault
+        learnable = np.isfinite(level) & ~suspect[:, None]  # a suspect rank does not teach the baseline its fault
+        keep = learnable.copy()
         if self.layer_level is not None and self.layer_level.shape == keep.shape:
             keep &= self.layer_level == 0  # nor does a parameter whose evidence is accumulating
         self.parameter_level = np.where(keep, (1 - rate) * self.parameter_level + rate * level, self.parameter_level)
-        self.parameter_spread = np.where(keep, (1 - rate) * self.parameter_spread + rate * deviation, self.parameter_spread)
+        if self.world >= 3:
+            # Every step, pooled over ranks: the median absolute rise (1.4826 of it is a standard
+            # deviation), which the one rank that is off cannot move.
+            typical = MAD_TO_STD * _column_medians(np.where(learnable, deviation, np.nan))
+            learned = np.broadcast_to(np.isfinite(typical), keep.shape)
+        else:
+            # No majority: each rank's own average absolute rise (sqrt(pi/2) of it is a standard
+            # deviation), only while its evidence on the parameter is not accumulating, or the
+            # fault would become the scale.
+            typical, learned = math.sqrt(math.pi / 2) * deviation, keep
+        self.parameter_scale = np.where(learned, (1 - rate) * self.parameter_scale + rate * np.nan_to_num(typical), self.parameter_scale)
         self.parameter_seen += 1
 
     def _suspicious_parameters(self, rank: int) -> list[str]:
