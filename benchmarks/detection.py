@@ -30,7 +30,7 @@ args = parser.parse_args()
 overrides = {k: v for k, v in (("threshold", args.threshold), ("drift", args.drift)) if v is not None}
 config = DetectorConfig(**overrides)
 
-delays = defaultdict(list)  # (kind, W) -> delays (None: missed)
+delays = defaultdict(list)  # (kind, W, fault step) -> delays (None: missed)
 false_alarms = defaultdict(lambda: [0, 0])  # (setting, W) -> [alerts, steps]
 wrong = defaultdict(int)
 for path in sorted(p for folder in args.folders for p in Path(folder).rglob("run-*.jsonl")):
@@ -44,21 +44,22 @@ for path in sorted(p for folder in args.folders for p in Path(folder).rglob("run
         continue
     fault_step, fault_rank = run.fault_step, run.header.get("config", {}).get("fault_rank")
     named = [a["step"] - fault_step for a in alerts if a["step"] >= fault_step and a["rank"] == fault_rank]
-    delays[(kind, world)].append(min(named) if named else None)
+    delays[(kind, world, fault_step)].append(min(named) if named else None)
     early = [a for a in alerts if a["step"] < fault_step]
     false_alarms[("fault, before the fault", world)][0] += len(early)
     false_alarms[("fault, before the fault", world)][1] += sum(1 for r in run.records if r["step"] < fault_step)
-    wrong[(kind, world)] += sum(1 for a in alerts if a["step"] >= fault_step and a["rank"] != fault_rank)
+    wrong[(kind, world, fault_step)] += sum(1 for a in alerts if a["step"] >= fault_step and a["rank"] != fault_rank)
 
 print(f"detector: {config}")
-print(f"\n{'fault kind':<10} {'W':>2} {'runs':>4} {'missed':>6} {'median delay':>12} {'worst delay':>11} {'other-rank alerts':>17}")
+print(f"\n{'fault kind':<10} {'W':>2} {'from step':>9} {'runs':>4} {'missed':>6} {'median delay':>12} {'worst delay':>11} {'other-rank alerts':>17}")
 rows = []
-for (kind, world), values in sorted(delays.items()):
+for (kind, world, fault_step), values in sorted(delays.items()):
     found = [v for v in values if v is not None]
     median = statistics.median(found) if found else None
     worst = max(found) if found else None
-    rows.append({"kind": kind, "world": world, "runs": len(values), "missed": len(values) - len(found), "median": median, "worst": worst, "delays": values, "other_rank_alerts": wrong[(kind, world)]})
-    print(f"{kind:<10} {world:>2} {len(values):>4} {len(values) - len(found):>6} {'-' if median is None else median:>12} {'-' if worst is None else worst:>11} {wrong[(kind, world)]:>17}")
+    other = wrong[(kind, world, fault_step)]
+    rows.append({"kind": kind, "world": world, "fault_step": fault_step, "runs": len(values), "missed": len(values) - len(found), "median": median, "worst": worst, "delays": values, "other_rank_alerts": other})
+    print(f"{kind:<10} {world:>2} {fault_step:>9} {len(values):>4} {len(values) - len(found):>6} {'-' if median is None else median:>12} {'-' if worst is None else worst:>11} {other:>17}")
 
 print(f"\n{'healthy setting':<24} {'W':>2} {'steps':>6} {'alerts':>6} {'per 1000 steps':>14}")
 healthy = []

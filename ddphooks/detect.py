@@ -147,8 +147,9 @@ class DetectorConfig:
 
     layer_drift: float = 2.25
     """Allowance of the per-parameter CUSUMs (one per rank and parameter, in standard deviations).
-    There are W x P of them, so it sits above the 2 that one CUSUM alone would need: at 2, healthy
-    runs raised per-parameter alerts (5 in 1000 steps of one healthy seed at W = 4)."""
+    There are W x P of them, so it sits above the 2 that one CUSUM alone would need: at 2 (and a
+    scale learned on calm steps only, since replaced), healthy runs raised per-parameter alerts
+    (5 in 1000 steps of one healthy seed at W = 4)."""
 
     cosine_floor: float = 2.0
     """Cosine deviations smaller than this many ``cosine_noise`` units score zero."""

@@ -139,5 +139,5 @@ def test_detection_measures_delay_and_false_alarms(tmp_path):
     assert "labels" in out and "pooled" in out
     result = json.loads((tmp_path / "d.json").read_text())
     (row,) = result["delays"]
-    assert (row["kind"], row["world"], row["missed"]) == ("labels", 4, 0) and 0 <= row["median"] <= 5
+    assert (row["kind"], row["world"], row["fault_step"], row["missed"]) == ("labels", 4, 60, 0) and 0 <= row["median"] <= 5
     assert {(h["setting"], h["alerts"]) for h in result["healthy"]} >= {("sync", 0)}
