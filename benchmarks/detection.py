@@ -8,6 +8,7 @@ none. The runs come from ``ddphooks experiment`` (commands in benchmarks/README.
 
     python benchmarks/detection.py runs/healthy runs/faults            # folders searched for run-*.jsonl
     python benchmarks/detection.py runs/faults --json detection.json
+    python benchmarks/detection.py runs/heldout --set recent=32            # another DetectorConfig
 """
 
 import argparse
@@ -24,11 +25,22 @@ HEALTHY_POOL = ("sync", "desync-shuffle", "desync-all", "group-sync")
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("folders", nargs="+", help="folders searched (recursively) for run-*.jsonl files")
 parser.add_argument("--json", default=None, help="also write the results to this file")
-parser.add_argument("--threshold", type=float, default=None, help="override DetectorConfig.threshold")
-parser.add_argument("--drift", type=float, default=None, help="override DetectorConfig.drift")
+parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="override one DetectorConfig field (repeatable), e.g. --set recent=32")
 args = parser.parse_args()
-overrides = {k: v for k, v in (("threshold", args.threshold), ("drift", args.drift)) if v is not None}
-config = DetectorConfig(**overrides)
+defaults = DetectorConfig()
+overrides = {}
+for item in args.set:
+    name, _, value = item.partition("=")
+    if not hasattr(defaults, name) or not value:
+        parser.error(f"--set {item!r}: expected NAME=VALUE with NAME one of {', '.join(vars(defaults))}")
+    try:
+        overrides[name] = type(getattr(defaults, name))(value)
+    except ValueError:
+        parser.error(f"--set {item!r}: {value!r} is not a valid {type(getattr(defaults, name)).__name__}")
+try:
+    config = DetectorConfig(**overrides)
+except ValueError as error:
+    parser.error(str(error))
 
 delays = defaultdict(list)  # (kind, W, fault step) -> delays (None: missed)
 false_alarms = defaultdict(lambda: [0, 0])  # (setting, W) -> [alerts, steps]

@@ -141,3 +141,8 @@ def test_detection_measures_delay_and_false_alarms(tmp_path):
     (row,) = result["delays"]
     assert (row["kind"], row["world"], row["fault_step"], row["missed"]) == ("labels", 4, 60, 0) and 0 <= row["median"] <= 5
     assert {(h["setting"], h["alerts"]) for h in result["healthy"]} >= {("sync", 0)}
+    # --set reaches the detector's config; a name that is no field fails and lists the fields
+    _run("detection.py", str(tmp_path / "faults"), "--set", "recent=32", "--json", str(tmp_path / "d32.json"))
+    assert json.loads((tmp_path / "d32.json").read_text())["config"]["recent"] == 32
+    bad = subprocess.run([sys.executable, str(BENCHMARKS / "detection.py"), str(tmp_path), "--set", "recnt=32"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "'recnt=32'" in bad.stderr and "recent" in bad.stderr
