@@ -209,7 +209,7 @@ def test_a_rank_kept_out_of_its_baseline_for_a_whole_window_is_not_scored_agains
 def test_a_spread_that_grows_on_every_rank_is_not_taken_for_a_fault():
     # The first steps of training: the ranks' losses and gradient norms start close together and
     # then spread out (here about 3x from step 40), on every rank alike.
-    alerted_without_growth = 0
+    alerted_without_growth = combined_without_growth = 0
     for seed in range(10, 16):
         records = _stream(4, 120, seed=seed)
         rng = np.random.default_rng(seed + 100)
@@ -219,7 +219,41 @@ def test_a_spread_that_grows_on_every_rank_is_not_taken_for_a_fault():
         assert detect_run(records) == [], seed
         # Scales that do not grow with the recent spread (recent = the whole window) raise alerts.
         alerted_without_growth += detect_run(records, DetectorConfig(recent=32)) != []
+        # So does the combined CUSUM alone when its terms ignore the growth: two signals spread at once.
+        combined_without_growth += any(a["kind"] == "combined" for a in detect_run(records, DetectorConfig(combined_growth=0)))
     assert alerted_without_growth >= 4, alerted_without_growth
+    assert combined_without_growth >= 1, combined_without_growth
+
+
+def _growing(seed: int, fault_step: int | None) -> list[dict]:
+    """A stream whose loss and gradient-norm spreads double over steps 40-60 on every rank, with
+    rank 3 from ``fault_step`` 2 (growing) standard deviations off in loss, gradient norm and cosine."""
+    records = _stream(4, 120, seed=seed)
+    rng = np.random.default_rng(seed + 100)
+    for step, record in enumerate(records[40:], start=40):
+        spread = 1 + min(1.0, (step - 40) / 20)
+        extra = math.sqrt(spread**2 - 1)
+        record["losses"] = (np.array(record["losses"]) + extra * 0.08 * rng.standard_normal(4)).tolist()
+        record["grad_norms"] = (np.array(record["grad_norms"]) * np.exp(extra * 0.1 * rng.standard_normal(4))).tolist()
+        if fault_step is not None and step >= fault_step:
+            record["losses"][3] += 2 * 0.08 * spread
+            record["grad_norms"][3] *= math.exp(2 * 0.1 * spread)
+            record["cosine_loo"][3] -= 2 * 0.08
+    return records
+
+
+def test_a_fault_while_the_spreads_grow_is_named_sooner_with_part_of_the_growth():
+    # The combined CUSUM's terms are scaled by the square root of the growth (combined_growth=0.5):
+    # the full growth, a ratio of noisy medians, holds back a rank a little off in every signal.
+    delays = {}
+    for growth in (0.5, 1.0):
+        config = DetectorConfig(combined_growth=growth)
+        for seed in range(10, 15):
+            assert detect_run(_growing(seed, None), config) == [], (growth, seed)
+            alerts = [a for a in detect_run(_growing(seed, 56), config)]
+            assert alerts and {a["rank"] for a in alerts} == {3} and alerts[0]["kind"] == "combined", (growth, seed, alerts[:1])
+            delays.setdefault(growth, []).append(alerts[0]["step"] - 56)
+    assert max(delays[0.5]) <= 9 and sum(delays[0.5]) < sum(delays[1.0]), delays
 
 
 def test_a_cosine_change_inside_the_sketch_noise_never_alerts():
@@ -254,6 +288,9 @@ def test_runs_without_sketches_and_bad_settings_are_rejected():
         DetectorConfig(threshold=0)
     with pytest.raises(ValueError, match=r"DetectorConfig.recent=40 must be <= window=32"):
         DetectorConfig(recent=40)
+    for growth in (-0.1, 1.5, True):
+        with pytest.raises(ValueError, match=rf"DetectorConfig.combined_growth={growth!r} must be a number from 0 to 1"):
+            DetectorConfig(combined_growth=growth)
     with pytest.raises(ValueError, match=r"DetectorConfig.combined_cap=-1 must be a number > 0"):
         DetectorConfig(combined_cap=-1)
     with pytest.raises(ValueError, match=r"DetectorConfig.step_cap=3 must be > drift=3.0 and layer_drift=2.25"):
