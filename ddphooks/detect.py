@@ -32,8 +32,12 @@ itself:
    *and* its cosine (shuffled labels: every signal moves by one or two standard deviations, none
    enough alone) is found far sooner than by any one of them; one direction per signal keeps the
    healthy ranks' noise out of the sum, and the cap keeps one wild signal from passing for several;
-4. **per layer**: ``d_{i,p} = log|g_{i,p}| - median_j log|g_{j,p}|`` for every parameter ``p``
-   against its exponential average, in standard deviations; only a rise counts (a corrupted
+4. **per layer**: ``d_{i,p} = log|g_{i,p}| - median_j log|g_{j,p}|`` for every parameter ``p``,
+   less the rank's common factor ``median_q d_{i,q}`` (a batch that makes one rank's whole
+   gradient larger moves all its parameters alike, and one corrupted parameter cannot move a
+   median over many: with it removed, the corrupted weights of the embedded model's runs stood
+   out about twice as far from their noise), against its exponential average, in standard
+   deviations; only a rise counts (a corrupted
    gradient carries more energy: that direction also tells which of two ranks it is),
    accumulated in one CUSUM per rank and parameter (allowance ``layer_drift``), so that a lasting
    change in one layer is not lost among the hundreds of parameters that did not change; the
@@ -62,7 +66,10 @@ a cosine deviation below ``cosine_floor`` times that noise scores zero: a cosine
 sketch's noise never raises an alert.
 
 Each score feeds a one-sided CUSUM per (rank, signal): ``S <- max(0, S + z - drift)``; an alert is
-raised when ``S > threshold``, after ``warmup`` steps. With the defaults (drift 3, threshold 20) a
+raised when ``S > threshold``, after ``warmup`` steps. A signal suspicious either way keeps two, one
+for its rises and one for its falls: a gradient norm that dips on one step and spikes on the next
+is no lasting shift (on a healthy length-grouped run, one CUSUM of its size alerted on exactly
+that). With the defaults (drift 3, threshold 20) a
 lasting shift of 10 standard deviations alerts on its 3rd step, one of 6 on its 7th, and shifts
 under 3 never do. A step's score counts up to ``step_cap`` (16): a single outlier step, however
 large, never alerts alone (one odd batch is not a rank that diverged); one signal alerts on the
@@ -121,6 +128,9 @@ PARAMETER_RATE = 0.1  # weight of a new step in the per-parameter exponential av
 #: and a rank kept out of its own baseline for a whole window (while it is suspect, see
 #: ``Detector.update``) would otherwise score its next steps against the scale's floor.
 MIN_BASELINE_STEPS = 8
+#: Fewest parameters whose median is a rank's common factor (see ``Detector._parameter_changes``):
+#: with one or two, a corrupted parameter would move it.
+COMMON_FACTOR_PARAMETERS = 3
 
 
 @dataclass(frozen=True)
@@ -130,8 +140,11 @@ class DetectorConfig:
     window: int = 32
     """Trailing steps the baselines (median, MAD) are computed over."""
 
-    warmup: int = 16
-    """Steps observed before the first alert (replica alerts excepted)."""
+    warmup: int = 24
+    """Steps observed before the first alert (replica alerts excepted). Not 16: in the first steps
+    of training the ranks' losses spread apart (on the embedded model their spread across ranks
+    grew 4x over steps 0-30), and baselines learned on 16 such steps raised combined alerts on
+    healthy runs at steps 22 and 25."""
 
     threshold: float = 20.0
     """CUSUM level (in standard deviations summed over steps) at which an alert is raised."""
@@ -359,9 +372,10 @@ def _fisher(cosine: np.ndarray) -> np.ndarray:
     return np.arctanh(np.clip(cosine, -0.999, 0.999))
 
 
-def _directed(change: np.ndarray, direction: int) -> np.ndarray:
-    """The suspicious part of a change: itself (+1, a rise), its negative (-1, a drop) or its size (0)."""
-    return np.abs(change) if direction == 0 else direction * change
+def _sides(change: np.ndarray, direction: int) -> list[np.ndarray]:
+    """The suspicious parts of a change, each accumulated apart: itself (+1, a rise), its negative
+    (-1, a drop), or both (0: a rise and a drop, never their sum or size)."""
+    return [change, -change] if direction == 0 else [direction * change]
 
 
 def _others_change(z: np.ndarray) -> np.ndarray:
@@ -413,6 +427,8 @@ class Detector:
             self.cusum[("cross", "combined")] = np.zeros(world)
         self.cusum[("own", "layer")] = np.zeros(world)
         self.rising_since = {key: np.full(world, -1) for key in self.cusum}
+        self.parts: dict[tuple[str, str], np.ndarray] = {}  # key -> W x parts CUSUMs (see _accumulate)
+        self.parts_since: dict[tuple[str, str], np.ndarray] = {}
         config = self.config
         # Per CUSUM: its allowance, the cap on one step's score, and its alert level.
         self.allowance = {key: config.drift for key in self.cusum}
@@ -428,7 +444,6 @@ class Detector:
         self.parameter_level: np.ndarray | None = None  # W x P exponential averages of log|g_{i,p}|
         self.parameter_scale: np.ndarray | None = None  # W x P standard deviations of their rises (see _learn_parameters)
         self.parameter_change: np.ndarray | None = None  # this step's W x P change (see _parameter_changes)
-        self.layer_level: np.ndarray | None = None  # W x P per-parameter CUSUMs
         self.parameter_names: list[str] | None = None
 
     # -- the step ------------------------------------------------------------------------------
@@ -484,7 +499,9 @@ class Detector:
         }
 
     def _scores(self, values: dict, deviations: dict, cosine_noise: float) -> dict[tuple[str, str], np.ndarray]:
-        """Per (kind, signal), every rank's z-score for this step (>= 0; suspicious direction)."""
+        """Per (kind, signal), every rank's z-scores for this step (>= 0, W x parts): one part for
+        a signal suspicious in one direction, two (its rise, its fall) for one suspicious either way,
+        one per parameter for the layers."""
         noise = cosine_noise if math.isfinite(cosine_noise) else 0.0
         floors = {name: max(noise, 1e-3) if name in SKETCHED else 1e-3 for name in SIGNALS}
         ignored = self.config.cosine_floor * noise  # a sketched change below this is the sketch's noise
@@ -515,21 +532,26 @@ class Detector:
             change = values[name] - median
             if name in SKETCHED:
                 change = np.where(np.abs(change) < ignored, 0.0, change)
-            z = np.nan_to_num(_directed(change, OWN_DIRECTION[name]) / scale, nan=0.0)
-            scores[("own", name)] = np.maximum(z - _others_change(np.maximum(z, 0.0)), 0.0)
+            scores[("own", name)] = np.stack(
+                [
+                    np.maximum(z - _others_change(np.maximum(z, 0.0)), 0.0)
+                    for z in (np.nan_to_num(side / scale, nan=0.0) for side in _sides(change, OWN_DIRECTION[name]))
+                ],
+                axis=1,
+            )
             if name in deviations:
                 position = crossed.index(name)
                 median, scale = cross_median[position], max(cross_scale[position], floors[name])
                 gap = deviations[name] - median
                 if name in SKETCHED:
                     gap = np.where(np.abs(gap) < ignored, 0.0, gap)
-                z = _directed(gap, CROSS_DIRECTION[name]) / scale
-                scores[("cross", name)] = np.maximum(np.nan_to_num(z, nan=0.0), 0.0)
+                sides = [np.nan_to_num(side / scale, nan=0.0) for side in _sides(gap, CROSS_DIRECTION[name])]
+                scores[("cross", name)] = np.maximum(np.stack(sides, axis=1), 0.0)
                 if self.world >= 3:
-                    z = _directed(gap, COMBINED_DIRECTION[name]) / max(combined_scale[position], floors[name])
+                    z = COMBINED_DIRECTION[name] * gap / max(combined_scale[position], floors[name])
                     combined_terms.append(np.minimum(np.maximum(np.nan_to_num(z, nan=0.0), 0.0), self.config.combined_cap))
         if combined_terms:
-            scores[("cross", "combined")] = sum(combined_terms)
+            scores[("cross", "combined")] = sum(combined_terms)[:, None]
         if self.parameter_change is not None:
             # Per rank and parameter, in standard deviations; accumulated per parameter in _score_alerts.
             scores[("own", "layer")] = self.parameter_change
@@ -539,14 +561,7 @@ class Detector:
     def _score_alerts(self, obs: Observation, scores: dict, values: dict) -> list[dict]:
         config = self.config
         for key, z in scores.items():
-            if key == ("own", "layer"):
-                self._layer_cusum(obs.step, z)
-                continue
-            previous = self.cusum[key]
-            updated = np.maximum(0.0, previous + np.minimum(z, self.cap[key]) - self.allowance[key])
-            starting = (previous == 0) & (updated > 0)
-            self.rising_since[key] = np.where(starting, obs.step, np.where(updated > 0, self.rising_since[key], -1))
-            self.cusum[key] = updated
+            self._accumulate(key, z, obs.step)
         alerts = []
         # Only ranks over their alert level or in an episode need a look (a few, not W).
         for rank in sorted(set(np.flatnonzero(self._strength() > 1).tolist()) | set(self.episodes)):
@@ -571,21 +586,27 @@ class Detector:
         """Per rank, its highest CUSUM as a fraction of that CUSUM's alert level."""
         return np.max(np.stack([self.cusum[key] / self.limit[key] for key in self.cusum]), axis=0)
 
-    def _layer_cusum(self, step: int, z: np.ndarray) -> None:
-        """One CUSUM per rank and parameter: a lasting rise of one parameter's gradient norm on one
-        rank (silent corruption of that layer) accumulates there instead of drowning in the
-        noise of all the others; the rank's layer level is its largest."""
-        if self.layer_level is None or self.layer_level.shape != z.shape:
-            self.layer_level = np.zeros_like(z)
-            self.layer_since = np.full(z.shape, -1)
-        previous = self.layer_level
-        layer = ("own", "layer")
-        self.layer_level = np.maximum(0.0, previous + np.minimum(z, self.cap[layer]) - self.allowance[layer])
-        self.layer_since = np.where((previous == 0) & (self.layer_level > 0), step, np.where(self.layer_level > 0, self.layer_since, -1))
-        top = self.layer_level.argmax(axis=1)
+    def _accumulate(self, key: tuple[str, str], z: np.ndarray, step: int) -> None:
+        """One CUSUM per rank and part of ``z`` (W x parts, see ``_scores``), ``S <- max(0, S +
+        min(z, cap) - allowance)``; the rank's level of ``key`` is its largest part. Parts keep
+        their evidence apart: a rise and a fall of a signal scored either way (a gradient norm
+        that dips on one step and spikes on the next is no lasting shift), and the parameters
+        (a lasting rise of one parameter's gradient norm on one rank, silent corruption of that
+        layer, accumulates there instead of drowning in the noise of all the others)."""
+        previous = self.parts.get(key)
+        if previous is None or previous.shape != z.shape:  # the first step, or the parameters changed
+            previous, self.parts_since[key] = np.zeros_like(z), np.full(z.shape, -1)
+        updated = np.maximum(0.0, previous + np.minimum(z, self.cap[key]) - self.allowance[key])
+        since = np.where((previous == 0) & (updated > 0), step, np.where(updated > 0, self.parts_since[key], -1))
+        self.parts[key], self.parts_since[key] = updated, since
+        top = updated.argmax(axis=1)
         ranks = np.arange(self.world)
-        self.cusum[("own", "layer")] = self.layer_level[ranks, top]
-        self.rising_since[("own", "layer")] = self.layer_since[ranks, top]
+        self.cusum[key], self.rising_since[key] = updated[ranks, top], since[ranks, top]
+
+    @property
+    def layer_level(self) -> np.ndarray | None:
+        """W x P: the per-parameter CUSUMs (None before the first scored step with parameters)."""
+        return self.parts.get(("own", "layer"))
 
     def _alert(self, obs: Observation, rank: int, strongest: tuple[str, str], levels: dict, since: int, values: dict) -> dict:
         kind, name = strongest
@@ -673,14 +694,21 @@ class Detector:
 
     # -- which layers ----------------------------------------------------------------------------
     def _parameter_changes(self, obs: Observation) -> None:
-        """Per rank and parameter, how far ``log|g_{i,p}| - median_j log|g_{j,p}|`` rose above its
-        exponential average, in standard deviations (``parameter_change``; None without the norms)."""
+        """Per rank and parameter, how far ``d_{i,p} - median_q d_{i,q}`` (with ``d_{i,p} =
+        log|g_{i,p}| - median_j log|g_{j,p}|``) rose above its exponential average, in standard
+        deviations (``parameter_change``; None without the norms)."""
         self.parameter_change = None
         if obs.parameter_norms is None or obs.parameter_names is None:
             return
         with np.errstate(divide="ignore", invalid="ignore"):
             logs = np.log(obs.parameter_norms)
-            self._parameter_now = logs - _column_medians(logs)
+            deviation = logs - _column_medians(logs)
+            if deviation.shape[1] >= COMMON_FACTOR_PARAMETERS:
+                # A batch that makes one rank's whole gradient larger moves every parameter alike;
+                # the median over parameters is that common factor, which one corrupted parameter
+                # cannot move. Without it, a parameter's noise is mostly the rank's total.
+                deviation = deviation - _column_medians(deviation.T)[:, None]
+            self._parameter_now = deviation
         if self.parameter_names != obs.parameter_names or self.parameter_level is None:
             self.parameter_names = list(obs.parameter_names)
             self.parameter_level = self._parameter_now.copy()
