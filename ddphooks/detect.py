@@ -35,10 +35,10 @@ itself:
 4. **per layer**: ``d_{i,p} = log|g_{i,p}| - median_j log|g_{j,p}|`` for every parameter ``p``,
    less the rank's common factor ``median_q d_{i,q}`` (a batch that makes one rank's whole
    gradient larger moves all its parameters alike, and one corrupted parameter cannot move a
-   median over many: with it removed, the corrupted weights of the embedded model's runs stood
-   out about twice as far from their noise), against its exponential average, in standard
-   deviations; only a rise counts (a corrupted
-   gradient carries more energy: that direction also tells which of two ranks it is),
+   median over many: with it removed, the corrupted weights of the embedded model's ``sdc`` runs
+   rose 9.9 standard deviations a step instead of 5.9, medians), against its exponential
+   average, in standard deviations; only a rise counts (a corrupted gradient carries more
+   energy: that direction also tells which of two ranks it is),
    accumulated in one CUSUM per rank and parameter (allowance ``layer_drift``), so that a lasting
    change in one layer is not lost among the hundreds of parameters that did not change; the
    rank's level is its largest. The scale of a parameter's rises is learned on every step,
@@ -615,7 +615,7 @@ class Detector:
         against = "the other ranks" if kind == "cross" else "its own recent steps"
         if name == "layer":
             top = int(self.layer_level[rank].argmax())
-            detail = f"the gradient norm of {self.parameter_names[top]} rose against the median rank's, step after step"
+            detail = f"the gradient norm of {self.parameter_names[top]} rose against the median rank's and against this rank's other parameters, step after step"
         elif name == "combined":
             detail = "; ".join(self._now_and_usual(("cross", signal), rank, values) for signal in SIGNALS if np.isfinite(values[signal][rank]))
         else:
