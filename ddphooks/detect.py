@@ -709,11 +709,14 @@ class Detector:
                 # cannot move. Without it, a parameter's noise is mostly the rank's total.
                 deviation = deviation - _column_medians(deviation.T)[:, None]
             self._parameter_now = deviation
-        if self.parameter_names != obs.parameter_names or self.parameter_level is None:
+        if self.parameter_names != obs.parameter_names:
+            self._reorder_parameters(obs.parameter_names)
+        if self.parameter_names != obs.parameter_names or self.parameter_level is None:  # other parameters: start afresh
             self.parameter_names = list(obs.parameter_names)
             self.parameter_level = self._parameter_now.copy()
             self.parameter_scale = np.zeros_like(self.parameter_level)
             self.parameter_seen = 0
+            self.parts.pop(("own", "layer"), None)
             return
         if self.parameter_seen >= self.config.warmup:
             rise = self._parameter_now - self.parameter_level
@@ -721,6 +724,21 @@ class Detector:
             # Adam's bias correction), it is not underestimated over the first steps.
             scale = self.parameter_scale / (1 - (1 - PARAMETER_RATE) ** self.parameter_seen)
             self.parameter_change = np.nan_to_num(rise / (scale + 1e-3), nan=0.0, posinf=1e9, neginf=-1e9)
+
+    def _reorder_parameters(self, names: list[str]) -> None:
+        """Follow the same parameters listed in another order (DDP lists them in bucket order, and
+        rebuilds its buckets after the first steps): permute their baselines and per-parameter
+        CUSUMs by name, so a fault in progress is neither lost nor blamed on another layer.
+        Nothing changes unless ``names`` are exactly the known parameters."""
+        if self.parameter_level is None or len(set(names)) != len(names) or sorted(names) != sorted(self.parameter_names):
+            return
+        where = {name: index for index, name in enumerate(self.parameter_names)}
+        order = [where[name] for name in names]
+        self.parameter_level, self.parameter_scale = self.parameter_level[:, order], self.parameter_scale[:, order]
+        layer = ("own", "layer")
+        if layer in self.parts and self.parts[layer].shape[1] == len(order):
+            self.parts[layer], self.parts_since[layer] = self.parts[layer][:, order], self.parts_since[layer][:, order]
+        self.parameter_names = list(names)
 
     def _learn_parameters(self, obs: Observation, suspect: np.ndarray) -> None:
         if obs.parameter_norms is None or self.parameter_level is None or self.parameter_names != obs.parameter_names:

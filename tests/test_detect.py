@@ -253,6 +253,24 @@ def test_a_rank_kept_out_of_its_baseline_for_a_whole_window_is_not_scored_agains
     assert len(detect_run(records, uncapped)) > 1
 
 
+def test_parameters_listed_in_another_order_keep_their_evidence():
+    # DDP lists parameters in bucket order and rebuilds its buckets: the same parameters come in
+    # another order. A fault in progress is neither lost nor blamed on the parameter now at its
+    # old position.
+    records = _stream(4, 120, seed=12)
+    for record in records[40:]:
+        record["parameters"][3]["grad_norms"][2] *= 1.5
+    for record in records[43:]:
+        record["parameters"] = record["parameters"][::-1]
+    alerts = detect_run(records)
+    assert [(a["step"], a["rank"], a["kind"]) for a in alerts] == [(46, 2, "layer")], alerts  # as in the stream kept in order
+    assert alerts[0]["parameters"][0] == NAMES[3]
+    # Other parameters (one renamed) start afresh: the fault's evidence so far is dropped.
+    for record in records[43:]:
+        record["parameters"][0]["name"] = "model.extra.weight"
+    assert all(a["step"] > 46 for a in detect_run(records))
+
+
 def test_a_spread_that_grows_on_every_rank_is_not_taken_for_a_fault():
     # The first steps of training: the ranks' losses and gradient norms start close together and
     # then spread out (here about 4x from step 40), on every rank alike.
