@@ -532,13 +532,8 @@ class Detector:
             change = values[name] - median
             if name in SKETCHED:
                 change = np.where(np.abs(change) < ignored, 0.0, change)
-            scores[("own", name)] = np.stack(
-                [
-                    np.maximum(z - _others_change(np.maximum(z, 0.0)), 0.0)
-                    for z in (np.nan_to_num(side / scale, nan=0.0) for side in _sides(change, OWN_DIRECTION[name]))
-                ],
-                axis=1,
-            )
+            sides = [np.nan_to_num(side / scale, nan=0.0) for side in _sides(change, OWN_DIRECTION[name])]
+            scores[("own", name)] = np.stack([np.maximum(z - _others_change(np.maximum(z, 0.0)), 0.0) for z in sides], axis=1)
             if name in deviations:
                 position = crossed.index(name)
                 median, scale = cross_median[position], max(cross_scale[position], floors[name])
@@ -594,7 +589,7 @@ class Detector:
         (a lasting rise of one parameter's gradient norm on one rank, silent corruption of that
         layer, accumulates there instead of drowning in the noise of all the others)."""
         previous = self.parts.get(key)
-        if previous is None or previous.shape != z.shape:  # the first step, or the parameters changed
+        if previous is None:  # the first scored step, or other parameters (see _parameter_changes)
             previous, self.parts_since[key] = np.zeros_like(z), np.full(z.shape, -1)
         updated = np.maximum(0.0, previous + np.minimum(z, self.cap[key]) - self.allowance[key])
         since = np.where((previous == 0) & (updated > 0), step, np.where(updated > 0, self.parts_since[key], -1))
@@ -736,7 +731,7 @@ class Detector:
         order = [where[name] for name in names]
         self.parameter_level, self.parameter_scale = self.parameter_level[:, order], self.parameter_scale[:, order]
         layer = ("own", "layer")
-        if layer in self.parts and self.parts[layer].shape[1] == len(order):
+        if layer in self.parts:
             self.parts[layer], self.parts_since[layer] = self.parts[layer][:, order], self.parts_since[layer][:, order]
         self.parameter_names = list(names)
 
