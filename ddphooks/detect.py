@@ -76,8 +76,8 @@ large, never alerts alone (one odd batch is not a rank that diverged); one signa
 2nd step of a rank that stays off at the earliest. The combined CUSUM (drift 3, the same threshold)
 alerts on the 4th step of a rank 3 standard deviations off in three of its four signals; one
 signal alone, capped at 4, adds at most 1 a step, what the same shift adds to its own
-CUSUM. The cross-rank ``cosine_previous`` CUSUM has its own settings (allowance 1, each step's
-score capped at 5, threshold 14): the score has light tails in healthy runs (Fisher's scale, a
+CUSUM. The cross-rank ``cosine_previous`` CUSUM has its own settings (allowance 1, or 0.5 at
+W = 2, where the same rise scores about half as much; each step's score capped at 5, threshold 14): the score has light tails in healthy runs (Fisher's scale, a
 scale pooled over ranks), while a stuck rank's cosine to its previous step rises a few standard
 deviations on most steps but falls back on some (it overshoots on the batch it keeps seeing), so a
 small allowance lets the raised steps add up; the cap keeps one wild step from alerting alone (4 at
@@ -207,6 +207,15 @@ class DetectorConfig:
     """Level at which the cross-rank ``cosine_previous`` CUSUM alerts: with the cap, on the 4th
     raised step at the earliest."""
 
+    pair_repeat_drift: float = 0.5
+    """Allowance of the cross-rank ``cosine_previous`` CUSUM at W = 2, in place of
+    ``repeat_drift``. Lower because the same stuck rank scores about half as much there: with two
+    ranks its deviation is half their gap, against a scale that holds both ranks' noise. Over the
+    first 10 steps of the embedded model's ``stuck`` runs the stuck rank scored a median of 1.9
+    standard deviations at W = 2 and 4.3 at W = 4, while healthy W = 2 runs had the lighter tail
+    (99.9th percentile 4.2 against 6.4). At 1 a stuck rank was named in 1 of 5 runs at W = 2; at
+    0.5 in 5 of 5, and healthy W = 2 runs (4000 steps) peaked at 0.55 of the threshold."""
+
     quiet_steps: int = 8
     """Steps with every score below threshold that end a rank's alert episode."""
 
@@ -220,7 +229,7 @@ class DetectorConfig:
                 raise ValueError(f"DetectorConfig.{name}={value!r} must be an int >= 1")
         for name in (
             "threshold", "drift", "step_cap", "cosine_floor", "layer_drift", "combined_drift", "combined_cap",
-            "repeat_drift", "repeat_cap", "repeat_threshold",
+            "repeat_drift", "repeat_cap", "repeat_threshold", "pair_repeat_drift",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
@@ -232,10 +241,10 @@ class DetectorConfig:
                 f"DetectorConfig.step_cap={self.step_cap} must be > drift={self.drift} and layer_drift={self.layer_drift} "
                 "(a capped step would never raise a CUSUM)"
             )
-        if self.repeat_cap <= self.repeat_drift:
+        if self.repeat_cap <= max(self.repeat_drift, self.pair_repeat_drift):
             raise ValueError(
-                f"DetectorConfig.repeat_cap={self.repeat_cap} must be > repeat_drift={self.repeat_drift} "
-                "(a capped step would never raise the cosine_previous CUSUM)"
+                f"DetectorConfig.repeat_cap={self.repeat_cap} must be > repeat_drift={self.repeat_drift} and "
+                f"pair_repeat_drift={self.pair_repeat_drift} (a capped step would never raise the cosine_previous CUSUM)"
             )
         if isinstance(self.combined_growth, bool) or not isinstance(self.combined_growth, (int, float)) or not 0 <= self.combined_growth <= 1:
             raise ValueError(f"DetectorConfig.combined_growth={self.combined_growth!r} must be a number from 0 to 1 (a power of the spread growth)")
@@ -436,6 +445,8 @@ class Detector:
         self.limit = {key: config.threshold for key in self.cusum}
         repeat = ("cross", "cosine_previous")
         self.allowance[repeat], self.cap[repeat], self.limit[repeat] = config.repeat_drift, config.repeat_cap, config.repeat_threshold
+        if world == 2:  # the same rise scores about half as much with two ranks (see pair_repeat_drift)
+            self.allowance[repeat] = config.pair_repeat_drift
         if world >= 3:  # its terms are capped one by one (combined_cap)
             self.allowance[("cross", "combined")], self.cap[("cross", "combined")] = config.combined_drift, math.inf
         self.allowance[("own", "layer")] = config.layer_drift

@@ -149,16 +149,32 @@ def test_a_rank_stuck_on_one_batch_is_named_from_its_cosine_to_its_previous_step
         assert re.search(r"CUSUM 1\d\.\d > 14\)", alerts[0]["message"]), alerts[0]["message"]
     assert any(signal.startswith("cosine_previous") for signal in alerts[0]["signals"]), alerts[0]["signals"]
     assert "gradient cosine to its own previous step" in alerts[0]["message"]
-    shown_values = re.findall(r"its own previous step: now ([-+.\de]+), usually ([-+.\de]+)", alerts[0]["message"])
-    assert shown_values or world > 2  # at W = 2 the rank's own history names it, shown as a cosine
-    for shown in shown_values:
-        assert all(-1 <= float(v) <= 1 for v in shown), alerts[0]["message"]  # a cosine, not its atanh
     assert {a["rank"] for a in alerts} == {fault_rank}
+    if world == 2:  # the rank's own history names it too (here with the cross-rank CUSUM held back), shown as a cosine
+        own = detect_run(_stream(world, 100, seed=20 + world, fault_rank=fault_rank, fault_step=50, kind="stuck"), DetectorConfig(pair_repeat_drift=4.9))
+        assert own and own[0]["rank"] == fault_rank and "from its own recent steps" in own[0]["message"], own[:1]
+        shown = re.findall(r"its own previous step: now ([-+.\de]+), usually ([-+.\de]+)", own[0]["message"])
+        assert shown and all(-1 <= float(v) <= 1 for v in shown[0]), own[0]["message"]  # a cosine, not its atanh
     # The same stream without the new key (a run written before it existed) misses the fault.
     old = _stream(world, 100, seed=20 + world, fault_rank=fault_rank, fault_step=50, kind="stuck")
     for record in old:
         del record["cosine_previous"]
     assert detect_run(old) == []
+
+
+def test_a_stuck_rank_of_two_is_named_with_the_smaller_allowance_of_two_ranks():
+    # A milder stuck rank (cosine to its previous step 0.5, healthy 0.15, both +- 0.15): with two
+    # ranks its deviation is half their gap, about 1.6 standard deviations a step. Above the
+    # allowance of 0.5 it adds up; under the allowance of 1 that W >= 3 uses it mostly does not.
+    for seed in range(30, 36):
+        records = _stream(2, 140, seed=seed)
+        rng = np.random.default_rng(seed)
+        for record in records[60:]:
+            record["cosine_previous"][1] = float(0.5 + 0.15 * rng.standard_normal())
+        alerts = detect_run(records)
+        assert alerts and (alerts[0]["rank"], alerts[0]["kind"]) == (1, "cosine_previous") and 60 <= alerts[0]["step"] <= 85, (seed, alerts[:1])
+        assert {a["rank"] for a in alerts} == {1}
+        assert not [a for a in detect_run(records, DetectorConfig(pair_repeat_drift=1.0)) if a["step"] <= 85], seed
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
@@ -360,8 +376,10 @@ def test_runs_without_sketches_and_bad_settings_are_rejected():
         DetectorConfig(combined_cap=-1)
     with pytest.raises(ValueError, match=r"DetectorConfig.step_cap=3 must be > drift=3.0 and layer_drift=2.25"):
         DetectorConfig(step_cap=3)
-    with pytest.raises(ValueError, match=r"DetectorConfig.repeat_cap=1 must be > repeat_drift=1.0"):
+    with pytest.raises(ValueError, match=r"DetectorConfig.repeat_cap=1 must be > repeat_drift=1.0 and pair_repeat_drift=0.5"):
         DetectorConfig(repeat_cap=1)
+    with pytest.raises(ValueError, match=r"DetectorConfig.pair_repeat_drift=0 must be a number > 0"):
+        DetectorConfig(pair_repeat_drift=0)
 
 
 def test_the_others_change_is_the_median_of_the_other_ranks():
