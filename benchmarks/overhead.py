@@ -11,9 +11,9 @@ JSONL file (a temporary one here) and the loop reading ``state.latest.summary()[
 every step. For it the script also times, by wrapping the pieces of that one state, where the
 milliseconds of an instrumented step go: the statistics pass over each bucket, the squared norms
 of the reduced buckets (gloo's thread), the piggyback division and slot packing of the last
-bucket, publishing the step's SilentStats, processing it at the next step's first bucket (the
-online detector, and the writer's submit on rank 0), summary(), and on rank 0's writer thread
-the building and the writing of each record.
+bucket, publishing the step's SilentStats, handing it to the pipeline thread at the next step's
+first bucket, summary(); on the pipeline thread the online detector and (rank 0) the writer's
+submit; and on rank 0's writer thread the building and the writing of each record.
 
     python benchmarks/overhead.py --quick                            # CPU, spawns 2 gloo workers
     python benchmarks/overhead.py --json results.json                # CPU, the full table
@@ -151,18 +151,17 @@ class Breakdown:
         ("reduced norms", "gloo"),  # squared norms of each reduced bucket, in its future callback
         ("last bucket: division into piggyback buffer + slot", "training"),  # _stats_buffer .. _pack_slot
         ("publish: SilentStats", "gloo"),  # _bucket_done, once per bucket
-        ("processing: detector + submit", "training"),  # the previous step's, at the first bucket
-        ("  of which detector", "training"),
-        ("  of which submit", "training"),  # rank 0
+        ("processing: hand-off to the pipeline thread", "training"),  # the previous step's, at the first bucket
         ("summary()", "training"),
     )
+    THREAD_PARTS = (("detector", "pipeline"), ("submit to the writer", "pipeline"))  # once per step; submit on rank 0
     RECORD_PARTS = (("record building", "writer"), ("writing (JsonlSink)", "writer"))
 
     def __init__(self, state, device):
         self.state = state
-        self.lock = threading.Lock()  # parts are timed on the training, gloo and writer threads
+        self.lock = threading.Lock()  # parts are timed on the training, gloo, pipeline and writer threads
         self.current = {part: 0.0 for part, _ in self.STEP_PARTS}
-        self.samples = {part: [] for part, _ in self.STEP_PARTS + self.RECORD_PARTS}
+        self.samples = {part: [] for part, _ in self.STEP_PARTS + self.THREAD_PARTS + self.RECORD_PARTS}
         self._pack_start = 0.0
         kernel = state._kernel(device)  # cached per device: the hook gets this instance back
         kernel.run = self._timed("statistics pass", kernel.run)
@@ -173,10 +172,10 @@ class Breakdown:
         state._pack_slot = self._end_packing(pack_slot)
         state._bucket_done = self._timed("publish: SilentStats", state._bucket_done)
         pipeline = state._pipeline
-        pipeline.process = self._timed("processing: detector + submit", pipeline.process)
-        pipeline._detect = self._timed("  of which detector", pipeline._detect)
+        pipeline.process = self._timed("processing: hand-off to the pipeline thread", pipeline.process)
+        pipeline._detect = self._timed("detector", pipeline._detect)
         if pipeline.writer is not None:  # the log rank
-            pipeline.writer.submit = self._timed("  of which submit", pipeline.writer.submit)
+            pipeline.writer.submit = self._timed("submit to the writer", pipeline.writer.submit)
             pipeline.writer.build = self._timed("record building", pipeline.writer.build)
             for sink in state.sinks:
                 sink.write = self._timed("writing (JsonlSink)", sink.write)
@@ -229,8 +228,8 @@ class Breakdown:
                 if timed:
                     self.samples[part].append(self.current[part])
                 self.current[part] = 0.0
-            if not timed:  # warm-up records built so far
-                for part, _ in self.RECORD_PARTS:
+            if not timed:  # warm-up steps detected and records built so far
+                for part, _ in self.THREAD_PARTS + self.RECORD_PARTS:
                     self.samples[part].clear()
 
     def close(self):
@@ -243,8 +242,8 @@ class Breakdown:
 
     def result(self):
         """Median and IQR in seconds of every part this rank timed."""
-        threads = dict(self.STEP_PARTS + self.RECORD_PARTS)
-        per = {part: "step" for part, _ in self.STEP_PARTS} | {part: "record" for part, _ in self.RECORD_PARTS}
+        threads = dict(self.STEP_PARTS + self.THREAD_PARTS + self.RECORD_PARTS)
+        per = {part: "step" for part, _ in self.STEP_PARTS + self.THREAD_PARTS} | {part: "record" for part, _ in self.RECORD_PARTS}
         return {part: {"thread": threads[part], "per": per[part], **spread(samples)} for part, samples in self.samples.items() if samples}
 
 
@@ -454,7 +453,7 @@ def main():
               f"{percent(r['overhead_vs_allreduce']):>13} {iqr:>17} {percent(r['overhead_vs_none']):>9} {1e3 * r['hook_s_per_step']:11.1f}")
     for r in results:
         if "breakdown" in r:
-            print(f"\n{r['model']}, {label(r['config'])}: where the time goes (slowest rank; writer thread on rank 0), "
+            print(f"\n{r['model']}, {label(r['config'])}: where the time goes (slowest rank; submit and writer thread on rank 0), "
                   f"{r['records_written']} records written, dropped {r['dropped_records'] or 'none'}\n")
             print(f"{'part':<52} {'thread':<9} {'per':<7} {'median ms':>10} {'IQR ms':>15}")
             for part, value in r["breakdown"].items():

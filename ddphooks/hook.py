@@ -110,13 +110,14 @@ class SilentState:
         detail_every, detail_max_world, max_pending_records: record detail and the writer's
             queue (see :class:`SilentConfig`).
         detect: run the online detector (``ddphooks.detect``; a ``DetectorConfig`` to set its
-            thresholds); alerts go to ``state.alerts``, the records' ``alerts`` and one
-            ``logging`` warning each on the log rank.
+            thresholds) on a background thread; alerts go to ``state.alerts``, the records'
+            ``alerts`` and one ``logging`` warning each on the log rank.
         check_replicas_every: every N-th instrumented step, compare fingerprints of every rank's
             parameters and buffers (carried in the statistics slot, no extra collective); the
             record's ``replicas`` says which ranks differ where (0: never).
         on_alert: called with each alert on every rank; raising from it stops training on every
-            rank at the same point (the next step's first bucket), so no rank hangs.
+            rank at the same point (the first bucket of the step after next, or ``flush``/``close``),
+            so no rank hangs.
 
     Example::
         >>> state = SilentState(model=ddp_model, sketch_dim=256, sinks=[JsonlSink("stats.jsonl")])
@@ -314,7 +315,8 @@ class SilentState:
     def alerts(self) -> list[dict]:
         """Alerts so far (``step``, ``rank``, ``kind``, ``since``, ``score``, ``signals``,
         ``parameters``, ``message``), the same on every rank. A step's alerts appear when the
-        next step starts (or on ``flush``/``close``): that is where every rank checks them."""
+        step after next starts (the detector runs on a background thread in between), or on
+        ``flush``/``close``: that is where every rank checks them."""
         return [] if not self._bound else list(self._pipeline.alerts)
 
     def flush(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
@@ -558,7 +560,7 @@ def silent_hook(state: SilentState, bucket: dist.GradBucket) -> torch.futures.Fu
                 f"silent_hook received bucket 0 of a new step before the last bucket of step {state._current.step}: "
                 "use one SilentState per DDP model"
             )
-        state._pipeline.process()  # the previous step: detection, alerts, records; may raise from on_alert
+        state._pipeline.process()  # the previous step to the background thread, alerts of the one before; may raise from on_alert
     if not state._instrumented(state.step):
         future = state._communicate(bucket)
         if bucket.is_last():

@@ -1,22 +1,28 @@
 """What happens to a step's statistics once they are complete: detection, alerts, records.
 
 A step completes in a communication callback (possibly on a gloo thread); the pipeline only
-queues it there. The queued steps are *processed* on the training thread, at a point every rank
-reaches in the same order: the first bucket of the next step (inside backward), or ``flush()`` /
-``close()``. Processing a step:
+queues it there. The training thread hands the queued steps to a background thread at a point
+every rank reaches in the same order: the first bucket of the next step (inside backward), or
+``flush()`` / ``close()``. The background thread, one step at a time and in order:
 
-0. links it to the step processed before it (``SilentStats.follow``), for each rank's cosine to
-   its own previous gradient; steps are processed in order, so that is the previous step;
-1. runs the detector (``ddphooks.detect``) on it, the same on every rank, so every rank sees the
+0. links the step to the one before it (``SilentStats.follow``), for each rank's cosine to its
+   own previous gradient;
+1. runs the detector (``ddphooks.detect``) on it, the same on every rank, so every rank finds the
    same alerts; a detector error is reported once and never reaches training;
 2. logs one ``logging`` warning per new alert (logger ``"ddphooks"``) on the log rank;
-3. hands the statistics, alerts attached, to the record writer (log rank only);
-4. calls ``on_alert(alert)`` for each new alert, on every rank. It may raise to stop training
-   (to abort or checkpoint): every rank raises at the same point, before the next step's first
-   collective, so no rank is left waiting in a collective.
+3. hands the statistics, alerts attached, to the record writer (log rank only).
+
+At the same point of the following step the training thread collects the alerts of the steps it
+handed over before (waiting only if the background thread is more than a step behind, so the
+detector costs the training thread nothing while it keeps up) and calls ``on_alert(alert)`` for
+each, on every rank. ``on_alert`` may raise to stop training (to abort or checkpoint): every rank
+collects the same steps at the same point, so every rank raises there, before the next step's
+first collective, and no rank is left waiting in a collective. An alert therefore reaches
+``on_alert`` and ``SilentState.alerts`` when the step after next starts (at once on ``flush()``
+and ``close()``); its ``step`` is the step it was found on.
 
 By then an accelerator's asynchronous copy of the step's statistics has long finished, so
-reading them here does not stall the device queue.
+reading them does not stall the device queue.
 """
 
 from __future__ import annotations
@@ -33,7 +39,8 @@ logger = logging.getLogger("ddphooks")
 
 
 class StepPipeline:
-    """Detection and record writing for one ``SilentState``.
+    """Detection and record writing for one ``SilentState``, on a daemon thread started with the
+    first step.
 
     Args:
         detector: the online detector, or None (``detect=False``).
@@ -44,7 +51,8 @@ class StepPipeline:
     Example::
         >>> pipeline = StepPipeline(Detector(), writer, on_alert=None, warns=True)
         >>> pipeline.complete(stats)   # communication thread
-        >>> pipeline.process()         # training thread, next step
+        >>> pipeline.process()         # training thread, next step: hands it to the background thread
+        >>> pipeline.process()         # the step after: its alerts, on_alert
     """
 
     def __init__(self, detector: Detector | None, writer: RecordWriter | None, on_alert: Callable[[dict], object] | None, warns: bool) -> None:
@@ -53,37 +61,79 @@ class StepPipeline:
         self.on_alert = on_alert
         self.warns = warns
         self.alerts: list[dict] = []
-        self._pending: deque = deque()
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._pending: deque = deque()  # complete steps, not yet handed over
+        self._work: deque = deque()  # handed over, not yet taken by the background thread
+        self._handed = 0  # steps handed over so far
+        self._done = 0  # steps the background thread has finished
+        self._found: deque = deque()  # (step number in hand-over order, its alerts), not yet collected
+        self._thread: threading.Thread | None = None
+        self._stopping = False
         self._detector_failed = False
-        self._previous = None  # the last processed step, for SilentStats.follow
+        self._previous = None  # the last step linked, for SilentStats.follow
         self._link_failed = False
+        self._output_failed = False
 
     def complete(self, stats) -> None:
         """Queue a complete step (any thread)."""
-        with self._lock:
+        with self._cond:
             self._pending.append(stats)
 
-    def process(self, call_on_alert: bool = True) -> None:
-        """Detect, log and write every queued step, then run ``on_alert`` (training thread)."""
-        with self._lock:
-            steps = list(self._pending)
+    def process(self, call_on_alert: bool = True, wait: bool = False) -> None:
+        """Hand the queued steps to the background thread, collect the alerts of the steps handed
+        over before (of every step with ``wait``), then run ``on_alert`` (training thread)."""
+        with self._cond:
+            due = self._handed  # the same steps on every rank: those handed over at earlier calls
+            if self._pending and (self.detector is not None or self.writer is not None):
+                self._work.extend(self._pending)
+                self._handed += len(self._pending)
+                self._start()
+                self._cond.notify_all()
             self._pending.clear()
-        raised = []
-        for stats in steps:
-            if self.detector is not None or self.writer is not None:  # somebody reads cosine_previous
-                self._link(stats)
-            stats.alerts = self._detect(stats)
-            self.alerts.extend(stats.alerts)
-            if self.warns:
-                for alert in stats.alerts:
-                    logger.warning("ddphooks alert: %s", alert["message"])
-            if self.writer is not None:
-                self.writer.submit(stats)
-            raised.extend(stats.alerts)
+            if wait:
+                due = self._handed
+            self._cond.wait_for(lambda: self._done >= due)
+            found = []
+            while self._found and self._found[0][0] < due:
+                found.extend(self._found.popleft()[1])
+        self.alerts.extend(found)
         if call_on_alert and self.on_alert is not None:
-            for alert in raised:
+            for alert in found:
                 self.on_alert(alert)
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="ddphooks-pipeline", daemon=True)
+            self._thread.start()
+
+    # -- the background thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._work or self._stopping)
+                if not self._work:
+                    return
+                stats = self._work.popleft()
+            try:
+                self._handle(stats)
+            except Exception as error:  # reported once; the thread lives on, the training thread waits for its count
+                if not self._output_failed:
+                    logger.warning("ddphooks: step %d could not be logged or written: %s: %s", stats.step, type(error).__name__, error)
+                self._output_failed = True
+            finally:
+                with self._cond:
+                    self._found.append((self._done, stats.alerts))
+                    self._done += 1
+                    self._cond.notify_all()
+
+    def _handle(self, stats) -> None:
+        self._link(stats)
+        stats.alerts = self._detect(stats)
+        if self.warns:
+            for alert in stats.alerts:
+                logger.warning("ddphooks alert: %s", alert["message"])
+        if self.writer is not None:
+            self.writer.submit(stats)
 
     def _link(self, stats) -> None:
         try:
@@ -104,13 +154,17 @@ class StepPipeline:
             logger.warning("ddphooks: the detector failed at step %d and is off from now on: %s: %s", stats.step, type(error).__name__, error)
             return []
 
+    # -- the end ---------------------------------------------------------------------------------
     def flush(self, timeout: float) -> bool:
-        self.process()
+        self.process(wait=True)
         return self.writer is None or self.writer.flush(timeout)
 
     def close(self, timeout: float, call_on_alert: bool = True) -> bool:
         try:
-            self.process(call_on_alert)
+            self.process(call_on_alert, wait=True)
         finally:  # an on_alert that raises still gets the records written
+            with self._cond:
+                self._stopping = True
+                self._cond.notify_all()
             closed = self.writer is None or self.writer.close(timeout)
         return closed

@@ -1,6 +1,8 @@
-"""StepPipeline in one process: steps linked in order, monitoring errors logged once and never raised."""
+"""StepPipeline in one process: steps linked in order on a background thread, alerts collected one step
+later on the training thread, monitoring errors logged once and never raised."""
 
 import logging
+import threading
 
 import numpy as np
 import pytest
@@ -18,10 +20,19 @@ class _Writer:
     def submit(self, stats) -> None:
         self.submitted.append(stats)
 
+    def flush(self, timeout: float) -> bool:
+        return True
+
+    def close(self, timeout: float) -> bool:
+        return True
+
 
 def _steps(count: int, world: int = 3) -> list:
     rng = np.random.default_rng(0)
-    return [_stats([rng.standard_normal(5) for _ in range(world)], [1.0] * world, bins=5) for _ in range(count)]
+    steps = [_stats([rng.standard_normal(5) for _ in range(world)], [1.0] * world, bins=5) for _ in range(count)]
+    for number, stats in enumerate(steps):
+        stats.step = number
+    return steps
 
 
 def test_each_step_is_linked_to_the_one_processed_before_it():
@@ -32,6 +43,7 @@ def test_each_step_is_linked_to_the_one_processed_before_it():
     for stats in steps[1:]:  # queued together, processed in order
         pipeline.complete(stats)
     pipeline.process()
+    assert pipeline.flush(5.0)
     assert writer.submitted == steps
     assert steps[0].cosine_previous is None
     for earlier, later in zip(steps, steps[1:]):
@@ -50,6 +62,7 @@ def test_a_step_that_cannot_be_linked_is_logged_once_and_still_written(caplog, m
         for stats in steps:
             pipeline.complete(stats)
             pipeline.process()  # must not raise: it runs inside backward
+    pipeline.flush(5.0)
     assert writer.submitted == steps
     linked = [r.getMessage() for r in caplog.records if "could not be linked" in r.getMessage()]
     assert len(linked) == 1 and "ValueError: bad slots" in linked[0]
@@ -66,6 +79,61 @@ def test_a_failing_detector_is_turned_off_with_one_warning(caplog):
         for stats in steps:
             pipeline.complete(stats)
             pipeline.process()
+    pipeline.flush(5.0)
     assert writer.submitted == steps and pipeline.alerts == []
     failed = [r.getMessage() for r in caplog.records if "detector failed" in r.getMessage()]
     assert len(failed) == 1 and "RuntimeError: detector bug" in failed[0]
+
+
+class _Gated(Detector):
+    """One alert per step, found only once the test opens the gate, on whatever thread runs it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.threads: set[int] = set()
+        self.waited: list[bool] = []
+
+    def update(self, obs):
+        self.threads.add(threading.get_ident())
+        self.waited.append(self.gate.wait(timeout=10.0))  # False if the caller blocked on it for 10 s
+        alert = {"step": obs.step, "rank": 0, "kind": "loss", "message": f"step {obs.step}"}
+        self.alerts.append(alert)
+        return [alert]
+
+
+def test_the_detector_runs_off_the_training_thread_and_alerts_are_collected_at_the_next_step():
+    detector, writer, steps = _Gated(), _Writer(), _steps(3)
+    called = []
+    pipeline = StepPipeline(detector, writer, on_alert=lambda alert: called.append((alert["step"], threading.get_ident())), warns=False)
+    pipeline.complete(steps[0])
+    pipeline.process()  # returns while the detector still waits at the gate: it is not on this thread
+    assert pipeline.alerts == [] and called == []
+    detector.gate.set()
+    pipeline.complete(steps[1])
+    pipeline.process()  # the step after: step 0's alert, on this thread; step 1's not yet
+    assert [a["step"] for a in pipeline.alerts] == [steps[0].step]
+    assert called == [(steps[0].step, threading.get_ident())]
+    pipeline.complete(steps[2])
+    assert pipeline.close(5.0)  # everything: steps 1 and 2
+    assert [a["step"] for a in pipeline.alerts] == [s.step for s in steps] and [c[0] for c in called] == [s.step for s in steps]
+    assert detector.waited == [True, True, True] and threading.get_ident() not in detector.threads
+    assert writer.submitted == steps and [s.alerts for s in steps] == [[a] for a in pipeline.alerts]
+
+
+def test_a_writer_that_raises_is_logged_once_and_alerts_still_arrive(caplog):
+    class _Raising(_Writer):
+        def submit(self, stats) -> None:
+            raise OSError("disk full")
+
+    detector, steps = _Gated(), _steps(3)
+    detector.gate.set()
+    pipeline = StepPipeline(detector, _Raising(), on_alert=None, warns=True)
+    with caplog.at_level(logging.WARNING, logger="ddphooks"):
+        for stats in steps:
+            pipeline.complete(stats)
+            pipeline.process()
+        pipeline.flush(5.0)
+    assert [a["step"] for a in pipeline.alerts] == [s.step for s in steps]
+    failed = [r.getMessage() for r in caplog.records if "could not be logged or written" in r.getMessage()]
+    assert len(failed) == 1 and "OSError: disk full" in failed[0]
