@@ -342,7 +342,7 @@ def _column_medians(values: np.ndarray) -> np.ndarray:
     """Median of each column of a 2-D array, ignoring NaN (NaN for an all-NaN column).
 
     One sort instead of ``np.nanmedian``, whose masked-array path costs a millisecond a call on
-    the small arrays the detector has (the detector runs on the training thread every step).
+    the small arrays the detector has (the detector runs on every step of every rank).
     """
     ordered = np.sort(values, axis=0)  # NaN sorts last
     count = np.sum(~np.isnan(values), axis=0)
@@ -519,7 +519,7 @@ class Detector:
         scores = {}
         combined_terms = []
         # Baselines in batched sorts (per kind, over every signal and rank at once), since the
-        # detector runs on the training thread; the scales grow with the recent spread (see the
+        # detector runs on every step of every rank; the scales grow with the recent spread (see the
         # module docstring).
         recent = self.config.recent
         own = np.stack([self.raw[name].values for name in SIGNALS])  # signals x steps x W

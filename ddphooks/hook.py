@@ -471,7 +471,7 @@ class SilentState:
         with self._latest_lock:
             self._latest = result
         if isinstance(result, SilentStats):
-            self._pipeline.complete(result)  # processed on the training thread when the next step starts
+            self._pipeline.complete(result)  # handed to the pipeline thread when the next step starts
         if isinstance(result, BaseException):
             warnings.warn(f"ddphooks: statistics of step {record.step} failed: {result!r}", RuntimeWarning, stacklevel=1)
 
