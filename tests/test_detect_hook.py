@@ -2,13 +2,14 @@
 
 import logging
 import re
+import time
 
 import pytest
 import torch
 from test_hook import TIMEOUT, _batch, _loss, _make_ddp, _Net
 
 import ddphooks
-from ddphooks.detect import DetectorConfig
+from ddphooks.detect import Detector, DetectorConfig
 from ddphooks.launch import WorkerError, spawn
 
 FAULT_STEP = 30
@@ -72,19 +73,31 @@ def test_a_stuck_loader_is_named_at_two_ranks_from_the_cosine_to_the_previous_st
     assert any(signal.startswith("cosine_previous") for signal in alerts[0]["signals"]), alerts[0]
 
 
-def _check_abort(rank: int, world: int) -> None:
+def _check_abort(rank: int, world: int, slow_rank: int | None) -> None:
     def abort(alert: dict) -> None:
         raise _Abort(f"stopping on {alert['message']}")
 
+    if rank == slow_rank:  # this rank's detector thread falls behind: its training thread waits for it
+        update = Detector.update
+
+        def slow(self, obs):
+            time.sleep(0.05)
+            return update(self, obs)
+
+        Detector.update = slow
     _train_with_fault(rank, world, 45, fault_rank=2, on_alert=abort, check_replicas_every=0)
 
 
-def test_on_alert_raising_stops_every_rank_without_a_hang():
+@pytest.mark.parametrize("slow_rank", [None, 0])
+def test_on_alert_raising_stops_every_rank_without_a_hang(slow_rank):
+    # Every rank raises at the same point even where one rank's detector runs slower than its training.
     with pytest.raises(WorkerError) as failure:
-        spawn(_check_abort, 3, timeout=TIMEOUT)
-    text = str(failure.value)
-    for rank in range(3):
-        assert re.search(rf"(?s)rank {rank} failed:.*_Abort: stopping on rank 2 has diverged", text), text[-2000:]
+        spawn(_check_abort, 3, args=(slow_rank,), timeout=TIMEOUT)
+    # Each rank's own traceback ends in _Abort, none in a collective that a peer left.
+    reports = dict(re.findall(r"(?s)rank (\d) failed:\n(.*?)(?=\nrank \d failed:|\Z)", str(failure.value)))
+    assert sorted(reports) == ["0", "1", "2"], str(failure.value)[-2000:]
+    for rank, report in reports.items():
+        assert re.match(r"[\w.]*_Abort: stopping on rank 2 has diverged", report.strip().splitlines()[-1]), (rank, report[-1500:])
 
 
 def _check_replicas(rank: int, world: int, lr_fault: bool) -> tuple:
