@@ -101,7 +101,6 @@ Example::
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -485,12 +484,15 @@ class Detector:
 
     def _values(self, obs: Observation) -> dict[str, np.ndarray]:
         nan = np.full(obs.world_size, np.nan)
-        with np.errstate(divide="ignore", invalid="ignore"), warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
+        # The mean of the known losses without np.nanmean, whose warning for an all-NaN step would
+        # need warnings.catch_warnings: that swaps the process-wide filters, and the detector runs
+        # on the pipeline thread while training code may set its own.
+        known = obs.losses[~np.isnan(obs.losses)] if obs.losses is not None else np.empty(0)
+        with np.errstate(divide="ignore", invalid="ignore"):
             # The loss relative to the step's mean loss: the run's downward trend cancels, and a
             # rank whose loss rises stands out from its own history even at W = 2.
             return {
-                "loss": obs.losses - np.nanmean(obs.losses) if obs.losses is not None else nan,
+                "loss": obs.losses - known.mean() if known.size else nan,
                 "grad_norm": np.log(obs.grad_norms),
                 "cosine": obs.cosine_loo if obs.cosine_loo is not None else nan,
                 "cosine_previous": _fisher(obs.cosine_previous) if obs.cosine_previous is not None else nan,

@@ -2,6 +2,7 @@
 
 import math
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -380,6 +381,30 @@ def test_runs_without_sketches_and_bad_settings_are_rejected():
         DetectorConfig(repeat_cap=1)
     with pytest.raises(ValueError, match=r"DetectorConfig.pair_repeat_drift=0 must be a number > 0"):
         DetectorConfig(pair_repeat_drift=0)
+
+
+def test_a_step_without_losses_warns_nothing_and_leaves_the_warning_filters_alone(monkeypatch):
+    # The detector runs on the pipeline thread: it must not swap the process-wide warning filters
+    # (warnings.catch_warnings and simplefilter do, under the training thread's feet), nor warn on
+    # a step where no rank observed a loss.
+    records = _stream(3, 40, seed=12)
+    for record in records[30:]:
+        record["losses"] = [None, None, None]
+    touched = []
+
+    def recorded(name):
+        real = getattr(warnings, name)
+        return lambda *args, **kwargs: touched.append(name) or real(*args, **kwargs)
+
+    detector = Detector()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning the detector gives fails the test
+        for name in ("catch_warnings", "simplefilter", "filterwarnings"):
+            monkeypatch.setattr(warnings, name, recorded(name))
+        for record in records:
+            detector.update(Observation.from_record(record))
+    assert touched == []
+    assert np.isnan(detector.raw["loss"].values[-1]).all()
 
 
 def test_the_others_change_is_the_median_of_the_other_ranks():
