@@ -102,7 +102,9 @@ class StepPipeline:
                 self.on_alert(alert)
 
     def _start(self) -> None:
-        if self._thread is None:
+        # Also after close(): a run that goes on training gets its steps processed, not stranded.
+        if self._thread is None or not self._thread.is_alive():
+            self._stopping = False
             self._thread = threading.Thread(target=self._run, name="ddphooks-pipeline", daemon=True)
             self._thread.start()
 
@@ -166,5 +168,7 @@ class StepPipeline:
             with self._cond:
                 self._stopping = True
                 self._cond.notify_all()
+            if self._thread is not None:  # every step is done: it ends at once
+                self._thread.join(timeout)
             closed = self.writer is None or self.writer.close(timeout)
         return closed

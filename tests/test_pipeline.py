@@ -137,3 +137,24 @@ def test_a_writer_that_raises_is_logged_once_and_alerts_still_arrive(caplog):
     assert [a["step"] for a in pipeline.alerts] == [s.step for s in steps]
     failed = [r.getMessage() for r in caplog.records if "could not be logged or written" in r.getMessage()]
     assert len(failed) == 1 and "OSError: disk full" in failed[0]
+
+
+def test_steps_completed_after_close_are_still_processed():
+    detector, writer, steps = _Gated(), _Writer(), _steps(3)
+    detector.gate.set()
+    pipeline = StepPipeline(detector, writer, on_alert=None, warns=False)
+    pipeline.complete(steps[0])
+    assert pipeline.close(5.0)
+    assert not pipeline._thread.is_alive()  # close() ended its thread
+
+    def train_on():  # a run that goes on after close(): its steps must not wait for a stopped thread
+        for stats in steps[1:]:
+            pipeline.complete(stats)
+            pipeline.process()
+        pipeline.flush(5.0)
+
+    worker = threading.Thread(target=train_on, daemon=True)
+    worker.start()
+    worker.join(timeout=10.0)
+    assert not worker.is_alive(), "process() waited for steps no thread will take"
+    assert [a["step"] for a in pipeline.alerts] == [s.step for s in steps] and writer.submitted == steps
