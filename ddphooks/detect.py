@@ -17,7 +17,10 @@ itself:
    - ``cosine_previous``: the rank's sketched cosine to its own gradient of the previous step,
      ``cos(s_i(t), s_i(t-1))``, minus the median of those (only a rise counts: a rank that keeps
      training on the same batch, a stuck data loader, produces nearly the same gradient again,
-     while healthy ranks draw a new batch every step);
+     while healthy ranks draw a new batch every step); at W >= 3, on a step where it rose, its
+     score also counts how far the rank's loss fell below the median rank's (capped at
+     ``repeat_loss_cap``): a rank that keeps training on one batch memorises it, so its loss
+     falls below the others' as its gradient repeats;
 2. **against its own history** (every W, the only way to tell which of two ranks changed): the
    rank's loss (only a rise counts), its log gradient norm (either way), its leave-one-out
    cosine (only a drop counts) and its cosine to its previous step (only a rise counts), each
@@ -76,12 +79,14 @@ large, never alerts alone (one odd batch is not a rank that diverged); one signa
 2nd step of a rank that stays off at the earliest. The combined CUSUM (drift 3, the same threshold)
 alerts on the 4th step of a rank 3 standard deviations off in three of its four signals; one
 signal alone, capped at 4, adds at most 1 a step, what the same shift adds to its own
-CUSUM. The cross-rank ``cosine_previous`` CUSUM has its own settings (allowance 1, or 0.5 at
-W = 2, where the same rise scores about half as much; each step's score capped at 5, threshold 14): the score has light tails in healthy runs (Fisher's scale, a
-scale pooled over ranks), while a stuck rank's cosine to its previous step rises a few standard
-deviations on most steps but falls back on some (it overshoots on the batch it keeps seeing), so a
-small allowance lets the raised steps add up; the cap keeps one wild step from alerting alone (4 at
-most a step: the 4th raised step at the earliest). An alert names the rank, its strongest signal
+CUSUM. The cross-rank ``cosine_previous`` CUSUM has its own settings (allowance 2, or 0.5 at
+W = 2, where the same rise scores about half as much and there is no loss term; the cosine's
+score capped at 5 a step, the loss fall's at 3; threshold 14): the cosine's score has light tails
+in healthy runs (Fisher's scale, a scale pooled over ranks), while a stuck rank's cosine to its
+previous step rises a few standard deviations on most steps but falls back on some (it overshoots
+on the batch it keeps seeing), so a small allowance lets the raised steps add up; the caps keep
+one wild step from alerting alone (6 at most a step at W >= 3: the 3rd raised step at the
+earliest, the 4th without the loss). An alert names the rank, its strongest signal
 (the CUSUM furthest up its own threshold), every signal over half its threshold, since
 which step the CUSUM has been rising, and the parameters that deviate most on that rank: per
 parameter, the evidence of its CUSUM, and where there is none, how far the rank's gradient
@@ -193,18 +198,30 @@ class DetectorConfig:
     false alarms in 8000 held-out healthy steps. Not 0: a spread that grows on every rank in two
     signals at once raises combined alerts there."""
 
-    repeat_drift: float = 1.0
-    """Allowance of the cross-rank ``cosine_previous`` CUSUM. Lower than ``drift``: on Fisher's
-    scale, against a scale pooled over ranks, this score has light tails in healthy runs, and a
-    stuck rank raises it by a few standard deviations on most steps, not on all."""
+    repeat_drift: float = 2.0
+    """Allowance of the cross-rank ``cosine_previous`` CUSUM (W >= 3). Lower than ``drift``: on
+    Fisher's scale, against a scale pooled over ranks, the cosine's score has light tails in
+    healthy runs, and a stuck rank raises it by a few standard deviations on most steps, not on
+    all. Not 1, as before the loss fall joined the score (``repeat_loss_cap``): that adds the
+    healthy ranks' one-sided loss noise to every step."""
 
     repeat_cap: float = 5.0
     """Cap on one step's cross-rank ``cosine_previous`` score: a step adds at most ``repeat_cap -
     repeat_drift`` to that CUSUM, so no single step, however wild, alerts alone."""
 
     repeat_threshold: float = 14.0
-    """Level at which the cross-rank ``cosine_previous`` CUSUM alerts: with the cap, on the 4th
-    raised step at the earliest."""
+    """Level at which the cross-rank ``cosine_previous`` CUSUM alerts: with the caps, on the 3rd
+    raised step at the earliest (the 4th at W = 2)."""
+
+    repeat_loss_cap: float = 3.0
+    """Cap on the loss term of the cross-rank ``cosine_previous`` score (W >= 3): how far the
+    rank's loss fell below the median rank's, in standard deviations, counted on the steps whose
+    cosine rose (0: the cosine alone). A rank that keeps training on one batch memorises it: on the embedded model's ``stuck`` runs
+    the stuck rank's loss stood a mean 1.9 standard deviations below the others' over the 15
+    steps after the fault, while its cosine to its previous step stood 2.7 above. Chosen on sets
+    B and C with ``repeat_drift`` 2: ``stuck`` at W = 4 went from 7 / 11 (median / worst delay)
+    to 5 / 9, and the healthy runs' highest level of this CUSUM from 0.93 to 0.76 of its
+    threshold (see benchmarks/README.md for the runs held out)."""
 
     pair_repeat_drift: float = 0.5
     """Allowance of the cross-rank ``cosine_previous`` CUSUM at W = 2, in place of
@@ -245,6 +262,8 @@ class DetectorConfig:
                 f"DetectorConfig.repeat_cap={self.repeat_cap} must be > repeat_drift={self.repeat_drift} and "
                 f"pair_repeat_drift={self.pair_repeat_drift} (a capped step would never raise the cosine_previous CUSUM)"
             )
+        if isinstance(self.repeat_loss_cap, bool) or not isinstance(self.repeat_loss_cap, (int, float)) or not self.repeat_loss_cap >= 0:
+            raise ValueError(f"DetectorConfig.repeat_loss_cap={self.repeat_loss_cap!r} must be a number >= 0 (0: the cosine alone)")
         if isinstance(self.combined_growth, bool) or not isinstance(self.combined_growth, (int, float)) or not 0 <= self.combined_growth <= 1:
             raise ValueError(f"DetectorConfig.combined_growth={self.combined_growth!r} must be a number from 0 to 1 (a power of the spread growth)")
         if self.recent > self.window:
@@ -446,6 +465,8 @@ class Detector:
         self.allowance[repeat], self.cap[repeat], self.limit[repeat] = config.repeat_drift, config.repeat_cap, config.repeat_threshold
         if world == 2:  # the same rise scores about half as much with two ranks (see pair_repeat_drift)
             self.allowance[repeat] = config.pair_repeat_drift
+        else:  # its two terms are capped one by one in _scores (repeat_cap, repeat_loss_cap)
+            self.cap[repeat] = math.inf
         if world >= 3:  # its terms are capped one by one (combined_cap)
             self.allowance[("cross", "combined")], self.cap[("cross", "combined")] = config.combined_drift, math.inf
         self.allowance[("own", "layer")] = config.layer_drift
@@ -520,6 +541,7 @@ class Detector:
         ignored = self.config.cosine_floor * noise  # a sketched change below this is the sketch's noise
         scores = {}
         combined_terms = []
+        loss_fall = np.zeros(self.world)  # how far each rank's loss fell below the median rank's (W >= 3)
         # Baselines in batched sorts (per kind, over every signal and rank at once), since the
         # detector runs on every step of every rank; the scales grow with the recent spread (see the
         # module docstring).
@@ -556,10 +578,20 @@ class Detector:
                 sides = [np.nan_to_num(side / scale, nan=0.0) for side in _sides(gap, CROSS_DIRECTION[name])]
                 scores[("cross", name)] = np.maximum(np.stack(sides, axis=1), 0.0)
                 if self.world >= 3:
-                    z = COMBINED_DIRECTION[name] * gap / max(combined_scale[position], floors[name])
-                    combined_terms.append(np.minimum(np.maximum(np.nan_to_num(z, nan=0.0), 0.0), self.config.combined_cap))
+                    z = np.nan_to_num(gap / max(combined_scale[position], floors[name]), nan=0.0)
+                    combined_terms.append(np.clip(COMBINED_DIRECTION[name] * z, 0.0, self.config.combined_cap))
+                    if name == "loss":
+                        loss_fall = np.clip(-z, 0.0, self.config.repeat_loss_cap)
         if combined_terms:
             scores[("cross", "combined")] = sum(combined_terms)[:, None]
+        repeat = ("cross", "cosine_previous")
+        if self.world >= 3 and repeat in scores:
+            # Repeating data: the gradient repeats and the loss falls below the others' (the rank
+            # memorises the batch it keeps seeing); each term capped apart (see repeat_loss_cap).
+            # The loss counts only on steps whose cosine rose: a rank with easier data, its loss
+            # alone lower, never passes for one whose gradient repeats.
+            raised = scores[repeat] > 0
+            scores[repeat] = np.minimum(scores[repeat], self.config.repeat_cap) + np.where(raised, loss_fall[:, None], 0.0)
         if self.parameter_change is not None:
             # Per rank and parameter, in standard deviations; accumulated per parameter in _score_alerts.
             scores[("own", "layer")] = self.parameter_change
@@ -624,6 +656,8 @@ class Detector:
         if name == "layer":
             top = int(self.layer_level[rank].argmax())
             detail = f"the gradient norm of {self.parameter_names[top]} rose against the median rank's and against this rank's other parameters, step after step"
+        elif strongest == ("cross", "cosine_previous") and self.world >= 3 and np.isfinite(values["loss"][rank]):
+            detail = "; ".join(self._now_and_usual(("cross", signal), rank, values) for signal in ("cosine_previous", "loss"))
         elif name == "combined":
             detail = "; ".join(self._now_and_usual(("cross", signal), rank, values) for signal in SIGNALS if np.isfinite(values[signal][rank]))
         else:

@@ -39,6 +39,7 @@ def _stream(world: int, steps: int, seed: int, fault_rank: int | None = None, fa
                 loo[fault_rank] = 0.1 + noise * rng.standard_normal()
             elif kind == "stuck":  # the same batch again: nearly the same gradient as the step before
                 previous[fault_rank] = 0.75 + 0.1 * rng_previous.standard_normal()
+                losses[fault_rank] -= 0.2  # and a lower loss: the rank memorises the batch it keeps seeing
         records.append(
             {
                 "step": step, "world_size": world, "sketch_dim": sketch_dim, "cosine_noise": noise,
@@ -145,9 +146,15 @@ def test_a_rank_stuck_on_one_batch_is_named_from_its_cosine_to_its_previous_step
     fault_rank = world - 1
     alerts = detect_run(_stream(world, 100, seed=20 + world, fault_rank=fault_rank, fault_step=50, kind="stuck"))
     assert alerts and alerts[0]["rank"] == fault_rank and 50 <= alerts[0]["step"] <= 56, alerts[:1]
-    if world > 2:  # about 5.5 sigma a step, capped at 5, less the allowance of 1: past 14 on the 4th step
-        assert alerts[0]["step"] == 53 and alerts[0]["kind"] == "cosine_previous", alerts[0]
+    if world > 2:
+        # The cosine about 5.5 sigma a step (capped at 5) and the loss about 2.5 sigma below the
+        # others' (capped at 3), less the allowance of 2: past 14 on the 3rd step. The cosine
+        # alone adds 3 a step: the 5th.
+        assert alerts[0]["step"] == 52 and alerts[0]["kind"] == "cosine_previous", alerts[0]
         assert re.search(r"CUSUM 1\d\.\d > 14\)", alerts[0]["message"]), alerts[0]["message"]
+        assert "loss minus the median rank's: now -0." in alerts[0]["message"], alerts[0]["message"]
+        cosine_alone = detect_run(_stream(world, 100, seed=20 + world, fault_rank=fault_rank, fault_step=50, kind="stuck"), DetectorConfig(repeat_loss_cap=0))
+        assert (cosine_alone[0]["step"], cosine_alone[0]["kind"]) == (54, "cosine_previous"), cosine_alone[:1]
     assert any(signal.startswith("cosine_previous") for signal in alerts[0]["signals"]), alerts[0]["signals"]
     assert "gradient cosine to its own previous step" in alerts[0]["message"]
     assert {a["rank"] for a in alerts} == {fault_rank}
@@ -176,6 +183,20 @@ def test_a_stuck_rank_of_two_is_named_with_the_smaller_allowance_of_two_ranks():
         assert alerts and (alerts[0]["rank"], alerts[0]["kind"]) == (1, "cosine_previous") and 60 <= alerts[0]["step"] <= 85, (seed, alerts[:1])
         assert {a["rank"] for a in alerts} == {1}
         assert not [a for a in detect_run(records, DetectorConfig(pair_repeat_drift=1.0)) if a["step"] <= 85], seed
+
+
+def test_a_rank_whose_loss_alone_is_lower_is_not_taken_for_a_repeating_gradient():
+    # A rank with easier data: its loss 5 standard deviations of the per-rank noise below the
+    # others' for 50 steps, its cosine to its previous step as usual. The loss term of the
+    # cosine_previous score counts only on steps whose cosine rose, so what alerts is the loss
+    # itself, against the other ranks (counted on every step, the loss term alone raised a
+    # cosine_previous alert here at step 61).
+    records = _stream(4, 120, seed=15)
+    for record in records[50:100]:
+        record["losses"][3] -= 0.4
+    alerts = detect_run(records)
+    assert alerts and (alerts[0]["rank"], alerts[0]["kind"]) == (3, "loss"), alerts[:1]
+    assert all(a["kind"] != "cosine_previous" for a in alerts), alerts
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
@@ -377,10 +398,12 @@ def test_runs_without_sketches_and_bad_settings_are_rejected():
         DetectorConfig(combined_cap=-1)
     with pytest.raises(ValueError, match=r"DetectorConfig.step_cap=3 must be > drift=3.0 and layer_drift=2.25"):
         DetectorConfig(step_cap=3)
-    with pytest.raises(ValueError, match=r"DetectorConfig.repeat_cap=1 must be > repeat_drift=1.0 and pair_repeat_drift=0.5"):
+    with pytest.raises(ValueError, match=r"DetectorConfig.repeat_cap=1 must be > repeat_drift=2.0 and pair_repeat_drift=0.5"):
         DetectorConfig(repeat_cap=1)
     with pytest.raises(ValueError, match=r"DetectorConfig.pair_repeat_drift=0 must be a number > 0"):
         DetectorConfig(pair_repeat_drift=0)
+    with pytest.raises(ValueError, match=r"DetectorConfig.repeat_loss_cap=-1 must be a number >= 0 \(0: the cosine alone\)"):
+        DetectorConfig(repeat_loss_cap=-1)
 
 
 def test_a_step_without_losses_warns_nothing_and_leaves_the_warning_filters_alone(monkeypatch):
