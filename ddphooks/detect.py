@@ -86,7 +86,7 @@ in healthy runs (Fisher's scale, a scale pooled over ranks), while a stuck rank'
 previous step rises a few standard deviations on most steps but falls back on some (it overshoots
 on the batch it keeps seeing), so a small allowance lets the raised steps add up; the caps keep
 one wild step from alerting alone (6 at most a step at W >= 3: the 3rd raised step at the
-earliest, the 4th without the loss). An alert names the rank, its strongest signal
+earliest, the 5th with the cosine alone). An alert names the rank, its strongest signal
 (the CUSUM furthest up its own threshold), every signal over half its threshold, since
 which step the CUSUM has been rising, and the parameters that deviate most on that rank: per
 parameter, the evidence of its CUSUM, and where there is none, how far the rank's gradient
@@ -216,10 +216,10 @@ class DetectorConfig:
     repeat_loss_cap: float = 3.0
     """Cap on the loss term of the cross-rank ``cosine_previous`` score (W >= 3): how far the
     rank's loss fell below the median rank's, in standard deviations, counted on the steps whose
-    cosine rose (0: the cosine alone). A rank that keeps training on one batch memorises it: on the embedded model's ``stuck`` runs
-    the stuck rank's loss stood a mean 1.9 standard deviations below the others' over the 15
-    steps after the fault, while its cosine to its previous step stood 2.7 above. Chosen on sets
-    B and C with ``repeat_drift`` 2: ``stuck`` at W = 4 went from 7 / 11 (median / worst delay)
+    cosine rose (0: the cosine alone). A rank that keeps training on one batch memorises it: on
+    the embedded model's ``stuck`` runs of sets B, C and D the stuck rank's loss stood a mean 1.9
+    standard deviations below the others' over the 15 steps after the fault, while its cosine to
+    its previous step stood 2.7 above. Chosen on sets B and C with ``repeat_drift`` 2: ``stuck`` at W = 4 went from 7 / 11 (median / worst delay)
     to 5 / 9, and the healthy runs' highest level of this CUSUM from 0.93 to 0.76 of its
     threshold (see benchmarks/README.md for the runs held out)."""
 
