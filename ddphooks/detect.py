@@ -206,8 +206,10 @@ class DetectorConfig:
     healthy ranks' one-sided loss noise to every step."""
 
     repeat_cap: float = 5.0
-    """Cap on one step's cross-rank ``cosine_previous`` score: a step adds at most ``repeat_cap -
-    repeat_drift`` to that CUSUM, so no single step, however wild, alerts alone."""
+    """Cap on one step's cosine score in the cross-rank ``cosine_previous`` CUSUM (the loss term
+    has its own, ``repeat_loss_cap``): a step adds at most ``repeat_cap + repeat_loss_cap -
+    repeat_drift`` to that CUSUM (``repeat_cap - pair_repeat_drift`` at W = 2), so no single step,
+    however wild, alerts alone."""
 
     repeat_threshold: float = 14.0
     """Level at which the cross-rank ``cosine_previous`` CUSUM alerts: with the caps, on the 3rd
@@ -219,9 +221,10 @@ class DetectorConfig:
     cosine rose (0: the cosine alone). A rank that keeps training on one batch memorises it: on
     the embedded model's ``stuck`` runs of sets B, C and D the stuck rank's loss stood a mean 1.9
     standard deviations below the others' over the 15 steps after the fault, while its cosine to
-    its previous step stood 2.7 above. Chosen on sets B and C with ``repeat_drift`` 2: ``stuck`` at W = 4 went from 7 / 11 (median / worst delay)
-    to 5 / 9, and the healthy runs' highest level of this CUSUM from 0.93 to 0.76 of its
-    threshold (see benchmarks/README.md for the runs held out)."""
+    its previous step stood 2.7 above. Chosen on sets B and C with ``repeat_drift`` 2: ``stuck``
+    at W = 4 went from 7 / 11 (median / worst delay) to 5 / 9, and the healthy runs' highest level
+    of this CUSUM from 0.93 to 0.76 of its threshold (see benchmarks/README.md for the runs held
+    out)."""
 
     pair_repeat_drift: float = 0.5
     """Allowance of the cross-rank ``cosine_previous`` CUSUM at W = 2, in place of
@@ -465,10 +468,9 @@ class Detector:
         self.allowance[repeat], self.cap[repeat], self.limit[repeat] = config.repeat_drift, config.repeat_cap, config.repeat_threshold
         if world == 2:  # the same rise scores about half as much with two ranks (see pair_repeat_drift)
             self.allowance[repeat] = config.pair_repeat_drift
-        else:  # its two terms are capped one by one in _scores (repeat_cap, repeat_loss_cap)
-            self.cap[repeat] = math.inf
-        if world >= 3:  # its terms are capped one by one (combined_cap)
+        if world >= 3:  # terms capped one by one: combined_cap; repeat_cap and repeat_loss_cap (in _scores)
             self.allowance[("cross", "combined")], self.cap[("cross", "combined")] = config.combined_drift, math.inf
+            self.cap[repeat] = math.inf
         self.allowance[("own", "layer")] = config.layer_drift
         self.episodes: dict[int, _Episode] = {}
         self.replica_episodes: set[int] = set()
