@@ -27,18 +27,8 @@ parser.add_argument("folders", nargs="+", help="folders searched (recursively) f
 parser.add_argument("--json", default=None, help="also write the results to this file")
 parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="override one DetectorConfig field (repeatable), e.g. --set recent=32")
 args = parser.parse_args()
-defaults = DetectorConfig()
-overrides = {}
-for item in args.set:
-    name, _, value = item.partition("=")
-    if not hasattr(defaults, name) or not value:
-        parser.error(f"--set {item!r}: expected NAME=VALUE with NAME one of {', '.join(vars(defaults))}")
-    try:
-        overrides[name] = type(getattr(defaults, name))(value)
-    except ValueError:
-        parser.error(f"--set {item!r}: {value!r} is not a valid {type(getattr(defaults, name)).__name__}")
 try:
-    config = DetectorConfig(**overrides)
+    config = DetectorConfig.from_overrides(args.set)
 except ValueError as error:
     parser.error(str(error))
 

@@ -106,7 +106,7 @@ Example::
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -271,6 +271,28 @@ class DetectorConfig:
             raise ValueError(f"DetectorConfig.combined_growth={self.combined_growth!r} must be a number from 0 to 1 (a power of the spread growth)")
         if self.recent > self.window:
             raise ValueError(f"DetectorConfig.recent={self.recent} must be <= window={self.window} (the recent steps are the window's last)")
+
+    @classmethod
+    def from_overrides(cls, items: list[str]) -> "DetectorConfig":
+        """The defaults with ``NAME=VALUE`` items applied (``--set`` of ``ddphooks detect`` and of
+        benchmarks/detection.py), each value read as its field's type; ``ValueError`` names the
+        item and the valid names, or the field's own check.
+
+        Example::
+            >>> DetectorConfig.from_overrides(["threshold=25", "warmup=16"]).threshold
+            25.0
+        """
+        types = {f.name: type(getattr(cls(), f.name)) for f in fields(cls)}
+        values = {}
+        for item in items:
+            name, equals, text = item.partition("=")
+            if name not in types or not equals or not text:
+                raise ValueError(f"--set {item!r}: expected NAME=VALUE with NAME one of {', '.join(types)}")
+            try:
+                values[name] = types[name](text)
+            except ValueError:
+                raise ValueError(f"--set {item!r}: {text!r} is not a valid {types[name].__name__} (DetectorConfig.{name})") from None
+        return cls(**values)
 
 
 @dataclass

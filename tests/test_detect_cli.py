@@ -87,6 +87,23 @@ def test_detect_reports_each_run_and_the_total(tmp_path, capsys):
     assert out.splitlines()[-1] == f"{len(rows)} alert{'s' * (len(rows) > 1)} in 2 runs"
 
 
+def test_set_reruns_the_detector_with_other_settings_and_bad_ones_are_one_line_errors(tmp_path, capsys):
+    path = write_run(tmp_path / "run.jsonl", planted_records())
+    assert _alert_rows(_detect([str(path)], capsys)[1])  # the defaults name the planted rank
+    status, out, err = _detect([str(path), "--set", "threshold=1e6"], capsys)  # every CUSUM but cosine_previous's (no such key here) out of reach
+    assert status == 0 and err == "" and _alert_rows(out) == []
+    assert out.splitlines()[-1] == "0 alerts in 1 run (DetectorConfig with threshold=1e6)"
+    for item, expected in (
+        ("treshold=25", "--set 'treshold=25': expected NAME=VALUE with NAME one of window, warmup, threshold,"),
+        ("warmup=1.5", "--set 'warmup=1.5': '1.5' is not a valid int (DetectorConfig.warmup)"),
+        ("window=2", "DetectorConfig.window=2 must be >= 4"),
+        ("threshold", "--set 'threshold': expected NAME=VALUE"),
+    ):
+        status, out, err = _detect([str(path), "--set", item], capsys)
+        assert status == 2 and out == "" and err.startswith("ddphooks detect: error: ") and err.count("\n") == 1, (item, err)
+        assert expected in err, (item, err)
+
+
 def test_a_run_without_sketches_is_a_one_line_error(tmp_path, capsys):
     path = write_run(tmp_path / "run.jsonl", planted_records(sketches=False))
     status, out, err = _detect([str(path)], capsys)

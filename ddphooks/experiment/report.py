@@ -208,13 +208,14 @@ def recorded_alerts(run: Run) -> list[dict] | None:
     return [{"step": record["step"], **alert} for record in run.records for alert in record.get("alerts") or []]
 
 
-def detect_alerts(run: Run) -> list[dict]:
-    """The alerts of ``ddphooks.detect`` run offline over the records; ``ValueError`` naming the
-    file where the records lack what the detector needs (e.g. sketches)."""
+def detect_alerts(run: Run, config=None) -> list[dict]:
+    """The alerts of ``ddphooks.detect`` run offline over the records (with ``config``, a
+    ``DetectorConfig``; None: the defaults); ``ValueError`` naming the file where the records lack
+    what the detector needs (e.g. sketches)."""
     from ddphooks.detect import detect_run
 
     try:
-        return detect_run(run.records)
+        return detect_run(run.records, config)
     except ValueError as error:
         raise ValueError(f"{run.path}: {error}") from None
 
@@ -703,6 +704,10 @@ def main(args: argparse.Namespace) -> int:
 # -- ddphooks detect -------------------------------------------------------------------------------
 def add_detect_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("runs", nargs="+", help="run files (run-<setting>-w<W>.jsonl, or any JsonlSink file with sketches)")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="NAME=VALUE",
+        help="one DetectorConfig field other than its default (repeatable), e.g. --set threshold=25: what a run would have raised with it",
+    )  # fmt: skip
 
 
 def detect_main(args: argparse.Namespace) -> int:
@@ -717,10 +722,16 @@ def detect_main(args: argparse.Namespace) -> int:
         step  rank  kind  since  score  parameters  message
           42     1  loss     40   9.31  -           rank 1: loss 0.52 above the others since step 40
         1 alert in 1 run
+        $ ddphooks detect runs/run-fault-w2.jsonl --set threshold=40
+        runs/run-fault-w2.jsonl: fault x2, 120 steps, no alerts (1 recorded during training)
+        0 alerts in 1 run (DetectorConfig with threshold=40)
     """
+    from ddphooks.detect import DetectorConfig
+
+    config = DetectorConfig.from_overrides(args.set)  # a bad --set fails before any file is read
     runs = [read_run(path) for path in args.runs]
     _label_runs(runs)
-    found = [detect_alerts(run) for run in runs]
+    found = [detect_alerts(run, config) for run in runs]
     for run, alerts in zip(runs, found):
         recorded = recorded_alerts(run)
         online = "" if recorded is None else f" ({len(recorded)} recorded during training)"
@@ -729,5 +740,6 @@ def detect_main(args: argparse.Namespace) -> int:
         if alerts:
             print("\n".join("  " + line for line in alert_table(alerts)))
     total = sum(len(alerts) for alerts in found)
-    print(f"{total} alert{'' if total == 1 else 's'} in {len(runs)} run{'' if len(runs) == 1 else 's'}")
+    settings = f" (DetectorConfig with {', '.join(args.set)})" if args.set else ""
+    print(f"{total} alert{'' if total == 1 else 's'} in {len(runs)} run{'' if len(runs) == 1 else 's'}{settings}")
     return 0
