@@ -323,7 +323,7 @@ class SilentState:
         """Process the completed steps (alerts, ``on_alert``) and wait (at most ``timeout``
         seconds) until their records are written and the sinks flushed."""
         if self._bound and not self._pipeline.flush(timeout):
-            logger.warning("ddphooks: flush() gave up after %.0f s: a sink is still busy", timeout)
+            logger.warning("ddphooks: flush() gave up after %.0f s: a sink or a logging handler is still busy", timeout)
 
     def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Process the completed steps, write what is queued, flush and close the sinks (at

@@ -9,7 +9,10 @@ every rank reaches in the same order: the first bucket of the next step (inside 
    own previous gradient;
 1. runs the detector (``ddphooks.detect``) on it, the same on every rank, so every rank finds the
    same alerts; a detector error is reported once and never reaches training;
-2. logs one ``logging`` warning per new alert (logger ``"ddphooks"``) on the log rank;
+2. queues one ``logging`` warning per new alert (logger ``"ddphooks"``) on the log rank, emitted
+   on a thread of its own (as are the pipeline's other warnings): the training thread waits for
+   this one when it falls more than a step behind, and a logging handler that blocks (a stalled
+   stderr pipe, a slow remote handler) must hold up nothing but its own messages;
 3. hands the statistics, alerts attached, to the record writer (log rank only).
 
 At the same point of the following step the training thread collects the alerts of the steps it
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -36,6 +40,52 @@ from ddphooks.detect import Detector, Observation
 from ddphooks.writer import RecordWriter
 
 logger = logging.getLogger("ddphooks")
+
+
+class _Warnings:
+    """``logging`` warnings emitted in order on a daemon thread of their own, started when one is
+    queued and ended when none is left: a handler that blocks holds up only that thread.
+
+    Example::
+        >>> warnings = _Warnings()
+        >>> warnings.warn("ddphooks alert: %s", "rank 3 ...")   # returns at once
+        >>> warnings.drain(5.0)                                  # True once it is emitted
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._queue: deque = deque()
+        self._queued = 0
+        self._emitted = 0
+        self._thread: threading.Thread | None = None
+
+    def warn(self, message: str, *args) -> None:
+        with self._cond:
+            self._queue.append((message, args))
+            self._queued += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="ddphooks-warnings", daemon=True)
+                self._thread.start()
+
+    def drain(self, timeout: float) -> bool:
+        """Wait (at most ``timeout`` seconds) until every warning queued so far is emitted."""
+        with self._cond:
+            wanted = self._queued
+            return self._cond.wait_for(lambda: self._emitted >= wanted, max(timeout, 0.0))
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if not self._queue:
+                    self._thread = None  # the next warn() starts another
+                    return
+                message, args = self._queue.popleft()
+            try:
+                logger.warning(message, *args)  # handler errors go to logging's own handleError
+            finally:
+                with self._cond:
+                    self._emitted += 1
+                    self._cond.notify_all()
 
 
 class StepPipeline:
@@ -73,6 +123,7 @@ class StepPipeline:
         self._previous = None  # the last step linked, for SilentStats.follow
         self._link_failed = False
         self._output_failed = False
+        self._warnings = _Warnings()
 
     def complete(self, stats) -> None:
         """Queue a complete step (any thread)."""
@@ -120,7 +171,7 @@ class StepPipeline:
                 self._handle(stats)
             except Exception as error:  # reported once; the thread lives on, the training thread waits for its count
                 if not self._output_failed:
-                    logger.warning("ddphooks: step %d could not be logged or written: %s: %s", stats.step, type(error).__name__, error)
+                    self._warnings.warn("ddphooks: step %d could not be written: %s: %s", stats.step, type(error).__name__, error)
                 self._output_failed = True
             finally:
                 with self._cond:
@@ -133,7 +184,7 @@ class StepPipeline:
         stats.alerts = self._detect(stats)
         if self.warns:
             for alert in stats.alerts:
-                logger.warning("ddphooks alert: %s", alert["message"])
+                self._warnings.warn("ddphooks alert: %s", alert["message"])
         if self.writer is not None:
             self.writer.submit(stats)
 
@@ -142,7 +193,7 @@ class StepPipeline:
             stats.follow(self._previous)
         except Exception as error:  # like a detector error: reported once, never raised into backward
             if not self._link_failed:
-                logger.warning("ddphooks: step %d could not be linked to the previous step (no cosine_previous): %s: %s", stats.step, type(error).__name__, error)
+                self._warnings.warn("ddphooks: step %d could not be linked to the previous step (no cosine_previous): %s: %s", stats.step, type(error).__name__, error)
             self._link_failed = True
         self._previous = stats
 
@@ -153,13 +204,18 @@ class StepPipeline:
             return self.detector.update(Observation.from_stats(stats))
         except Exception as error:  # a detector bug must never stop training
             self._detector_failed = True
-            logger.warning("ddphooks: the detector failed at step %d and is off from now on: %s: %s", stats.step, type(error).__name__, error)
+            self._warnings.warn("ddphooks: the detector failed at step %d and is off from now on: %s: %s", stats.step, type(error).__name__, error)
             return []
 
     # -- the end ---------------------------------------------------------------------------------
     def flush(self, timeout: float) -> bool:
+        """Process every completed step, then wait (``timeout`` seconds in all) for its warnings
+        to be logged and its records written; False if a logging handler or a sink is still busy."""
         self.process(wait=True)
-        return self.writer is None or self.writer.flush(timeout)
+        deadline = time.monotonic() + timeout
+        logged = self._warnings.drain(timeout)
+        written = self.writer is None or self.writer.flush(max(deadline - time.monotonic(), 0.0))
+        return logged and written
 
     def close(self, timeout: float, call_on_alert: bool = True) -> bool:
         try:
@@ -168,7 +224,9 @@ class StepPipeline:
             with self._cond:
                 self._stopping = True
                 self._cond.notify_all()
+            deadline = time.monotonic() + timeout
             if self._thread is not None:  # every step is done: it ends at once
                 self._thread.join(timeout)
-            closed = self.writer is None or self.writer.close(timeout)
-        return closed
+            logged = self._warnings.drain(max(deadline - time.monotonic(), 0.0))
+            closed = self.writer is None or self.writer.close(max(deadline - time.monotonic(), 0.0))
+        return logged and closed

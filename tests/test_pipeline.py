@@ -3,6 +3,7 @@ later on the training thread, monitoring errors logged once and never raised."""
 
 import logging
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -135,8 +136,40 @@ def test_a_writer_that_raises_is_logged_once_and_alerts_still_arrive(caplog):
             pipeline.process()
         pipeline.flush(5.0)
     assert [a["step"] for a in pipeline.alerts] == [s.step for s in steps]
-    failed = [r.getMessage() for r in caplog.records if "could not be logged or written" in r.getMessage()]
+    failed = [r.getMessage() for r in caplog.records if "could not be written" in r.getMessage()]
     assert len(failed) == 1 and "OSError: disk full" in failed[0]
+
+
+def test_a_logging_handler_that_blocks_never_holds_up_the_steps():
+    # A handler stuck on I/O (a stalled stderr pipe): the pipeline thread, which the training
+    # thread waits on when it falls behind, must not wait for it.
+    released, emitted = threading.Event(), []
+
+    class _Stalled(logging.Handler):
+        def emit(self, record) -> None:
+            released.wait(timeout=10.0)
+            emitted.append(record.getMessage())
+
+    detector, writer, steps = _Gated(), _Writer(), _steps(6)
+    detector.gate.set()
+    handler = _Stalled(level=logging.WARNING)
+    logging.getLogger("ddphooks").addHandler(handler)
+    try:
+        pipeline = StepPipeline(detector, writer, on_alert=None, warns=True)
+        started = time.monotonic()
+        for stats in steps:
+            pipeline.complete(stats)
+            pipeline.process()
+        pipeline.process(wait=True)  # every step detected while the first warning is still stuck
+        assert time.monotonic() - started < 5.0
+        assert [a["step"] for a in pipeline.alerts] == [s.step for s in steps] and emitted == []
+        assert not pipeline.flush(0.2)  # says the handler is still busy, after 0.2 s
+        released.set()
+        assert pipeline.close(5.0)
+    finally:
+        logging.getLogger("ddphooks").removeHandler(handler)
+    assert emitted == [f"ddphooks alert: step {s.step}" for s in steps]  # all of them, in order
+    assert writer.submitted == steps
 
 
 def test_steps_completed_after_close_are_still_processed():
