@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable
 
@@ -81,7 +82,9 @@ class _Warnings:
                     return
                 message, args = self._queue.popleft()
             try:
-                logger.warning(message, *args)  # handler errors go to logging's own handleError
+                logger.warning(message, *args)  # a handler's own errors go to its handleError
+            except Exception:  # a filter or logger class that raises: printed as handleError does, and the next one goes on
+                traceback.print_exc()
             finally:
                 with self._cond:
                     self._emitted += 1

@@ -172,6 +172,36 @@ def test_a_logging_handler_that_blocks_never_holds_up_the_steps():
     assert writer.submitted == steps
 
 
+def test_a_logging_filter_that_raises_loses_only_its_own_message(capsys):
+    emitted = []
+
+    class _Recorder(logging.Handler):
+        def emit(self, record) -> None:
+            emitted.append(record.getMessage())
+
+    def filter_(record):
+        if record.getMessage().endswith("step 0"):
+            raise RuntimeError("broken filter")
+        return True
+
+    detector, steps = _Gated(), _steps(3)
+    detector.gate.set()
+    handler, log = _Recorder(level=logging.WARNING), logging.getLogger("ddphooks")
+    log.addHandler(handler)
+    log.addFilter(filter_)
+    try:
+        pipeline = StepPipeline(detector, None, on_alert=None, warns=True)
+        for stats in steps:
+            pipeline.complete(stats)
+            pipeline.process()
+        assert pipeline.close(5.0)
+    finally:
+        log.removeFilter(filter_)
+        log.removeHandler(handler)
+    assert emitted == ["ddphooks alert: step 1", "ddphooks alert: step 2"]
+    assert "RuntimeError: broken filter" in capsys.readouterr().err
+
+
 def test_steps_completed_after_close_are_still_processed():
     detector, writer, steps = _Gated(), _Writer(), _steps(3)
     detector.gate.set()
