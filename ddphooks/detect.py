@@ -124,6 +124,18 @@ CROSS_DIRECTION = {"loss": 0, "grad_norm": 0, "cosine": -1, "cosine_previous": +
 #: either way would add every healthy rank's folded noise (0.8 standard deviations a signal on
 #: average) to the allowance, and a rank a little off would have to be off by that much more.
 COMBINED_DIRECTION = {"loss": +1, "grad_norm": +1, "cosine": -1, "cosine_previous": +1}
+#: What each kind of alert typically means, ending its message: the faults whose pattern it is
+#: (benchmarks/detection.py: a corrupted gradient raised ``layer`` alerts, a stuck loader
+#: ``cosine_previous`` ones, shuffled labels ``combined`` ones), so the reader knows what to check.
+LIKELY_CAUSES = {
+    "layer": "a corrupted gradient (a failing accelerator, silent data corruption)",
+    "cosine_previous": "the same batch over and over (a stuck or exhausted data loader)",
+    "combined": "wrong or different data (mislabelled or shuffled examples, another shard or preprocessing)",
+    "loss": "different data or a different loss (another shard or preprocessing, mislabelled examples)",
+    "grad_norm": "a gradient scaled differently (another loss scale, a corrupted gradient, different data)",
+    "cosine": "a gradient pointing elsewhere (different data, a corrupted gradient)",
+    "replica": "an update that differs (another learning rate, a non-deterministic or corrupted optimizer step, unsynchronised buffers)",
+}
 #: Signals measured by the sketch, whose changes inside the sketch's noise never count.
 SKETCHED = ("cosine", "cosine_previous")
 MAD_TO_STD = 1.4826
@@ -697,6 +709,7 @@ class Detector:
         )
         if parameters:
             message += f", mostly in {', '.join(parameters[:3])}"
+        message += f"; typical of {LIKELY_CAUSES[name]}"
         return {
             "step": obs.step,
             "rank": rank,
@@ -752,6 +765,7 @@ class Detector:
                         f"rank {rank} holds different parameters than the other replicas at step {obs.step}{tie}: "
                         f"{replicas.get('tensors', len(tensors))} tensor(s) differ, up to {largest:.3g} relative"
                         + (f", in {', '.join(names[:3])}" if names else "")
+                        + f"; typical of {LIKELY_CAUSES['replica']}"
                     ),
                 }
             )

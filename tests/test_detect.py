@@ -66,6 +66,7 @@ def test_a_planted_layer_is_named_first():
     assert alerts and alerts[0]["rank"] == 1
     assert alerts[0]["parameters"][0] == NAMES[3]
     assert NAMES[3] in alerts[0]["message"]
+    assert alerts[0]["message"].endswith("; typical of a corrupted gradient (a failing accelerator, silent data corruption)")
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -157,6 +158,7 @@ def test_a_rank_stuck_on_one_batch_is_named_from_its_cosine_to_its_previous_step
         assert (cosine_alone[0]["step"], cosine_alone[0]["kind"]) == (54, "cosine_previous"), cosine_alone[:1]
     assert any(signal.startswith("cosine_previous") for signal in alerts[0]["signals"]), alerts[0]["signals"]
     assert "gradient cosine to its own previous step" in alerts[0]["message"]
+    assert "typical of the same batch over and over (a stuck or exhausted data loader)" in alerts[0]["message"]
     assert {a["rank"] for a in alerts} == {fault_rank}
     if world == 2:  # the rank's own history names it too (here with the cross-rank CUSUM held back), shown as a cosine
         own = detect_run(_stream(world, 100, seed=20 + world, fault_rank=fault_rank, fault_step=50, kind="stuck"), DetectorConfig(pair_repeat_drift=4.9))
@@ -217,6 +219,7 @@ def test_a_rank_a_little_off_in_every_signal_is_named_by_the_combined_score():
     assert alerts and alerts[0]["rank"] == 3 and alerts[0]["kind"] == "combined" and 100 <= alerts[0]["step"] <= 115
     assert "loss, gradient norm and cosines together depart from the other ranks" in alerts[0]["message"]
     assert "log gradient norm minus the median rank's: now" in alerts[0]["message"]
+    assert "typical of wrong or different data (mislabelled or shuffled examples" in alerts[0]["message"]
     # Without the combined CUSUM (an allowance no sum reaches) the same fault goes unreported.
     assert detect_run(records, DetectorConfig(combined_drift=1e6)) == []
     # Each signal counts in the combined sum in one direction only (a rank training on wrong data:
@@ -377,6 +380,7 @@ def test_replica_divergence_alerts_at_once_without_warm_up():
     alerts = detect_run(records)
     assert [(a["step"], a["rank"], a["kind"]) for a in alerts] == [(5, 3, "replica")]
     assert alerts[0]["parameters"] == ["w"]
+    assert alerts[0]["message"].endswith("in w; typical of an update that differs (another learning rate, a non-deterministic or corrupted optimizer step, unsynchronised buffers)")
 
 
 def test_runs_without_sketches_and_bad_settings_are_rejected():
