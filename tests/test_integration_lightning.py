@@ -76,8 +76,9 @@ def test_logger_gets_the_summary(lightning_run):
     with open(out / "csv" / "version_0" / "metrics.csv") as file:
         rows = [row for row in csv.DictReader(file) if row.get("ddphooks/step")]
     assert rows, "no ddphooks/ metrics in the CSVLogger output"
-    for key in ("loss_mean", "loss_std", "loss_cv", "grad_norm_cv", "mean_cosine", "weighted_mean_cosine", "reduced_grad_norm"):
+    for key in ("loss_mean", "loss_std", "loss_cv", "grad_norm_cv", "mean_cosine", "weighted_mean_cosine", "reduced_grad_norm", "alerts"):
         assert f"ddphooks/{key}" in rows[0], key
+    assert {float(row["ddphooks/alerts"]) for row in rows} == {0.0}  # a healthy run
     logged_steps = set()
     for row in rows:
         step = int(float(row["ddphooks/step"]))
@@ -97,6 +98,19 @@ def test_state_registered_by_the_strategy_is_not_registered_twice(lightning_run)
     computed = step_losses(out, "c")
     for record in records:
         np.testing.assert_allclose(record["losses"], computed[record["step"]], rtol=1e-5)
+
+
+def test_stop_on_alert_ends_the_fit_after_the_same_step_on_every_rank(lightning_run):
+    """Fit d: rank 1's replica diverges after step 2; the replica check alerts, the fit stops early."""
+    out = lightning_run
+    stopped = [json.loads((out / f"stop-rank{rank}.json").read_text()) for rank in range(2)]
+    assert stopped[0] == stopped[1] and 3 <= stopped[0] < 10, stopped
+    records = read_records(out / "d.jsonl")
+    alerts = [alert for record in records for alert in record["alerts"]]
+    assert alerts and {a["kind"] for a in alerts} == {"replica"} and alerts[0]["step"] == 2, alerts
+    assert records[-1]["step"] == stopped[0] - 1  # state steps count from 0, global steps from 1
+    # The alert of step 2 reaches on_train_batch_end two steps later (the detector runs in between).
+    assert stopped[0] == 2 + 3
 
 
 def test_single_device_warns_once_and_trains(tmp_path):

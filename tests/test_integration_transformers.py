@@ -49,11 +49,11 @@ def _result(out: Path, scenario: str, rank: int) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Launch 1: the interrupted Trainer run (steps 1-4, checkpoint at 3). Launch 2: its resumption
-    from step 3 to 6, then the SFTTrainer run. Also returns the records launch 1 wrote."""
+    from step 3 to 6, the SFTTrainer run, then the run that stops on an alert. Also returns the records launch 1 wrote."""
     out = tmp_path_factory.mktemp("hf")
     _torchrun(out, "trainer-first")
     first = _records(out / "trainer" / "ddphooks" / "stats.jsonl")
-    _torchrun(out, "trainer-resume", "sft")
+    _torchrun(out, "trainer-resume", "sft", "trainer-stop")
     return out, first
 
 
@@ -132,6 +132,7 @@ def test_summary_reaches_log_history_and_report_to_integrations(runs):
         record = records[entry["step"] - 1]
         for key in SUMMARY_KEYS:
             assert _same(entry[f"ddphooks/{key}"], record[key]), (entry["step"], key)
+        assert entry["ddphooks/alerts"] == 0  # a healthy run
     assert not any(key.startswith("ddphooks/") for h in history if "loss" not in h for key in h)  # eval and final logs
     # Rank 1's Trainer logged the same summary (identical statistics on every rank).
     rank1 = [h for h in _result(out, "trainer-first", 1)["log_history"] if "loss" in h]
@@ -147,6 +148,21 @@ def test_summary_reaches_log_history_and_report_to_integrations(runs):
     assert sorted(logged) == [1, 2, 3, 4, 5, 6]
     for step, value in logged.items():
         assert value == pytest.approx(records[step - 1]["loss_std"], rel=1e-5)
+
+
+def test_stop_on_alert_saves_and_stops_after_the_same_step_on_every_rank(runs):
+    # Rank 1's replica diverges after step 2: the replica check finds it on step 3 (record step 2),
+    # and the alert reaches on_step_end two steps later (the detector runs in between).
+    out, _ = runs
+    results = [_result(out, "trainer-stop", rank) for rank in (0, 1)]
+    assert [r["global_step"] for r in results] == [5, 5]  # of max_steps=10
+    assert (out / "stop" / "checkpoint-5").is_dir()  # save_strategy="no": saved for the alert
+    records = _records(out / "stop" / "ddphooks" / "stats.jsonl")
+    alerts = [alert for record in records for alert in record.get("alerts", [])]
+    assert alerts and {a["kind"] for a in alerts} == {"replica"} and alerts[0]["step"] == 2, alerts
+    # logging_steps=100: the only training log is the one the alert asked for, with the count.
+    train_logs = [h for h in results[0]["log_history"] if "loss" in h]
+    assert [(h["step"], h["ddphooks/alerts"]) for h in train_logs] == [(5, len(alerts))]
 
 
 def test_sft_trainer(runs):

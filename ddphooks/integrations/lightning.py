@@ -31,6 +31,7 @@ from pathlib import Path
 
 try:
     import lightning.pytorch as pl
+    from lightning.pytorch.utilities import rank_zero_warn
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("ddphooks.integrations.lightning needs Lightning 2.x: pip install 'ddphooks[lightning]'") from error
 
@@ -62,8 +63,12 @@ class SilentCallback(pl.Callback):
       weighted_mean_cosine, noise_scale, ...) is logged as ``ddphooks/<key>`` through
       ``pl_module.log_dict`` in ``on_train_batch_end``, so every Lightning logger gets it at the
       Trainer's ``log_every_n_steps`` cadence, with ``ddphooks/step`` (the step they belong
-      to). The values are the same on every rank (no ``sync_dist``); NaN where undefined
-      (no loss captured, one rank).
+      to) and ``ddphooks/alerts`` (the number of alerts so far). The values are the same on
+      every rank (no ``sync_dist``); NaN where undefined (no loss captured, one rank);
+    - with ``stop_on_alert``, the first batch after which the detector has new alerts
+      (``state.alerts``, the same on every rank at that point) sets ``trainer.should_stop``, so
+      every rank ends the fit after that batch (as ``EarlyStopping`` does; a ``ModelCheckpoint``
+      saves as it would at any other end of training).
 
     The statistics' state (step count, smoothed noise scale) is saved in Lightning checkpoints
     (``state_dict`` / ``load_state_dict``): a run resumed with ``trainer.fit(ckpt_path=...)``
@@ -79,6 +84,8 @@ class SilentCallback(pl.Callback):
             sinks are used as they are. It binds to one DDP module, so it serves one ``fit``;
             pass settings instead to call ``fit`` more than once on the same callback.
         log_metrics: log the summary through ``pl_module.log_dict`` (default True).
+        stop_on_alert: stop the fit after the first batch that brings new alerts (default
+            False: training goes on, the alerts are logged and counted).
         loss_from: ``loss_from(module, args, kwargs, output)`` finds the rank's loss in a DDP
             forward when ``training_step`` returns something other than a loss or a dict with
             ``"loss"`` (see ``ddphooks.attach``). With manual optimization, call
@@ -97,7 +104,9 @@ class SilentCallback(pl.Callback):
         trainer.fit(model, loader)   # records in <trainer.log_dir>/ddphooks/stats.jsonl
     """
 
-    def __init__(self, state: SilentState | None = None, *, log_metrics: bool = True, loss_from: LossFrom | None = None, **settings) -> None:
+    def __init__(
+        self, state: SilentState | None = None, *, log_metrics: bool = True, stop_on_alert: bool = False, loss_from: LossFrom | None = None, **settings
+    ) -> None:
         if state is not None and settings:
             raise TypeError(f"SilentCallback takes either state= or SilentState settings, not both (got state and {sorted(settings)})")
         if state is not None and not isinstance(state, SilentState):
@@ -106,6 +115,8 @@ class SilentCallback(pl.Callback):
         self._owns_state = state is None
         self.settings = settings
         self.log_metrics = log_metrics
+        self.stop_on_alert = stop_on_alert
+        self._alerts_seen = 0
         self.loss_from = loss_from
         self._restored: dict | None = None  # a checkpoint's state, loaded before the state exists
         self._active = False
@@ -137,6 +148,7 @@ class SilentCallback(pl.Callback):
             self._state.load_state_dict(self._restored)
             self._restored = None
         attach(model, state=self._state, loss_from=self.loss_from)
+        self._alerts_seen = len(self._state.alerts)
         self._active = True
 
     def _build_state(self, trainer: pl.Trainer, model: DistributedDataParallel) -> SilentState:
@@ -165,7 +177,17 @@ class SilentCallback(pl.Callback):
 
     # -- logging ---------------------------------------------------------------------------------
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx: int) -> None:
-        if not (self._active and self.log_metrics):
+        if not self._active:
+            return
+        alerts = self._state.alerts
+        new, self._alerts_seen = alerts[self._alerts_seen :], len(alerts)
+        if new and self.stop_on_alert:
+            trainer.should_stop = True
+            rank_zero_warn(
+                f"ddphooks: stopping the fit after global step {trainer.global_step} (stop_on_alert) on {len(new)} new "
+                f"alert(s); the first: {new[0]['message']}"
+            )
+        if not self.log_metrics:
             return
         try:
             stats = self._state.latest
@@ -175,6 +197,7 @@ class SilentCallback(pl.Callback):
             # Lightning's loggers repeat the previous step's value.
             metrics = {LOG_PREFIX + key: float(value) for key, value in stats.summary().items()}
             metrics[LOG_PREFIX + "step"] = float(stats.step)
+            metrics[LOG_PREFIX + "alerts"] = float(len(alerts))
         except Exception as error:  # monitoring never stops training
             self._warn_once("latest", f"SilentCallback: no statistics to log ({type(error).__name__}: {error})")
             return

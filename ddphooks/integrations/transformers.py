@@ -138,9 +138,15 @@ class SilentCallback(TrainerCallback):
       integrations'. On a resumed run it restores the state saved in the checkpoint, so step
       numbering continues. Without DDP (one process, FSDP, DeepSpeed) it warns once and does
       nothing else: training is unchanged.
+    - ``on_step_end``: when the detector has found new alerts (``state.alerts``, the same on
+      every rank at this point), asks the Trainer to log at this step, so the alert count reaches
+      the logs when it happens; with ``stop_on_alert``, also to save a checkpoint and stop
+      (``control.should_save``, ``control.should_training_stop``): every rank stops after the
+      same step, with the checkpoint of the weights the alert was found on.
     - ``on_log`` (logs with a ``"loss"``, the Trainer's training logging steps): adds
-      ``state.latest.summary()`` with keys prefixed ``ddphooks/`` to the logs, and to the entry
-      the Trainer just appended to ``trainer.state.log_history``.
+      ``state.latest.summary()`` with keys prefixed ``ddphooks/`` to the logs, and
+      ``ddphooks/alerts``, the number of alerts so far, and to the entry the Trainer just
+      appended to ``trainer.state.log_history``.
     - ``on_save``: writes ``state.state_dict()`` to ``ddphooks_state_<rank>.json`` in the
       checkpoint folder (every rank, like the Trainer's per-rank RNG state) and flushes the sinks,
       so the records on disk match the checkpoint.
@@ -163,6 +169,8 @@ class SilentCallback(TrainerCallback):
             group); None: one is created at ``on_train_begin`` from ``settings``.
         output_dir: folder of the default ``stats.jsonl`` (default: ``<args.output_dir>/ddphooks``);
             not with ``state`` or ``sinks``, which bring their own.
+        stop_on_alert: save a checkpoint and stop training at the first step that brings new
+            alerts (default False: training goes on, the alerts are logged).
         **settings: ``SilentState`` keyword arguments (``sketch_dim``, ``every``, ``sinks``,
             ``log_rank`` ...); not together with ``state``.
 
@@ -176,7 +184,7 @@ class SilentCallback(TrainerCallback):
         >>> trainer.state.log_history[-2]["ddphooks/loss_std"]
     """
 
-    def __init__(self, state: SilentState | None = None, output_dir: str | os.PathLike | None = None, **settings) -> None:
+    def __init__(self, state: SilentState | None = None, output_dir: str | os.PathLike | None = None, stop_on_alert: bool = False, **settings) -> None:
         if state is not None and settings:
             raise TypeError(f"SilentCallback takes either state= or SilentState settings, not both (got state and {sorted(settings)})")
         if output_dir is not None and (state is not None or "sinks" in settings):
@@ -186,8 +194,10 @@ class SilentCallback(TrainerCallback):
         self._given_state = state
         self.output_dir = output_dir
         self.settings = settings
+        self.stop_on_alert = stop_on_alert
         self.state: SilentState | None = None
         self._warned_latest = False
+        self._alerts_seen = 0
 
     # -- Trainer events ----------------------------------------------------------------------
     def on_train_begin(self, args, trainer_state, control, **kwargs):
@@ -225,6 +235,7 @@ class SilentCallback(TrainerCallback):
                 settings["sinks"] = [default_sink]
             state = SilentState(**settings)
         self.state = attach(wrapped, state=state, loss_from=rank_mean_token_loss(loss_shifts_labels(trainer.model)))
+        self._alerts_seen = 0
         if resume_dir is not None:
             self._restore(Path(resume_dir), trainer_state.global_step)
             if default_sink is not None and self.state.config.log_rank in (None, self.state.rank):
@@ -239,6 +250,22 @@ class SilentCallback(TrainerCallback):
         callbacks.remove(self)
         callbacks.insert(0, self)
 
+    def on_step_end(self, args, trainer_state, control, **kwargs):
+        if self.state is None:
+            return
+        alerts = self.state.alerts
+        new, self._alerts_seen = alerts[self._alerts_seen :], len(alerts)
+        if not new:
+            return
+        control.should_log = True
+        if self.stop_on_alert:
+            control.should_save = control.should_training_stop = True
+            if trainer_state.is_world_process_zero:
+                logger.warning(
+                    "ddphooks: stopping training after step %d (stop_on_alert) on %d new alert(s), a checkpoint first; the first: %s",
+                    trainer_state.global_step, len(new), new[0]["message"],
+                )  # fmt: skip
+
     def on_log(self, args, trainer_state, control, logs=None, **kwargs):
         if self.state is None or not logs or "loss" not in logs:
             return
@@ -252,6 +279,7 @@ class SilentCallback(TrainerCallback):
         if latest is None:
             return
         summary = {LOG_PREFIX + key: value for key, value in latest.summary().items()}
+        summary[LOG_PREFIX + "alerts"] = len(self.state.alerts)
         logs.update(summary)
         if trainer_state.log_history:
             trainer_state.log_history[-1].update(summary)  # Trainer.log appended it just before on_log

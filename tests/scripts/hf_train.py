@@ -10,6 +10,9 @@ Usage: ``torchrun --standalone --nproc-per-node 2 hf_train.py OUT SCENARIO [SCEN
 - ``trainer-resume``: the same run resumed from its last checkpoint (step 3), trained to step 6.
 - ``sft``: TRL ``SFTTrainer`` on prompt/completion text with an offline word-level tokenizer,
   gradient accumulation 2, 4 steps, logging every 2 steps.
+- ``trainer-stop``: ``Trainer`` with ``SilentCallback(check_replicas_every=1, stop_on_alert=True)``, up
+  to 10 steps, no checkpoints planned; after step 2 rank 1 shifts one weight (its replica
+  diverges), so the replica check alerts and training must stop early, with a checkpoint, on both ranks.
 - ``single``: ``Trainer`` in one process (no DDP), 2 steps; ``single-plain``: the same without SilentCallback.
 
 Each scenario writes ``OUT/<scenario>-rank<r>.json``: ``micro_batches``, every forward of the
@@ -17,7 +20,7 @@ inner model with labels, as this script computes its loss itself from the logits
 SFTTrainer's fused LM head, the per-token log-probabilities) and the labels: ``training``,
 ``grad``, ``loss`` (the rank's own mean token loss), ``tokens``; and ``log_history``,
 ``global_step``, ``world_size``. The Trainer output folder is ``OUT/trainer`` (shared by the two
-trainer scenarios), ``OUT/sft``, ``OUT/single`` and ``OUT/single-plain``.
+trainer scenarios), ``OUT/stop``, ``OUT/sft``, ``OUT/single`` and ``OUT/single-plain``.
 """
 
 from __future__ import annotations
@@ -73,6 +76,18 @@ class StopAfter(TrainerCallback):
             control.should_training_stop = True
 
 
+class DivergeAfter(TrainerCallback):
+    """Shifts one weight on rank 1 after optimizer step ``step``: its replica silently diverges."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step == self.step and args.process_index == 1:
+            with torch.no_grad():
+                next(model.parameters()).add_(1e-3)
+
+
 def small_model():
     return tiny_llama(vocab_size=VOCAB, hidden=32, layers=2, heads=2, max_positions=64, seed=0)
 
@@ -95,6 +110,9 @@ def run_trainer(out: Path, scenario: str) -> tuple[Trainer, LossRecorder]:
     if single:
         args = TrainingArguments(**common_args(out / scenario, max_steps=2))
         callbacks = [SilentCallback(sketch_dim=32)] if scenario == "single" else []
+    elif scenario == "trainer-stop":
+        args = TrainingArguments(**common_args(out / "stop", max_steps=10, gradient_accumulation_steps=1, logging_steps=100))
+        callbacks = [SilentCallback(sketch_dim=32, check_replicas_every=1, stop_on_alert=True), DivergeAfter(2)]
     else:
         args = TrainingArguments(
             **common_args(

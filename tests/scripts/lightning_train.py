@@ -13,6 +13,10 @@ rank 1. Three fits in one launch (starting Lightning twice would double the test
   forced on the CPU (Lightning registers the hook only on CUDA), with ``SilentCallback(state=state)``:
   attach must only bind, not register a second hook.
 
+- ``d``: ``SilentCallback(check_replicas_every=1, stop_on_alert=True)``, up to 10 steps; after
+  step 2 rank 1 shifts one weight (its replica diverges), so the replica check alerts and the fit
+  must stop early on both ranks; each rank writes ``OUT/stop-rank<r>.json``, its last global step.
+
 Every rank writes what its ``training_step`` computed, ``OUT/losses-<fit>-rank<r>.json`` as
 ``[[optimizer_step, loss], ...]`` per micro-batch, and ``OUT/hooks-c-rank<r>.json`` (the DDP
 model's registered comm hooks during fit ``c``).
@@ -68,6 +72,22 @@ class Classifier(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+class DivergeAfter(L.Callback):
+    """Shifts one weight on rank 1 after optimizer step ``step``: its replica silently diverges."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step and trainer.global_rank == 1 and self.step is not None:
+            with torch.no_grad():
+                pl_module.net[0].bias.add_(1e-3)
+            self.step = None  # once
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        (OUT / f"stop-rank{trainer.global_rank}.json").write_text(json.dumps(trainer.global_step))
+
+
 class CudaLikeDDPStrategy(DDPStrategy):
     """Registers ``ddp_comm_hook`` on any device, as ``DDPStrategy`` does only on CUDA."""
 
@@ -111,3 +131,6 @@ trainer(4, [SilentCallback(sketch_dim=64)], accumulate_grad_batches=2, enable_ch
 state = SilentState(sketch_dim=64, sinks=[JsonlSink(OUT / "c.jsonl")])
 strategy = CudaLikeDDPStrategy(process_group_backend="gloo", ddp_comm_state=state, ddp_comm_hook=silent_hook)
 trainer(2, [SilentCallback(state=state)], strategy=strategy, enable_checkpointing=False, logger=False).fit(Classifier("c"), train)
+
+stopping = SilentCallback(sketch_dim=64, check_replicas_every=1, stop_on_alert=True, sinks=[JsonlSink(OUT / "d.jsonl")])
+trainer(10, [stopping, DivergeAfter(2)], enable_checkpointing=False, logger=False).fit(Classifier("d"), train)
