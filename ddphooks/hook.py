@@ -323,7 +323,8 @@ class SilentState:
         """Process the completed steps (alerts, ``on_alert``) and wait (at most ``timeout``
         seconds) until their records are written and the sinks flushed."""
         if self._bound and not self._pipeline.flush(timeout):
-            logger.warning("ddphooks: flush() gave up after %.0f s: a sink or a logging handler is still busy", timeout)
+            # Queued, not logged here: the handler that is busy may be the one this would wait for.
+            self._pipeline.warn("ddphooks: flush() gave up after %.0f s: a sink or a logging handler is still busy", timeout)
 
     def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Process the completed steps, write what is queued, flush and close the sinks (at

@@ -210,6 +210,10 @@ class StepPipeline:
             self._warnings.warn("ddphooks: the detector failed at step %d and is off from now on: %s: %s", stats.step, type(error).__name__, error)
             return []
 
+    def warn(self, message: str, *args) -> None:
+        """A ``logging`` warning on the pipeline's warnings thread (returns at once, any thread)."""
+        self._warnings.warn(message, *args)
+
     # -- the end ---------------------------------------------------------------------------------
     def flush(self, timeout: float) -> bool:
         """Process every completed step, then wait (``timeout`` seconds in all) for its warnings

@@ -2,6 +2,7 @@
 
 import logging
 import re
+import threading
 import time
 
 import pytest
@@ -113,6 +114,51 @@ def test_replica_check_flags_the_drifting_rank_and_never_identical_replicas():
     assert [(a["step"], a["rank"], a["kind"]) for a in alerts] == [(32, 1, "replica")]
     assert replicas["ranks"] == [1] and replicas["tensors"] == 6
     assert {p["name"] for p in replicas["parameters"]} == {n for n, _ in _Net().named_parameters()}
+
+
+def _check_stalled_handler(rank: int, world: int) -> tuple:
+    """Rank 1's replica drifts from step 2, so the log rank warns of an alert, into a logging
+    handler that blocks (a stalled stderr pipe) until the run is over."""
+    released, emitted = threading.Event(), []
+
+    class _Stalled(logging.Handler):
+        def emit(self, record) -> None:
+            released.wait(timeout=30.0)
+            emitted.append(record.getMessage())
+
+    handler = _Stalled(level=logging.WARNING)
+    logging.getLogger("ddphooks").addHandler(handler)
+    model = _make_ddp()
+    state = ddphooks.attach(model, sketch_dim=64, check_replicas_every=1, detect=DetectorConfig(warmup=200))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.02)
+    longest = 0.0
+    for step in range(12):
+        started = time.monotonic()
+        if rank == 1 and step == 2:
+            optimizer.param_groups[0]["lr"] = 0.05
+        x, y = _batch(rank, step)
+        loss = _loss(model, x, y)
+        state.observe_loss(loss)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        longest = max(longest, time.monotonic() - started)
+    started = time.monotonic()
+    state.flush(timeout=1.0)
+    flush_s = time.monotonic() - started
+    alerts = state.alerts
+    released.set()
+    state.close()
+    logging.getLogger("ddphooks").removeHandler(handler)
+    return alerts, emitted, longest, flush_s
+
+
+def test_a_logging_handler_that_blocks_never_slows_training():
+    alerts, emitted, longest, flush_s = spawn(_check_stalled_handler, 2, timeout=TIMEOUT)[0]
+    assert alerts and alerts[0]["kind"] == "replica", alerts
+    assert longest < 5.0 and flush_s < 5.0, (longest, flush_s)  # the handler held its first message for 30 s
+    assert [m for m in emitted if m.startswith("ddphooks alert")] == [f"ddphooks alert: {a['message']}" for a in alerts]
+    assert "ddphooks: flush() gave up after 1 s: a sink or a logging handler is still busy" in emitted
 
 
 def test_detection_settings_are_validated():
