@@ -27,7 +27,9 @@ itself:
    against the rank's trailing median; the
    score that counts is the rank's change minus the largest (W = 2) or the median (W >= 3) change
    of the other ranks, so a change every rank shares (the training trend, a learning-rate step)
-   scores nothing;
+   scores nothing. At W = 2 a loss relative to the step's mean rises on one rank as much as it
+   falls on the other, so a rank's loss rise is not counted on a step where the other rank's
+   cosine to its previous step rose (a stuck rank memorising its batch, whose loss falls);
 3. **several signals at once** (W >= 3): the sum of the rank's cross-rank scores, each in one
    direction (loss and gradient norm rising, cosine to the others falling, cosine to the previous
    step rising: a rank training on wrong data) and capped at ``combined_cap``, in a CUSUM of its
@@ -628,6 +630,12 @@ class Detector:
             # alone lower, never passes for one whose gradient repeats.
             raised = scores[repeat] > 0
             scores[repeat] = np.minimum(scores[repeat], self.config.repeat_cap) + np.where(raised, loss_fall[:, None], 0.0)
+        if self.world == 2 and repeat in scores:
+            # With two ranks a loss relative to the step's mean rises on one rank exactly as much as
+            # it falls on the other: a rank whose gradient repeats (a stuck loader memorising its
+            # batch) makes the healthy rank's loss look risen. Not counted while the other rank's
+            # cosine to its previous step is raised: the other rank explains it.
+            scores[("own", "loss")] = np.where(scores[repeat][::-1] > 0, 0.0, scores[("own", "loss")])
         if self.parameter_change is not None:
             # Per rank and parameter, in standard deviations; accumulated per parameter in _score_alerts.
             scores[("own", "layer")] = self.parameter_change

@@ -187,6 +187,21 @@ def test_a_stuck_rank_of_two_is_named_with_the_smaller_allowance_of_two_ranks():
         assert not [a for a in detect_run(records, DetectorConfig(pair_repeat_drift=1.0)) if a["step"] <= 85], seed
 
 
+def test_at_two_ranks_a_stuck_rank_memorising_its_batch_does_not_get_the_other_rank_named():
+    # Rank 1 repeats its batch (cosine to its previous step 0.5) and memorises it: its loss falls
+    # 0.6 (7.5 standard deviations of the per-rank noise). Relative to the step's mean, rank 0's
+    # loss then rises as much: that rise is not counted while rank 1's cosine is raised.
+    for seed in range(40, 44):
+        records = _stream(2, 120, seed=seed)
+        rng = np.random.default_rng(seed)
+        for record in records[60:]:
+            record["cosine_previous"][1] = float(0.5 + 0.15 * rng.standard_normal())
+            record["losses"][1] -= 0.6
+        alerts = detect_run(records)
+        assert alerts and (alerts[0]["rank"], alerts[0]["kind"]) == (1, "cosine_previous"), (seed, alerts[:1])
+        assert {a["rank"] for a in alerts} == {1}, (seed, alerts)
+
+
 def test_a_rank_whose_loss_alone_is_lower_is_not_taken_for_a_repeating_gradient():
     # A rank with easier data: its loss 5 standard deviations of the per-rank noise below the
     # others' for 50 steps, its cosine to its previous step as usual. The loss term of the
