@@ -172,15 +172,23 @@ def test_a_rank_stuck_on_one_batch_is_named_from_its_cosine_to_its_previous_step
     assert detect_run(old) == []
 
 
+def _mild_stuck_pair(seed: int, steps: int, loss_fall: float = 0.0) -> list[dict]:
+    """Two ranks; from step 60 rank 1 is a milder stuck rank (cosine to its previous step 0.5,
+    healthy 0.15, both +- 0.15) whose loss falls by ``loss_fall``."""
+    records = _stream(2, steps, seed=seed)
+    rng = np.random.default_rng(seed)
+    for record in records[60:]:
+        record["cosine_previous"][1] = float(0.5 + 0.15 * rng.standard_normal())
+        record["losses"][1] -= loss_fall
+    return records
+
+
 def test_a_stuck_rank_of_two_is_named_with_the_smaller_allowance_of_two_ranks():
-    # A milder stuck rank (cosine to its previous step 0.5, healthy 0.15, both +- 0.15): with two
-    # ranks its deviation is half their gap, about 1.6 standard deviations a step. Above the
-    # allowance of 0.5 it adds up; under the allowance of 1 that W >= 3 uses it mostly does not.
+    # With two ranks the stuck rank's deviation is half their gap, about 1.6 standard deviations a
+    # step. Above the allowance of 0.5 it adds up; under the allowance of 1 that W >= 3 uses it
+    # mostly does not.
     for seed in range(30, 36):
-        records = _stream(2, 140, seed=seed)
-        rng = np.random.default_rng(seed)
-        for record in records[60:]:
-            record["cosine_previous"][1] = float(0.5 + 0.15 * rng.standard_normal())
+        records = _mild_stuck_pair(seed, 140)
         alerts = detect_run(records)
         assert alerts and (alerts[0]["rank"], alerts[0]["kind"]) == (1, "cosine_previous") and 60 <= alerts[0]["step"] <= 85, (seed, alerts[:1])
         assert {a["rank"] for a in alerts} == {1}
@@ -192,12 +200,7 @@ def test_at_two_ranks_a_stuck_rank_memorising_its_batch_does_not_get_the_other_r
     # 0.6 (7.5 standard deviations of the per-rank noise). Relative to the step's mean, rank 0's
     # loss then rises as much: that rise is not counted while rank 1's cosine is raised.
     for seed in range(40, 44):
-        records = _stream(2, 120, seed=seed)
-        rng = np.random.default_rng(seed)
-        for record in records[60:]:
-            record["cosine_previous"][1] = float(0.5 + 0.15 * rng.standard_normal())
-            record["losses"][1] -= 0.6
-        alerts = detect_run(records)
+        alerts = detect_run(_mild_stuck_pair(seed, 120, loss_fall=0.6))
         assert alerts and (alerts[0]["rank"], alerts[0]["kind"]) == (1, "cosine_previous"), (seed, alerts[:1])
         assert {a["rank"] for a in alerts} == {1}, (seed, alerts)
 
