@@ -79,10 +79,9 @@ class DivergeAfter(L.Callback):
         self.step = step
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step == self.step and trainer.global_rank == 1 and self.step is not None:
+        if trainer.global_step == self.step and trainer.global_rank == 1:  # one batch per step here: once
             with torch.no_grad():
                 pl_module.net[0].bias.add_(1e-3)
-            self.step = None  # once
 
     def on_train_end(self, trainer, pl_module) -> None:
         (OUT / f"stop-rank{trainer.global_rank}.json").write_text(json.dumps(trainer.global_step))
