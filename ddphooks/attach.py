@@ -5,7 +5,6 @@ The integrations (``ddphooks.integrations``) are thin adapters over this functio
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from functools import partial
 
@@ -14,8 +13,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddphooks.hook import SilentState, silent_hook
 from ddphooks.loss import loss_of
-
-logger = logging.getLogger("ddphooks")
 
 #: ``loss_from(module, args, kwargs, output)``: the rank's scalar loss of one forward, or None.
 LossFrom = Callable[[torch.nn.Module, tuple, dict, object], "torch.Tensor | None"]
@@ -111,4 +108,4 @@ def _capture_loss(
     except Exception as error:  # the capture must never break a forward
         if not warned:
             warned.add(True)
-            logger.warning("ddphooks: loss capture failed (%s: %s); no loss is recorded for such forwards", type(error).__name__, error)
+            state._warn("ddphooks: loss capture failed (%s: %s); no loss is recorded for such forwards", type(error).__name__, error)

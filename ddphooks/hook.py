@@ -8,7 +8,6 @@ This is the only module that talks to ``torch.distributed``; the numerical work 
 # (bucket must be dist.GradBucket, the return torch.futures.Future[torch.Tensor]).
 import logging
 import threading
-import warnings
 import weakref
 from dataclasses import dataclass
 from functools import partial
@@ -324,7 +323,7 @@ class SilentState:
         seconds) until their records are written and the sinks flushed."""
         if self._bound and not self._pipeline.flush(timeout):
             # Queued, not logged here: the handler that is busy may be the one this would wait for.
-            self._pipeline.warn("ddphooks: flush() gave up after %.0f s: a sink or a logging handler is still busy", timeout)
+            self._warn("ddphooks: flush() gave up after %.0f s: a sink or a logging handler is still busy", timeout)
 
     def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Process the completed steps, write what is queued, flush and close the sinks (at
@@ -359,6 +358,12 @@ class SilentState:
             self._records.load_state_dict(self._restored_records)
 
     # -- helpers used by silent_hook -----------------------------------------------------------
+    def _warn(self, message: str, *args) -> None:
+        """A ``logging`` warning (logger ``"ddphooks"``) queued to the pipeline's warnings thread:
+        it is called inside forward and backward, where a logging handler that blocks must not
+        hold up training (see ``ddphooks.pipeline``). A bound state only."""
+        self._pipeline.warn(message, *args)
+
     def _instrumented(self, step: int) -> bool:
         return step % self.config.every == 0
 
@@ -368,7 +373,7 @@ class SilentState:
             return False
         if not self._replica_tensors and not self._replica_warned:
             self._replica_warned = True
-            logger.warning(
+            self._warn(
                 "ddphooks: the replica check (check_replicas_every=%d) needs the DDP model to fingerprint its parameters "
                 "and buffers; it is off for this state: use ddphooks.attach(model, ...), SilentState(model=...) or "
                 "check_replicas_every=0", every,
@@ -474,7 +479,7 @@ class SilentState:
         if isinstance(result, SilentStats):
             self._pipeline.complete(result)  # handed to the pipeline thread when the next step starts
         if isinstance(result, BaseException):
-            warnings.warn(f"ddphooks: statistics of step {record.step} failed: {result!r}", RuntimeWarning, stacklevel=1)
+            self._warn("ddphooks: statistics of step %d failed: %r", record.step, result)
 
 
 def _resolve_group(

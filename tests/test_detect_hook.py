@@ -10,8 +10,10 @@ import torch
 from test_hook import TIMEOUT, _batch, _loss, _make_ddp, _Net
 
 import ddphooks
+import ddphooks.hook as hook_module
 from ddphooks.detect import Detector, DetectorConfig
 from ddphooks.launch import WorkerError, spawn
+from ddphooks.stats import SilentStats
 
 FAULT_STEP = 30
 
@@ -116,9 +118,25 @@ def test_replica_check_flags_the_drifting_rank_and_never_identical_replicas():
     assert {p["name"] for p in replicas["parameters"]} == {n for n, _ in _Net().named_parameters()}
 
 
+class _FailsAtStep6(SilentStats):
+    """The statistics of step 6 fail to compute (a planted bug)."""
+
+    def __init__(self, step: int, *args) -> None:
+        if step == 6:
+            raise RuntimeError("planted statistics failure")
+        super().__init__(step, *args)
+
+
+def _raising_loss_from(module, args, kwargs, output):
+    raise KeyError("no loss in this output")
+
+
 def _check_stalled_handler(rank: int, world: int) -> tuple:
     """Rank 1's replica drifts from step 2, so the log rank warns of an alert, into a logging
-    handler that blocks (a stalled stderr pipe) until the run is over."""
+    handler that blocks (a stalled stderr pipe) until the run is over. Every one-off warning the
+    hook raises inside forward and backward goes to the same handler: the loss capture fails on
+    every forward, the statistics of step 6 fail, and a second model's state has no model to
+    fingerprint for its replica check."""
     released, emitted = threading.Event(), []
 
     class _Stalled(logging.Handler):
@@ -128,8 +146,12 @@ def _check_stalled_handler(rank: int, world: int) -> tuple:
 
     handler = _Stalled(level=logging.WARNING)
     logging.getLogger("ddphooks").addHandler(handler)
+    hook_module.SilentStats = _FailsAtStep6
     model = _make_ddp()
-    state = ddphooks.attach(model, sketch_dim=64, check_replicas_every=1, detect=DetectorConfig(warmup=200))
+    state = ddphooks.attach(model, sketch_dim=64, check_replicas_every=1, detect=DetectorConfig(warmup=200), loss_from=_raising_loss_from)
+    unfingerprinted = _make_ddp()
+    plain = ddphooks.SilentState(check_replicas_every=1, detect=False)
+    unfingerprinted.register_comm_hook(plain, ddphooks.silent_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.02)
     longest = 0.0
     for step in range(12):
@@ -142,6 +164,8 @@ def _check_stalled_handler(rank: int, world: int) -> tuple:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        if step < 2:
+            _loss(unfingerprinted, x, y).backward()
         longest = max(longest, time.monotonic() - started)
     started = time.monotonic()
     state.flush(timeout=1.0)
@@ -149,6 +173,7 @@ def _check_stalled_handler(rank: int, world: int) -> tuple:
     alerts = state.alerts
     released.set()
     state.close()
+    plain.close()
     logging.getLogger("ddphooks").removeHandler(handler)
     return alerts, emitted, longest, flush_s
 
@@ -159,6 +184,13 @@ def test_a_logging_handler_that_blocks_never_slows_training():
     assert longest < 5.0 and flush_s < 5.0, (longest, flush_s)  # the handler held its first message for 30 s
     assert [m for m in emitted if m.startswith("ddphooks alert")] == [f"ddphooks alert: {a['message']}" for a in alerts]
     assert "ddphooks: flush() gave up after 1 s: a sink or a logging handler is still busy" in emitted
+    one_off = [m for m in emitted if not m.startswith(("ddphooks alert", "ddphooks: flush()"))]
+    assert sorted(one_off) == sorted([  # two states, two warnings threads: in no set order
+        "ddphooks: loss capture failed (KeyError: 'no loss in this output'); no loss is recorded for such forwards",
+        "ddphooks: the replica check (check_replicas_every=1) needs the DDP model to fingerprint its parameters and buffers; "
+        "it is off for this state: use ddphooks.attach(model, ...), SilentState(model=...) or check_replicas_every=0",
+        "ddphooks: statistics of step 6 failed: RuntimeError('planted statistics failure')",
+    ]), one_off
 
 
 def test_detection_settings_are_validated():
