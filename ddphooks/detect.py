@@ -98,6 +98,18 @@ norm, against the median rank's, rose above its own recent level. One alert per 
 Replica divergence (records' ``replicas`` key, from parameter fingerprints) alerts at once, with
 no warm-up: bitwise-identical replicas are never flagged, so there is nothing to learn.
 
+Non-finite values (records' ``nonfinite`` key) need no baseline either: a rank whose loss or local
+gradient went NaN or Inf on a step where the other ranks' were finite is named (kind
+``nonfinite``, ``since`` that step, the parameters whose gradients were not finite) on the next
+step if its values are still not finite there, with no warm-up. Without a loss scaler the
+averaged gradient carries the NaN to every replica, and from the next step on every rank is
+non-finite: the alert says which rank it came from. With one (fp16 ``GradScaler``) an overflow
+on one rank makes every rank skip that step and the next step is finite again: that is the
+scaler's routine and raises nothing. Every rank non-finite from the same step (a learning rate
+that blows up everywhere) names no rank and raises nothing; the records show it. Non-finite
+values score nothing in the other signals (they are unknown there), online as offline, where a
+record holds them as null.
+
 Example::
     >>> detector = Detector()
     >>> for record in records:
@@ -137,6 +149,7 @@ LIKELY_CAUSES = {
     "grad_norm": "a gradient scaled differently (another loss scale, a corrupted gradient, different data)",
     "cosine": "a gradient pointing elsewhere (different data, a corrupted gradient)",
     "replica": "an update that differs (another learning rate, a non-deterministic or corrupted optimizer step, unsynchronised buffers)",
+    "nonfinite": "a numerical fault on that rank (an overflow in its batch or activations, a corrupted batch, a failing accelerator)",
 }
 #: Signals measured by the sketch, whose changes inside the sketch's noise never count.
 SKETCHED = ("cosine", "cosine_previous")
@@ -323,6 +336,7 @@ class Observation:
     replicas: dict | None = None
     parameter_names: list[str] | None = None
     parameter_norms: np.ndarray | None = None  # W x P, only where the step carries them
+    nonfinite: dict | None = None  # a record's ``nonfinite``: ``losses`` (ranks), ``gradients`` ({rank, parameter, ...})
 
     @classmethod
     def from_record(cls, record: dict) -> "Observation":
@@ -352,6 +366,7 @@ class Observation:
             replicas=record.get("replicas"),
             parameter_names=names,
             parameter_norms=norms,
+            nonfinite=record.get("nonfinite"),
         )
 
     @classmethod
@@ -368,6 +383,7 @@ class Observation:
             replicas=stats.replicas,
             parameter_names=stats.parameter_names,
             parameter_norms=np.sqrt(stats.param_sq),
+            nonfinite=stats.nonfinite,
         )
 
 
@@ -510,6 +526,8 @@ class Detector:
         self.allowance[("own", "layer")] = config.layer_drift
         self.episodes: dict[int, _Episode] = {}
         self.replica_episodes: set[int] = set()
+        self.nonfinite_first: dict[int, dict] = {}  # rank -> what went non-finite on the last step, the others finite
+        self.nonfinite_episodes: dict[int, int] = {}  # rank under a nonfinite alert -> finite steps since
         self.parameter_level: np.ndarray | None = None  # W x P exponential averages of log|g_{i,p}|
         self.parameter_scale: np.ndarray | None = None  # W x P standard deviations of their rises (see _learn_parameters)
         self.parameter_change: np.ndarray | None = None  # this step's W x P change (see _parameter_changes)
@@ -527,7 +545,7 @@ class Detector:
         self._parameter_changes(obs)
         # No scores before the baselines hold `warmup` steps: a median of three steps is no baseline.
         scores = self._scores(values, deviations, obs.cosine_noise) if self.seen >= self.config.warmup else {}
-        alerts = self._replica_alerts(obs) + self._score_alerts(obs, scores, values)
+        alerts = self._replica_alerts(obs) + self._nonfinite_alerts(obs) + self._score_alerts(obs, scores, values)
         # A rank with half the evidence of an alert (or under alert) does not teach the baselines:
         # otherwise a lasting fault becomes the new normal before it is reported.
         suspect = self._strength() > 0.5
@@ -546,13 +564,16 @@ class Detector:
         # The mean of the known losses without np.nanmean, whose warning for an all-NaN step would
         # need warnings.catch_warnings: that swaps the process-wide filters, and the detector runs
         # on the pipeline thread while training code may set its own.
-        known = obs.losses[~np.isnan(obs.losses)] if obs.losses is not None else np.empty(0)
+        # Non-finite values are unknown here, as in a record (null) read offline; _nonfinite_alerts
+        # reports them.
+        losses = np.where(np.isfinite(obs.losses), obs.losses, np.nan) if obs.losses is not None else None
+        known = losses[~np.isnan(losses)] if losses is not None else np.empty(0)
         with np.errstate(divide="ignore", invalid="ignore"):
             # The loss relative to the step's mean loss: the run's downward trend cancels, and a
             # rank whose loss rises stands out from its own history even at W = 2.
             return {
-                "loss": obs.losses - known.mean() if known.size else nan,
-                "grad_norm": np.log(obs.grad_norms),
+                "loss": losses - known.mean() if known.size else nan,
+                "grad_norm": np.log(np.where(np.isfinite(obs.grad_norms), obs.grad_norms, np.nan)),
                 "cosine": obs.cosine_loo if obs.cosine_loo is not None else nan,
                 "cosine_previous": _fisher(obs.cosine_previous) if obs.cosine_previous is not None else nan,
             }
@@ -780,6 +801,47 @@ class Detector:
         self.replica_episodes = differing
         return alerts
 
+    def _nonfinite_alerts(self, obs: Observation) -> list[dict]:
+        """Ranks whose loss or local gradient went non-finite while the other ranks' were finite,
+        named on the next step if they are still not finite (see the module docstring)."""
+        report = obs.nonfinite or {}
+        bad_loss = {int(rank) for rank in report.get("losses", [])}
+        bad_gradient = set(np.flatnonzero(~np.isfinite(obs.grad_norms)).tolist())
+        bad = bad_loss | bad_gradient
+        alerts = [self._nonfinite_alert(obs, rank, first, bad) for rank, first in sorted(self.nonfinite_first.items()) if rank in bad]
+        for alert in alerts:
+            self.nonfinite_episodes[alert["rank"]] = 0
+        for rank in list(self.nonfinite_episodes):
+            self.nonfinite_episodes[rank] = 0 if rank in bad else self.nonfinite_episodes[rank] + 1
+            if self.nonfinite_episodes[rank] >= self.config.quiet_steps:
+                del self.nonfinite_episodes[rank]
+        self.nonfinite_first = {}
+        if len(bad) < obs.world_size:  # every rank at once names none
+            for rank in sorted(bad - set(self.nonfinite_episodes)):
+                what = " and ".join(part for part, hit in (("loss", rank in bad_loss), ("local gradient", rank in bad_gradient)) if hit)
+                names = [g["parameter"] for g in report.get("gradients", []) if g.get("rank") == rank]
+                self.nonfinite_first[rank] = {"step": obs.step, "what": what, "parameters": names, "finite": sorted(set(range(obs.world_size)) - bad)}
+        return alerts
+
+    def _nonfinite_alert(self, obs: Observation, rank: int, first: dict, bad: set[int]) -> dict:
+        names = first["parameters"][: self.config.top_parameters]
+        now = "every rank's values are" if len(bad) == obs.world_size else "its values are still"
+        return {
+            "step": obs.step,
+            "rank": rank,
+            "kind": "nonfinite",
+            "since": first["step"],
+            "score": float(len(first["parameters"])),
+            "signals": ["nonfinite"],
+            "parameters": names,
+            "message": (
+                f"rank {rank}'s {first['what']} went non-finite (NaN or Inf) at step {first['step']} while rank(s) "
+                f"{', '.join(map(str, first['finite']))} had finite values"
+                + (f", in {', '.join(names[:3])}" if names else "")
+                + f"; at step {obs.step} {now} not finite; typical of {LIKELY_CAUSES['nonfinite']}"
+            ),
+        }
+
     # -- which layers ----------------------------------------------------------------------------
     def _parameter_changes(self, obs: Observation) -> None:
         """Per rank and parameter, how far ``d_{i,p} - median_q d_{i,q}`` (with ``d_{i,p} =
@@ -789,7 +851,8 @@ class Detector:
         if obs.parameter_norms is None or obs.parameter_names is None:
             return
         with np.errstate(divide="ignore", invalid="ignore"):
-            logs = np.log(obs.parameter_norms)
+            # Non-finite norms are unknown, as offline (null); _nonfinite_alerts reports them.
+            logs = np.log(np.where(np.isfinite(obs.parameter_norms), obs.parameter_norms, np.nan))
             deviation = logs - _column_medians(logs)
             if deviation.shape[1] >= COMMON_FACTOR_PARAMETERS:
                 # A batch that makes one rank's whole gradient larger moves every parameter alike;

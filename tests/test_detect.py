@@ -401,6 +401,56 @@ def test_replica_divergence_alerts_at_once_without_warm_up():
     assert alerts[0]["message"].endswith("in w; typical of an update that differs (another learning rate, a non-deterministic or corrupted optimizer step, unsynchronised buffers)")
 
 
+def _non_finite(record: dict, ranks: list[int], parameter: int = 2) -> None:
+    """Make ``ranks``' loss and local gradient NaN in a record (null, as a record writes them), in
+    one parameter of each; with every rank, the cosines are NaN too (the sketches sum NaN)."""
+    for rank in ranks:
+        record["losses"][rank] = record["grad_norms"][rank] = None
+        record["parameters"][parameter]["grad_norms"][rank] = None
+    if len(ranks) == record["world_size"]:
+        record["cosine_loo"] = record["cosine_previous"] = [None] * record["world_size"]
+    gradients = [{"rank": rank, "bucket": 0, "parameter": NAMES[parameter]} for rank in ranks]
+    record["nonfinite"] = {"losses": list(ranks), "gradients": gradients, "gradient_count": len(gradients)}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_rank_that_went_non_finite_first_is_named_once_it_poisons_every_rank(world):
+    records = _stream(world, 40, seed=5)
+    _non_finite(records[5], [1])  # before the warm-up: nothing to learn
+    for record in records[6:]:  # the averaged NaN reached every replica
+        _non_finite(record, list(range(world)))
+    alerts = detect_run(records)
+    assert [(a["step"], a["rank"], a["kind"], a["since"], a["parameters"]) for a in alerts] == [(6, 1, "nonfinite", 5, [NAMES[2]])]
+    others = ", ".join(str(r) for r in range(world) if r != 1)
+    assert alerts[0]["message"] == (
+        f"rank 1's loss and local gradient went non-finite (NaN or Inf) at step 5 while rank(s) {others} had finite values, "
+        f"in {NAMES[2]}; at step 6 every rank's values are not finite; typical of {detect.LIKELY_CAUSES['nonfinite']}"
+    )
+    # Online, the same values are Inf (a record writes them as null): the same alerts, none else.
+    detector = Detector()
+    for record in records:
+        obs = Observation.from_record(record)
+        for array in (obs.losses, obs.grad_norms, obs.parameter_norms):
+            array[np.isnan(array)] = np.inf
+        detector.update(obs)
+    assert detector.alerts == alerts
+
+
+def test_a_rank_that_stays_non_finite_alone_is_named_once_and_a_passing_overflow_never():
+    records = _stream(4, 80, seed=6)
+    _non_finite(records[30], [2])  # an overflow a loss scaler skips: finite again on the next step
+    _non_finite(records[40], [0, 1, 2, 3])  # every rank at once (a learning rate that blows up): no rank to name
+    _non_finite(records[41], [0, 1, 2, 3])
+    for step in (50, 51, 52, 56, 57):  # one rank's batches keep overflowing: named once, this episode
+        _non_finite(records[step], [3])
+    alerts = detect_run(records)
+    assert [(a["step"], a["rank"], a["kind"], a["since"]) for a in alerts] == [(51, 3, "nonfinite", 50)]
+    assert "at step 51 its values are still not finite" in alerts[0]["message"]
+    for step in (66, 67):  # after 8 finite steps the episode is over: a new one is named again
+        _non_finite(records[step], [3])
+    assert [(a["step"], a["since"]) for a in detect_run(records)] == [(51, 50), (67, 66)]
+
+
 def test_runs_without_sketches_and_bad_settings_are_rejected():
     records = _stream(2, 3, seed=5)
     for record in records:

@@ -118,6 +118,32 @@ def test_replica_check_flags_the_drifting_rank_and_never_identical_replicas():
     assert {p["name"] for p in replicas["parameters"]} == {n for n, _ in _Net().named_parameters()}
 
 
+def _check_non_finite(rank: int, world: int) -> list:
+    """Rank 1's loss turns NaN at step 3 (say, an overflow on its batch); with no loss scaler
+    the averaged gradient makes every replica NaN from step 4 on."""
+    model = _make_ddp()
+    state = ddphooks.attach(model, sketch_dim=64, check_replicas_every=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.02)
+    for step in range(7):
+        x, y = _batch(rank, step)
+        loss = _loss(model, x, y)
+        if rank == 1 and step == 3:
+            loss = loss * float("nan")
+        state.observe_loss(loss)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    state.close()
+    return state.alerts
+
+
+def test_the_rank_whose_loss_went_nan_first_is_named_on_every_rank():
+    for alerts in spawn(_check_non_finite, 2, timeout=TIMEOUT):
+        assert [(a["step"], a["rank"], a["kind"], a["since"]) for a in alerts] == [(4, 1, "nonfinite", 3)], alerts
+        assert alerts[0]["message"].startswith("rank 1's loss and local gradient went non-finite (NaN or Inf) at step 3 while rank(s) 0 had")
+        assert set(alerts[0]["parameters"]) <= {name for name, _ in _Net().named_parameters()} and alerts[0]["parameters"]
+
+
 class _FailsAtStep6(SilentStats):
     """The statistics of step 6 fail to compute (a planted bug)."""
 
