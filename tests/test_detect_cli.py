@@ -1,5 +1,6 @@
 """``ddphooks detect``: the offline detector over run files, as a user runs it."""
 
+import dataclasses
 import json
 import math
 
@@ -7,6 +8,7 @@ import numpy as np
 from test_cli import _user_errors_in_one_line  # noqa: F401  (the autouse fixture applies here too)
 
 from ddphooks import cli
+from ddphooks.detect import DetectorConfig
 
 FAULT_STEP, FAULT_RANK, WORLD, STEPS = 30, 2, 4, 60
 SKETCH_DIM = 256
@@ -116,3 +118,21 @@ def test_a_run_without_sketches_is_a_one_line_error(tmp_path, capsys):
 def test_a_missing_file_is_a_one_line_error(tmp_path, capsys):
     status, out, err = _detect([str(tmp_path / "missing.jsonl")], capsys)
     assert status == 2 and err == f"ddphooks detect: error: {tmp_path / 'missing.jsonl'}: No such file or directory\n"
+
+
+def test_json_and_exit_code_serve_scripts_that_watch_many_runs(tmp_path, capsys):
+    healthy = write_run(tmp_path / "healthy.jsonl", planted_records(fault_rank=None, seed=1), {"setting": "sync", "world_size": WORLD})
+    faulty = write_run(tmp_path / "faulty.jsonl", planted_records(seed=2))
+    report = tmp_path / "alerts.json"
+    status, out, err = _detect([str(healthy), str(faulty), "--json", str(report), "--exit-code", "--set", "warmup=20"], capsys)
+    assert status == 1 and err == ""  # an alert: status 1, as git diff --exit-code
+    document = json.loads(report.read_text())
+    assert document["detector"] == {**dataclasses.asdict(DetectorConfig()), "warmup": 20} and [run["path"] for run in document["runs"]] == [str(healthy), str(faulty)]
+    assert document["runs"][0]["alerts"] == [] and document["runs"][0]["steps"] == STEPS and document["runs"][0]["name"] == f"sync x{WORLD}"
+    rows = _alert_rows(out)
+    assert [(a["step"], a["rank"], a["kind"]) for a in document["runs"][1]["alerts"]] == [(int(r[0]), int(r[1]), r[2]) for r in rows]
+    assert document["alerts"] == len(rows) > 0
+    assert _detect([str(healthy), "--exit-code"], capsys)[0] == 0  # no alert: status 0
+    assert _detect([str(faulty)], capsys)[0] == 0  # without --exit-code, alerts are no failure
+    status, out, err = _detect([str(faulty), "--json", str(tmp_path / "missing" / "alerts.json")], capsys)
+    assert status == 2 and out == "" and err == f"ddphooks detect: error: --json {tmp_path / 'missing' / 'alerts.json'}: the folder {tmp_path / 'missing'} does not exist\n"

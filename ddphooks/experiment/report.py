@@ -15,6 +15,7 @@ beta by continued fraction, quantiles by bisection), so no scipy is needed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import warnings
@@ -708,6 +709,11 @@ def add_detect_arguments(parser: argparse.ArgumentParser) -> None:
         "--set", action="append", default=[], metavar="NAME=VALUE",
         help="one DetectorConfig field other than its default (repeatable), e.g. --set threshold=25: what a run would have raised with it",
     )  # fmt: skip
+    parser.add_argument("--json", default=None, metavar="FILE", help="also write every run's alerts to FILE as JSON (for scripts watching many runs)")
+    parser.add_argument(
+        "--exit-code", action="store_true",
+        help="exit with status 1 if any run raised an alert (0 if none), as git diff --exit-code: for schedulers and CI",
+    )  # fmt: skip
 
 
 def detect_main(args: argparse.Namespace) -> int:
@@ -725,10 +731,13 @@ def detect_main(args: argparse.Namespace) -> int:
         $ ddphooks detect runs/run-fault-w2.jsonl --set threshold=40
         runs/run-fault-w2.jsonl: fault x2, 120 steps, no alerts (1 recorded during training)
         0 alerts in 1 run (DetectorConfig with threshold=40)
+        $ ddphooks detect runs/*/stats.jsonl --json alerts.json --exit-code || page_someone alerts.json
     """
     from ddphooks.detect import DetectorConfig
 
     config = DetectorConfig.from_overrides(args.set)  # a bad --set fails before any file is read
+    if args.json and not Path(args.json).resolve().parent.is_dir():
+        raise SystemExit(f"--json {args.json}: the folder {Path(args.json).resolve().parent} does not exist")
     runs = [read_run(path) for path in args.runs]
     _label_runs(runs)
     found = [detect_alerts(run, config) for run in runs]
@@ -742,4 +751,11 @@ def detect_main(args: argparse.Namespace) -> int:
     total = sum(len(alerts) for alerts in found)
     settings = f" (DetectorConfig with {', '.join(args.set)})" if args.set else ""
     print(f"{total} alert{'' if total == 1 else 's'} in {len(runs)} run{'' if len(runs) == 1 else 's'}{settings}")
-    return 0
+    if args.json:
+        document = {
+            "detector": dataclasses.asdict(config),  # every setting the alerts were found with
+            "alerts": total,
+            "runs": [{"path": str(run.path), "name": run.name, "steps": len(run.records), "alerts": alerts} for run, alerts in zip(runs, found)],
+        }
+        Path(args.json).write_text(json.dumps(document, indent=1) + "\n")
+    return 1 if args.exit_code and total else 0
