@@ -119,28 +119,36 @@ def test_replica_check_flags_the_drifting_rank_and_never_identical_replicas():
 
 
 def _check_non_finite(rank: int, world: int) -> list:
-    """Rank 1's loss turns NaN at step 3 (say, an overflow on its batch); with no loss scaler
-    the averaged gradient makes every replica NaN from step 4 on."""
+    """On rank 1 the loss overflows to Inf at step 3, under a loss scaler (``torch.amp.GradScaler``)
+    that skips that step on every rank; then, without the scaler, the loss turns NaN at step 10
+    and the averaged gradient makes every replica NaN from step 11 on."""
     model = _make_ddp()
     state = ddphooks.attach(model, sketch_dim=64, check_replicas_every=0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.02)
-    for step in range(7):
+    scaler = torch.amp.GradScaler("cpu", init_scale=16.0)
+    for step in range(14):
         x, y = _batch(rank, step)
         loss = _loss(model, x, y)
-        if rank == 1 and step == 3:
-            loss = loss * float("nan")
+        if rank == 1 and step in (3, 10):
+            loss = loss * float("inf" if step == 3 else "nan")
         state.observe_loss(loss)
-        loss.backward()
-        optimizer.step()
+        if step < 8:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)  # skipped where the averaged gradient is not finite
+            scaler.update()
+        else:
+            loss.backward()
+            optimizer.step()
         optimizer.zero_grad()
     state.close()
-    return state.alerts
+    return state.alerts, scaler.get_scale()
 
 
-def test_the_rank_whose_loss_went_nan_first_is_named_on_every_rank():
-    for alerts in spawn(_check_non_finite, 2, timeout=TIMEOUT):
-        assert [(a["step"], a["rank"], a["kind"], a["since"]) for a in alerts] == [(4, 1, "nonfinite", 3)], alerts
-        assert alerts[0]["message"].startswith("rank 1's loss and local gradient went non-finite (NaN or Inf) at step 3 while rank(s) 0 had")
+def test_the_rank_whose_loss_went_nan_first_is_named_on_every_rank_and_a_skipped_overflow_never():
+    for alerts, scale in spawn(_check_non_finite, 2, timeout=TIMEOUT):
+        assert scale == 8.0  # the scaler saw the overflow of step 3 and skipped that step
+        assert [(a["step"], a["rank"], a["kind"], a["since"]) for a in alerts] == [(11, 1, "nonfinite", 10)], alerts
+        assert alerts[0]["message"].startswith("rank 1's loss and local gradient went non-finite (NaN or Inf) at step 10 while rank(s) 0 had")
         assert set(alerts[0]["parameters"]) <= {name for name, _ in _Net().named_parameters()} and alerts[0]["parameters"]
 
 
