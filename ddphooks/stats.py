@@ -471,19 +471,22 @@ class SilentStats:
             "noise_scale": self.noise_scale,
         }
 
-    @property
+    @cached_property
     def nonfinite(self) -> dict[str, list]:
         """Where non-finite values appeared: ranks with a non-finite loss, and (rank, bucket,
         parameter) of every non-finite local gradient norm (NaN/Inf in the gradient, or a
-        squared norm beyond the fp32 range)."""
+        squared norm beyond the fp32 range). Read by the detector and the record of every step,
+        so the parameter owners are looked up only when there is something to list."""
         losses, counts = self.losses, self._arrays[0][:, LOSS_COUNT]
         bad_losses = [] if losses is None else [r for r in range(self.world_size) if counts[r] > 0 and not math.isfinite(losses[r])]
-        owners = [(bucket.index, name) for bucket in self.buckets for name in bucket.names]
         bad = np.nonzero(~np.isfinite(self.param_sq))
-        gradients = [
-            {"rank": int(r), "bucket": owners[p][0], "parameter": owners[p][1]}
-            for r, p in zip(bad[0][:MAX_NONFINITE_LISTED], bad[1][:MAX_NONFINITE_LISTED])
-        ]
+        gradients = []
+        if len(bad[0]):
+            owners = [(bucket.index, name) for bucket in self.buckets for name in bucket.names]
+            gradients = [
+                {"rank": int(r), "bucket": owners[p][0], "parameter": owners[p][1]}
+                for r, p in zip(bad[0][:MAX_NONFINITE_LISTED], bad[1][:MAX_NONFINITE_LISTED])
+            ]
         return {"losses": bad_losses, "gradients": gradients, "gradient_count": int(len(bad[0]))}
 
     # -- output --------------------------------------------------------------------------------
