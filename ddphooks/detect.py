@@ -100,8 +100,9 @@ no warm-up: bitwise-identical replicas are never flagged, so there is nothing to
 
 Non-finite values (records' ``nonfinite`` key) need no baseline either: a rank whose loss or local
 gradient went NaN or Inf on a step where the other ranks' were finite is named (kind
-``nonfinite``, ``since`` that step, the parameters whose gradients were not finite) on the next
-step if its values are still not finite there, with no warm-up. Without a loss scaler the
+``nonfinite``, ``since`` that step, the parameters whose gradients were not finite, ``score``
+how many of them a record lists) on the next step if its values are still not finite there, with
+no warm-up. Without a loss scaler the
 averaged gradient carries the NaN to every replica, and from the next step on every rank is
 non-finite: the alert says which rank it came from. With one (fp16 ``GradScaler``) an overflow
 on one rank makes every rank skip that step and the next step is finite again: that is the
