@@ -1,19 +1,20 @@
 """The command line, run as a user runs it."""
 
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 
-from ddphooks import cli
+from ddphooks import cli, demo
 from ddphooks.experiment import report
 
 
-def test_demo_shows_the_fault_in_the_statistics(tmp_path):
+def test_demo_shows_the_fault_in_the_statistics_and_the_detector_names_the_rank(tmp_path):
     jsonl = tmp_path / "demo.jsonl"
     result = subprocess.run(
-        [sys.executable, "-m", "ddphooks", "demo", "--steps", "16", "--jsonl", str(jsonl)],
+        [sys.executable, "-m", "ddphooks", "demo", "--steps", "36", "--fault-step", "28", "--jsonl", str(jsonl)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -21,10 +22,21 @@ def test_demo_shows_the_fault_in_the_statistics(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "rank 1 gets corrupted labels from here on" in result.stdout
     records = [json.loads(line) for line in jsonl.read_text().splitlines()[1:]]
-    assert [r["step"] for r in records] == list(range(16))
-    before = [r["loss_std"] for r in records[:8]]
-    after = [r["loss_std"] for r in records[8:]]
+    assert [r["step"] for r in records] == list(range(36))
+    before = [r["loss_std"] for r in records[:28]]
+    after = [r["loss_std"] for r in records[28:]]
     assert min(after) > 5 * max(before), (before, after)
+    alerts = re.findall(r"^  step (\d+): rank (\d+) has diverged since step (\d+)", result.stdout, re.MULTILINE)
+    assert alerts and alerts[0][1] == "1" and 28 <= int(alerts[0][0]) <= 31 and int(alerts[0][2]) >= 27, result.stdout
+    assert "<- alert: rank 1 (" in result.stdout
+    assert "ddphooks alert: rank 1 has diverged" in result.stderr  # logged by the log rank as it came
+
+
+def test_demo_says_when_the_fault_is_inside_the_detectors_warm_up():
+    assert demo.warmup_note(2) == (
+        "(the detector learns each signal's baseline over the first 24 steps and raises no alert before: a fault at step 2 is in its baseline)"
+    )
+    assert demo.warmup_note(24) is None
 
 
 def test_demo_rejects_a_single_process_in_one_line():
