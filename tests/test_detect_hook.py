@@ -11,7 +11,8 @@ from test_hook import TIMEOUT, _batch, _loss, _make_ddp, _Net
 
 import ddphooks
 import ddphooks.hook as hook_module
-from ddphooks.detect import Detector, DetectorConfig
+from ddphooks.detect import Detector, DetectorConfig, detect_run
+from ddphooks.experiment.report import read_run
 from ddphooks.launch import WorkerError, spawn
 from ddphooks.stats import SilentStats
 
@@ -118,12 +119,12 @@ def test_replica_check_flags_the_drifting_rank_and_never_identical_replicas():
     assert {p["name"] for p in replicas["parameters"]} == {n for n, _ in _Net().named_parameters()}
 
 
-def _check_non_finite(rank: int, world: int) -> list:
+def _check_non_finite(rank: int, world: int, folder: str) -> list:
     """On rank 1 the loss overflows to Inf at step 3, under a loss scaler (``torch.amp.GradScaler``)
     that skips that step on every rank; then, without the scaler, the loss turns NaN at step 10
     and the averaged gradient makes every replica NaN from step 11 on."""
     model = _make_ddp()
-    state = ddphooks.attach(model, sketch_dim=64, check_replicas_every=0)
+    state = ddphooks.attach(model, sketch_dim=64, check_replicas_every=0, sinks=[ddphooks.JsonlSink(f"{folder}/run.jsonl")])
     optimizer = torch.optim.SGD(model.parameters(), lr=0.02)
     scaler = torch.amp.GradScaler("cpu", init_scale=16.0)
     for step in range(14):
@@ -144,8 +145,11 @@ def _check_non_finite(rank: int, world: int) -> list:
     return state.alerts, scaler.get_scale()
 
 
-def test_the_rank_whose_loss_went_nan_first_is_named_on_every_rank_and_a_skipped_overflow_never():
-    for alerts, scale in spawn(_check_non_finite, 2, timeout=TIMEOUT):
+def test_the_rank_whose_loss_went_nan_first_is_named_on_every_rank_and_a_skipped_overflow_never(tmp_path):
+    results = spawn(_check_non_finite, 2, args=(str(tmp_path),), timeout=TIMEOUT)
+    # Offline, on the run file (where Inf and NaN are null), the same detector finds the same alerts.
+    assert detect_run(read_run(str(tmp_path / "run.jsonl")).records) == results[0][0]
+    for alerts, scale in results:
         assert scale == 8.0  # the scaler saw the overflow of step 3 and skipped that step
         assert [(a["step"], a["rank"], a["kind"], a["since"]) for a in alerts] == [(11, 1, "nonfinite", 10)], alerts
         assert alerts[0]["message"].startswith("rank 1's loss and local gradient went non-finite (NaN or Inf) at step 10 while rank(s) 0 had")
