@@ -471,12 +471,12 @@ class SilentStats:
             "noise_scale": self.noise_scale,
         }
 
-    @cached_property
+    @property
     def nonfinite(self) -> dict[str, list]:
         """Where non-finite values appeared: ranks with a non-finite loss, and (rank, bucket,
         parameter) of every non-finite local gradient norm (NaN/Inf in the gradient, or a
-        squared norm beyond the fp32 range). Read by the detector and the record of every step,
-        so the parameter owners are looked up only when there is something to list."""
+        squared norm beyond the fp32 range). A new dict on every read (the detector and every
+        record read it); the parameter owners are looked up only when there is something to list."""
         losses, counts = self.losses, self._arrays[0][:, LOSS_COUNT]
         bad_losses = [] if losses is None else [r for r in range(self.world_size) if counts[r] > 0 and not math.isfinite(losses[r])]
         bad = np.nonzero(~np.isfinite(self.param_sq))
