@@ -99,17 +99,16 @@ Replica divergence (records' ``replicas`` key, from parameter fingerprints) aler
 no warm-up: bitwise-identical replicas are never flagged, so there is nothing to learn.
 
 Non-finite values (records' ``nonfinite`` key) need no baseline either: a rank whose loss or local
-gradient went NaN or Inf on a step where the other ranks' were finite is named (kind
-``nonfinite``, ``since`` that step, the parameters whose gradients were not finite, ``score``
-how many of them a record lists) on the next step if its values are still not finite there, with
-no warm-up. Without a loss scaler the
-averaged gradient carries the NaN to every replica, and from the next step on every rank is
-non-finite: the alert says which rank it came from. With one (fp16 ``GradScaler``) an overflow
-on one rank makes every rank skip that step and the next step is finite again: that is the
-scaler's routine and raises nothing. Every rank non-finite from the same step (a learning rate
-that blows up everywhere) names no rank and raises nothing; the records show it. Non-finite
-values score nothing in the other signals (they are unknown there), online as offline, where a
-record holds them as null.
+gradient went NaN or Inf on a step where the other ranks' were finite is named (kind ``nonfinite``,
+``since`` that step, the parameters whose gradients were not finite, ``score`` how many of them a
+record lists) on the next step if its values are still not finite there, with no warm-up. Without a
+loss scaler the averaged gradient carries the NaN to every replica, and from the next step on every
+rank is non-finite: the alert says which rank it came from. With one (fp16 ``GradScaler``) an
+overflow on one rank makes every rank skip that step and the next step is finite again: that is the
+scaler's routine and raises nothing. Every rank non-finite from the same step (a learning rate that
+blows up everywhere) names no rank and raises nothing; the records show it. Non-finite values score
+nothing in the other signals (they are unknown there), online as offline, where a record holds them
+as null.
 
 Example::
     >>> detector = Detector()
@@ -810,8 +809,7 @@ class Detector:
         bad_gradient = set(np.flatnonzero(~np.isfinite(obs.grad_norms)).tolist())
         bad = bad_loss | bad_gradient
         alerts = [self._nonfinite_alert(obs, rank, first, bad) for rank, first in sorted(self.nonfinite_first.items()) if rank in bad]
-        for alert in alerts:
-            self.nonfinite_episodes[alert["rank"]] = 0
+        self.nonfinite_episodes.update((alert["rank"], 0) for alert in alerts)  # a new episode per alert
         for rank in list(self.nonfinite_episodes):
             self.nonfinite_episodes[rank] = 0 if rank in bad else self.nonfinite_episodes[rank] + 1
             if self.nonfinite_episodes[rank] >= self.config.quiet_steps:
