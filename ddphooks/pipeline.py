@@ -24,6 +24,10 @@ first collective, and no rank is left waiting in a collective. An alert therefor
 ``on_alert`` and ``SilentState.alerts`` when the step after next starts (at once on ``flush()``
 and ``close()``); its ``step`` is the step it was found on.
 
+If the system cannot start a thread (out of threads or memory), nothing raises into backward and
+nothing is lost: the steps are processed on the training thread, and the warnings logged there,
+until a thread starts again (one warning says so).
+
 By then an accelerator's asynchronous copy of the step's statistics has long finished, so
 reading them does not stall the device queue.
 """
@@ -64,9 +68,16 @@ class _Warnings:
         with self._cond:
             self._queue.append((message, args))
             self._queued += 1
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="ddphooks-warnings", daemon=True)
+            if self._thread is not None:
+                return
+            self._thread = threading.Thread(target=self._run, name="ddphooks-warnings", daemon=True)
+            try:
                 self._thread.start()
+                return
+            except RuntimeError:  # "can't start new thread" (out of threads or memory)
+                self._thread = None  # the next warn() tries again
+        # Emitted here, on the caller's thread, rather than lost or raised into backward.
+        self._run(on_thread=False)
 
     def drain(self, timeout: float) -> bool:
         """Wait (at most ``timeout`` seconds) until every warning queued so far is emitted."""
@@ -74,11 +85,12 @@ class _Warnings:
             wanted = self._queued
             return self._cond.wait_for(lambda: self._emitted >= wanted, max(timeout, 0.0))
 
-    def _run(self) -> None:
+    def _run(self, on_thread: bool = True) -> None:
         while True:
             with self._cond:
                 if not self._queue:
-                    self._thread = None  # the next warn() starts another
+                    if on_thread:
+                        self._thread = None  # the next warn() starts another
                     return
                 message, args = self._queue.popleft()
             try:
@@ -126,6 +138,7 @@ class StepPipeline:
         self._previous = None  # the last step linked, for SilentStats.follow
         self._link_failed = False
         self._output_failed = False
+        self._start_failed = False
         self._warnings = _Warnings()
 
     def complete(self, stats) -> None:
@@ -136,16 +149,22 @@ class StepPipeline:
     def process(self, call_on_alert: bool = True, wait: bool = False) -> None:
         """Hand the queued steps to the background thread, collect the alerts of the steps handed
         over before (of every step with ``wait``), then run ``on_alert`` (training thread)."""
+        started = True
         with self._cond:
             due = self._handed  # the same steps on every rank: those handed over at earlier calls
             if self._pending and (self.detector is not None or self.writer is not None):
                 self._work.extend(self._pending)
                 self._handed += len(self._pending)
-                self._start()
+                started = self._start()
                 self._cond.notify_all()
             self._pending.clear()
             if wait:
                 due = self._handed
+        if not started:
+            # No thread to spare: this rank's steps are processed here, on the training thread, so
+            # they are neither lost nor waited for forever, and every rank collects the same alerts.
+            self._run(on_thread=False)
+        with self._cond:
             self._cond.wait_for(lambda: self._done >= due)
             found = []
             while self._found and self._found[0][0] < due:
@@ -155,32 +174,51 @@ class StepPipeline:
             for alert in found:
                 self.on_alert(alert)
 
-    def _start(self) -> None:
+    def _start(self) -> bool:
+        """Start the background thread unless it runs; False if the system cannot start one."""
         # Also after close(): a run that goes on training gets its steps processed, not stranded.
-        if self._thread is None or not self._thread.is_alive():
-            self._stopping = False
-            self._thread = threading.Thread(target=self._run, name="ddphooks-pipeline", daemon=True)
+        if self._thread is not None and self._thread.is_alive():
+            return True
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="ddphooks-pipeline", daemon=True)
+        try:
             self._thread.start()
+        except RuntimeError as error:  # "can't start new thread" (out of threads or memory); tried again next step
+            self._thread = None  # nothing for close() to join
+            if not self._start_failed:
+                self._warnings.warn(
+                    "ddphooks: the pipeline thread could not start (%s: %s); steps are processed on the training thread until it can",
+                    type(error).__name__, error,
+                )  # fmt: skip
+            self._start_failed = True
+            return False
+        return True
 
     # -- the background thread -------------------------------------------------------------------
-    def _run(self) -> None:
+    def _run(self, on_thread: bool = True) -> None:
+        """The background thread's loop; with ``on_thread=False``, the steps handed over so far,
+        processed on the calling thread (when no background thread could start)."""
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._work or self._stopping)
+                if on_thread:
+                    self._cond.wait_for(lambda: self._work or self._stopping)
                 if not self._work:
                     return
                 stats = self._work.popleft()
-            try:
-                self._handle(stats)
-            except Exception as error:  # reported once; the thread lives on, the training thread waits for its count
-                if not self._output_failed:
-                    self._warnings.warn("ddphooks: step %d could not be written: %s: %s", stats.step, type(error).__name__, error)
-                self._output_failed = True
-            finally:
-                with self._cond:
-                    self._found.append((self._done, stats.alerts))
-                    self._done += 1
-                    self._cond.notify_all()
+            self._process(stats)
+
+    def _process(self, stats) -> None:
+        try:
+            self._handle(stats)
+        except Exception as error:  # reported once; the thread lives on, the training thread waits for its count
+            if not self._output_failed:
+                self._warnings.warn("ddphooks: step %d could not be written: %s: %s", stats.step, type(error).__name__, error)
+            self._output_failed = True
+        finally:
+            with self._cond:
+                self._found.append((self._done, stats.alerts))
+                self._done += 1
+                self._cond.notify_all()
 
     def _handle(self, stats) -> None:
         self._link(stats)

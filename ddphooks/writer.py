@@ -69,7 +69,11 @@ class RecordWriter:
 
     # -- training side ---------------------------------------------------------------------------
     def submit(self, item: object) -> None:
-        """Queue one item for writing; never blocks on the sinks."""
+        """Queue one item for writing; never blocks on the sinks.
+
+        Raises ``RuntimeError`` if the writer thread cannot start (out of threads or memory): the
+        item stays queued, for the next submit's thread or for ``close()``.
+        """
         with self._cond:
             if self._closing:
                 self._count(QUEUE)
@@ -81,9 +85,13 @@ class RecordWriter:
             self._queue.append(item)
             self._submitted += 1
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="ddphooks-writer", daemon=True)
-                self._thread.start()
+                self._start()
             self._cond.notify_all()
+
+    def _start(self) -> None:
+        thread = threading.Thread(target=self._run, name="ddphooks-writer", daemon=True)
+        thread.start()
+        self._thread = thread  # only once it runs: otherwise the next submit tries again
 
     @property
     def dropped(self) -> dict[str, int]:
@@ -97,8 +105,13 @@ class RecordWriter:
         Returns False if that did not happen within ``timeout`` seconds (a stuck sink).
         """
         with self._cond:
-            if self._thread is None or self._closed:
+            if self._closed or (self._thread is None and not self._queue):
                 return True
+            if self._thread is None:
+                try:
+                    self._start()
+                except RuntimeError:  # still no thread: the queued items wait for close()
+                    return False
             self._flush_requests += 1
             wanted = self._flush_requests
             self._cond.notify_all()
@@ -116,10 +129,8 @@ class RecordWriter:
             self._closing = True
             self._cond.notify_all()
             thread = self._thread
-        if thread is None:
-            self._close_sinks()
-            with self._cond:
-                self._closed = True
+        if thread is None:  # never started (or could not start): what is queued is written here
+            self._run()
             return True
         thread.join(timeout)
         if thread.is_alive():

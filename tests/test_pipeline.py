@@ -221,3 +221,45 @@ def test_steps_completed_after_close_are_still_processed():
     worker.join(timeout=10.0)
     assert not worker.is_alive(), "process() waited for steps no thread will take"
     assert [a["step"] for a in pipeline.alerts] == [s.step for s in steps] and writer.submitted == steps
+
+
+def _threads_cannot_start(monkeypatch, names: set[str]) -> None:
+    """``Thread.start`` raises as CPython does out of threads or memory, for the threads named in
+    ``names`` (the set may be emptied later, to let them start again)."""
+    start = threading.Thread.start
+
+    def refuse(self):
+        if self.name in names:
+            raise RuntimeError("can't start new thread")
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+
+
+def test_steps_are_processed_on_the_training_thread_while_no_thread_can_start(caplog, monkeypatch):
+    blocked = {"ddphooks-pipeline", "ddphooks-warnings"}
+    _threads_cannot_start(monkeypatch, blocked)
+    detector, writer, steps = _Gated(), _Writer(), _steps(5)
+    detector.gate.set()
+    called = []
+    pipeline = StepPipeline(detector, writer, on_alert=lambda alert: called.append(alert["step"]), warns=True)
+    with caplog.at_level(logging.WARNING, logger="ddphooks"):
+        for stats in steps[:3]:
+            pipeline.complete(stats)
+            pipeline.process()  # must not raise: it runs inside backward
+        # Collected one step later, as with the thread: every rank raises from on_alert at the same point.
+        assert called == [steps[0].step, steps[1].step]
+        assert detector.threads == {threading.get_ident()}
+        blocked.clear()  # threads again: the next steps leave the training thread
+        for stats in steps[3:]:
+            pipeline.complete(stats)
+            pipeline.process()
+        assert pipeline.close(5.0)
+    assert called == [s.step for s in steps] and writer.submitted == steps
+    assert len(detector.threads) == 2
+    messages = [(r.getMessage(), r.thread) for r in caplog.records]
+    refused = [m for m in messages if "pipeline thread could not start" in m[0]]
+    assert len(refused) == 1 and "RuntimeError: can't start new thread" in refused[0][0]
+    # The warnings of the first steps were logged on the training thread, none lost.
+    assert [m for m, _ in messages if m.startswith("ddphooks alert")] == [f"ddphooks alert: step {s.step}" for s in steps]
+    assert refused[0][1] == threading.get_ident()

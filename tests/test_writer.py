@@ -177,3 +177,29 @@ def test_jsonl_sink_appends_without_a_second_header(tmp_path):
         sink.close()
     assert (tmp_path / "run.jsonl").read_text().splitlines() == ['{"header": {"h": 1}}', '{"step": 0}', '{"step": 1}']
 
+
+
+def test_records_wait_for_a_writer_thread_that_cannot_start_and_none_is_lost(monkeypatch):
+    start, allowed = threading.Thread.start, threading.Event()
+
+    def refuse(self):  # as CPython does out of threads or memory, until the test allows it
+        if self.name == "ddphooks-writer" and not allowed.is_set():
+            raise RuntimeError("can't start new thread")
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    sink = _Collect()
+    writer = RecordWriter([sink], build=lambda item: {"step": item}, max_pending=8)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        writer.submit(0)  # the pipeline reports this once; the record stays queued
+    assert not writer.flush(1.0)  # nothing written yet, and flush says so
+    allowed.set()
+    writer.submit(1)  # this one's thread writes both
+    assert writer.flush(5.0)
+    assert [r["step"] for r in sink.records] == [0, 1]
+    allowed.clear()
+    late = RecordWriter([sink], build=lambda item: {"step": item}, max_pending=8)
+    with pytest.raises(RuntimeError):
+        late.submit(3)
+    assert late.close(5.0)  # no thread ever: close() writes the queued record itself
+    assert [r["step"] for r in sink.records] == [0, 1, 3] and writer.close(5.0)
