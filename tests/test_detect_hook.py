@@ -231,6 +231,65 @@ def test_a_logging_handler_that_blocks_never_slows_training():
     ]), one_off
 
 
+def _replica_run(rank: int, folder: str, name: str) -> list[dict]:
+    """12 steps on which rank 1's optimizer runs with another learning rate from step 2 (a
+    ``replica`` alert at step 2), records written to ``folder/name``."""
+    model = _make_ddp()
+    state = ddphooks.attach(model, sketch_dim=64, check_replicas_every=1, detect=DetectorConfig(warmup=200), sinks=[ddphooks.JsonlSink(f"{folder}/{name}")])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.02)
+    for step in range(12):
+        if rank == 1 and step == 2:
+            optimizer.param_groups[0]["lr"] = 0.05
+        x, y = _batch(rank, step)
+        loss = _loss(model, x, y)
+        state.observe_loss(loss)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    state.close()
+    return state.alerts
+
+
+def _check_without_threads(rank: int, world: int, folder: str) -> tuple:
+    """The same run with threads, then with none of ddphooks' threads able to start (as out of
+    threads or memory): the pipeline's, the writer's and the warnings'."""
+    reference = _replica_run(rank, folder, "threads.jsonl")
+    start, messages = threading.Thread.start, []
+
+    def refuse(thread):
+        if thread.name.startswith("ddphooks-"):
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    class _Collect(logging.Handler):
+        def emit(self, record) -> None:
+            messages.append(record.getMessage())
+
+    handler = _Collect(level=logging.WARNING)
+    logging.getLogger("ddphooks").addHandler(handler)
+    threading.Thread.start = refuse
+    try:
+        alerts = _replica_run(rank, folder, "no-threads.jsonl")
+    finally:
+        threading.Thread.start = start
+        logging.getLogger("ddphooks").removeHandler(handler)
+    return reference, alerts, messages
+
+
+def test_a_run_where_no_thread_can_start_trains_and_alerts_as_with_threads(tmp_path):
+    results = spawn(_check_without_threads, 2, args=(str(tmp_path),), timeout=TIMEOUT)
+    for rank, (reference, alerts, messages) in enumerate(results):
+        assert reference and reference[0]["kind"] == "replica" and alerts == reference
+        refused = [m for m in messages if "pipeline thread could not start" in m]
+        assert refused == ["ddphooks: the pipeline thread could not start (RuntimeError: can't start new thread); "
+                           "steps are processed on the training thread until it can"]
+        # The log rank's alert warnings were logged on the training thread: none lost.
+        assert [m for m in messages if m.startswith("ddphooks alert")] == ([f"ddphooks alert: {a['message']}" for a in alerts] if rank == 0 else [])
+    with_threads, without = (read_run(str(tmp_path / name)).records for name in ("threads.jsonl", "no-threads.jsonl"))
+    assert [r["step"] for r in without] == [r["step"] for r in with_threads] == list(range(12))
+    assert [r["alerts"] for r in without] == [r["alerts"] for r in with_threads]
+
+
 def test_detection_settings_are_validated():
     with pytest.raises(ValueError, match=r"check_replicas_every=-1 must be >= 0"):
         ddphooks.SilentState(check_replicas_every=-1)
