@@ -447,6 +447,13 @@ def _growth(deviations: np.ndarray, recent: int) -> np.ndarray:
     return np.fmax(1.0, np.nan_to_num(ratio, nan=1.0, posinf=1.0))
 
 
+def _nan_to_zero(z: np.ndarray) -> np.ndarray:
+    """A score with unknown (NaN) entries scoring zero: ``np.nan_to_num(z, nan=0.0)`` for the
+    scores here, which are finite or NaN (non-finite inputs are NaN, scales are floored above
+    zero), at a fraction of its cost (it also looks for infinities, on every signal of every step)."""
+    return np.where(np.isnan(z), 0.0, z)
+
+
 def _fisher(cosine: np.ndarray) -> np.ndarray:
     """Fisher's ``atanh`` of a cosine: a rank whose gradient repeats lands near 1, where a sketched
     cosine's error shrinks (about ``(1 - c^2) / sqrt(k)``); on this scale it is about the same
@@ -626,7 +633,7 @@ class Detector:
             change = values[name] - median
             if name in SKETCHED:
                 change = np.where(np.abs(change) < ignored, 0.0, change)
-            sides = [np.nan_to_num(side / scale, nan=0.0) for side in _sides(change, OWN_DIRECTION[name])]
+            sides = [_nan_to_zero(side / scale) for side in _sides(change, OWN_DIRECTION[name])]
             scores[("own", name)] = np.stack([np.maximum(z - _others_change(np.maximum(z, 0.0)), 0.0) for z in sides], axis=1)
             if name in deviations:
                 position = crossed.index(name)
@@ -634,10 +641,10 @@ class Detector:
                 gap = deviations[name] - median
                 if name in SKETCHED:
                     gap = np.where(np.abs(gap) < ignored, 0.0, gap)
-                sides = [np.nan_to_num(side / scale, nan=0.0) for side in _sides(gap, CROSS_DIRECTION[name])]
+                sides = [_nan_to_zero(side / scale) for side in _sides(gap, CROSS_DIRECTION[name])]
                 scores[("cross", name)] = np.maximum(np.stack(sides, axis=1), 0.0)
                 if self.world >= 3:
-                    z = np.nan_to_num(gap / max(combined_scale[position], floors[name]), nan=0.0)
+                    z = _nan_to_zero(gap / max(combined_scale[position], floors[name]))
                     combined_terms.append(np.clip(COMBINED_DIRECTION[name] * z, 0.0, self.config.combined_cap))
                     if name == "loss":
                         loss_fall = np.clip(-z, 0.0, self.config.repeat_loss_cap)
