@@ -169,6 +169,28 @@ def _raising_loss_from(module, args, kwargs, output):
     raise KeyError("no loss in this output")
 
 
+def _train_drifting_replica(rank: int, model, state, after_step=None) -> float:
+    """12 steps on which rank 1's optimizer runs with another learning rate from step 2, so its
+    replica drifts from the others'; ``after_step(step, x, y)`` after each. Returns the longest
+    step's seconds."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.02)
+    longest = 0.0
+    for step in range(12):
+        started = time.monotonic()
+        if rank == 1 and step == 2:
+            optimizer.param_groups[0]["lr"] = 0.05
+        x, y = _batch(rank, step)
+        loss = _loss(model, x, y)
+        state.observe_loss(loss)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if after_step is not None:
+            after_step(step, x, y)
+        longest = max(longest, time.monotonic() - started)
+    return longest
+
+
 def _check_stalled_handler(rank: int, world: int) -> tuple:
     """Rank 1's replica drifts from step 2, so the log rank warns of an alert, into a logging
     handler that blocks (a stalled stderr pipe) until the run is over. Every one-off warning the
@@ -190,21 +212,12 @@ def _check_stalled_handler(rank: int, world: int) -> tuple:
     unfingerprinted = _make_ddp()
     plain = ddphooks.SilentState(check_replicas_every=1, detect=False)
     unfingerprinted.register_comm_hook(plain, ddphooks.silent_hook)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.02)
-    longest = 0.0
-    for step in range(12):
-        started = time.monotonic()
-        if rank == 1 and step == 2:
-            optimizer.param_groups[0]["lr"] = 0.05
-        x, y = _batch(rank, step)
-        loss = _loss(model, x, y)
-        state.observe_loss(loss)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+
+    def unfingerprinted_step(step: int, x: torch.Tensor, y: torch.Tensor) -> None:
         if step < 2:
             _loss(unfingerprinted, x, y).backward()
-        longest = max(longest, time.monotonic() - started)
+
+    longest = _train_drifting_replica(rank, model, state, unfingerprinted_step)
     started = time.monotonic()
     state.flush(timeout=1.0)
     flush_s = time.monotonic() - started
@@ -232,20 +245,10 @@ def test_a_logging_handler_that_blocks_never_slows_training():
 
 
 def _replica_run(rank: int, folder: str, name: str) -> list[dict]:
-    """12 steps on which rank 1's optimizer runs with another learning rate from step 2 (a
-    ``replica`` alert at step 2), records written to ``folder/name``."""
+    """The drifting replica's run (a ``replica`` alert at step 2), records written to ``folder/name``."""
     model = _make_ddp()
     state = ddphooks.attach(model, sketch_dim=64, check_replicas_every=1, detect=DetectorConfig(warmup=200), sinks=[ddphooks.JsonlSink(f"{folder}/{name}")])
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.02)
-    for step in range(12):
-        if rank == 1 and step == 2:
-            optimizer.param_groups[0]["lr"] = 0.05
-        x, y = _batch(rank, step)
-        loss = _loss(model, x, y)
-        state.observe_loss(loss)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    _train_drifting_replica(rank, model, state)
     state.close()
     return state.alerts
 
