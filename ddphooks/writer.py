@@ -90,7 +90,10 @@ class RecordWriter:
 
     def _start(self) -> None:
         thread = threading.Thread(target=self._run, name="ddphooks-writer", daemon=True)
-        thread.start()
+        try:
+            thread.start()
+        except RuntimeError as error:  # "can't start new thread" (out of threads or memory)
+            raise RuntimeError(f"the writer thread could not start ({error}); records stay queued until it can, or until close()") from error
         self._thread = thread  # only once it runs: otherwise the next submit tries again
 
     @property

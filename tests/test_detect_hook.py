@@ -286,6 +286,8 @@ def test_a_run_where_no_thread_can_start_trains_and_alerts_as_with_threads(tmp_p
         refused = [m for m in messages if "pipeline thread could not start" in m]
         assert refused == ["ddphooks: the pipeline thread could not start (RuntimeError: can't start new thread); "
                            "steps are processed on the training thread until it can"]
+        writer = [m for m in messages if "the writer thread could not start" in m]
+        assert len(writer) == (1 if rank == 0 else 0), messages  # said once; the records wait for close()
         # The log rank's alert warnings were logged on the training thread: none lost.
         assert [m for m in messages if m.startswith("ddphooks alert")] == ([f"ddphooks alert: {a['message']}" for a in alerts] if rank == 0 else [])
     with_threads, without = (read_run(str(tmp_path / name)).records for name in ("threads.jsonl", "no-threads.jsonl"))

@@ -190,7 +190,7 @@ def test_records_wait_for_a_writer_thread_that_cannot_start_and_none_is_lost(mon
     monkeypatch.setattr(threading.Thread, "start", refuse)
     sink = _Collect()
     writer = RecordWriter([sink], build=lambda item: {"step": item}, max_pending=8)
-    with pytest.raises(RuntimeError, match="can't start new thread"):
+    with pytest.raises(RuntimeError, match=r"the writer thread could not start \(can't start new thread\); records stay queued"):
         writer.submit(0)  # the pipeline reports this once; the record stays queued
     assert not writer.flush(1.0)  # nothing written yet, and flush says so
     allowed.set()
