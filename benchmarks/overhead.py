@@ -12,7 +12,8 @@ every step. For it the script also times, by wrapping the pieces of that one sta
 milliseconds of an instrumented step go: the statistics pass over each bucket, the squared norms
 of the reduced buckets (gloo's thread), the piggyback division and slot packing of the last
 bucket, publishing the step's SilentStats, handing it to the pipeline thread at the next step's
-first bucket, summary(); on the pipeline thread the online detector and (rank 0) the writer's
+first bucket, summary(), the synchronisation watchdog's forward pre-hook and sentinel gradient hook;
+on the pipeline thread the online detector and (rank 0) the writer's
 submit; and on rank 0's writer thread the building and the writing of each record.
 
     python benchmarks/overhead.py --quick                            # CPU, spawns 2 gloo workers
@@ -153,6 +154,7 @@ class Breakdown:
         ("publish: SilentStats", "gloo"),  # _bucket_done, once per bucket
         ("processing: hand-off to the pipeline thread", "training"),  # the previous step's, at the first bucket
         ("summary()", "training"),
+        ("sync watchdog: forward pre-hook + sentinel gradient hook", "training"),
     )
     THREAD_PARTS = (("detector", "pipeline"), ("submit to the writer", "pipeline"))  # once per step; submit on rank 0
     RECORD_PARTS = (("record building", "writer"), ("writing (JsonlSink)", "writer"))
@@ -179,6 +181,9 @@ class Breakdown:
             pipeline.writer.build = self._timed("record building", pipeline.writer.build)
             for sink in state.sinks:
                 sink.write = self._timed("writing (JsonlSink)", sink.write)
+        watchdog = state._watchdog  # its hooks call these attributes
+        watchdog._forward = self._timed("sync watchdog: forward pre-hook + sentinel gradient hook", watchdog._forward)
+        watchdog._gradient_arrived = self._timed("sync watchdog: forward pre-hook + sentinel gradient hook", watchdog._gradient_arrived)
         _time_reduced_norms()
 
     def _add(self, part, seconds):

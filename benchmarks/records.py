@@ -189,15 +189,14 @@ def measure_after(fresh, world, submits, detail_submits, folder):
 
 
 def measure_detector(fresh_variant, steps, budget_s):
-    """Training-thread seconds of one detector step (reading the step's statistics and linking it to
-    the previous step for ``cosine_previous`` included, as the pipeline does), after the detector's
+    """Pipeline-thread seconds of one detector step (reading the step's statistics and its
+    ``cosine_previous`` against the previous step included, as the pipeline does), after the detector's
     warm-up, when it starts scoring; stops early once ``budget_s`` is spent."""
     detector, times, previous = Detector(), [], None
     warmup = DetectorConfig().warmup
     for step in range(warmup + steps):
-        stats = fresh_variant(step)
+        stats = fresh_variant(step, previous)
         start = time.perf_counter()
-        stats.follow(previous)
         detector.update(Observation.from_stats(stats))
         previous = stats
         if step >= warmup:
@@ -235,8 +234,8 @@ def measure(world, n_params, settings, folder):
 
     variants = [gathered_slots(world, n_params, bins, seed) for seed in range(8)]
 
-    def fresh_variant(step):  # steps that differ, for the detector's baselines
-        return SilentStats(step, world, layouts, *variants[step % len(variants)], bins, "piggyback")
+    def fresh_variant(step, previous=None):  # steps that differ, for the detector's baselines
+        return SilentStats(step, world, layouts, *variants[step % len(variants)], bins, "piggyback", previous=previous)
 
     before, before_bytes = measure_before(fresh, settings["BEFORE_REPEATS"], settings["BEFORE_BUDGET_S"], settings["MIN_REPEATS"])
     after = measure_after(fresh, world, settings["SUBMITS"], settings["DETAIL_SUBMITS"], folder)

@@ -67,6 +67,11 @@ class SilentConfig:
     """Every N-th instrumented step, compare fingerprints of the ranks' parameters and buffers
     (one read of the model on those steps, 8 bytes per tensor in the slot); 0 turns it off."""
 
+    watch_sync: bool = True
+    """Watch for backward passes that DDP should have synchronised but did not (its hooks lost,
+    a forward around the DDP module): an ``unsynchronised`` alert (``ddphooks.watchdog``). Needs
+    the DDP model (``attach``, ``SilentState(model=...)``); costs a few microseconds a backward."""
+
     def __post_init__(self) -> None:
         _check_int("sketch_dim", self.sketch_dim)
         if self.sketch_dim < 0:
@@ -110,6 +115,8 @@ class SilentConfig:
         _check_int("check_replicas_every", self.check_replicas_every)
         if self.check_replicas_every < 0:
             raise ValueError(f"check_replicas_every={self.check_replicas_every} must be >= 0 (0 turns the replica check off, 100 is the default)")
+        if not isinstance(self.watch_sync, bool):
+            raise TypeError(f"watch_sync must be True or False, got {self.watch_sync!r}")
         _check_int("max_pending_records", self.max_pending_records)
         if self.max_pending_records < 1:
             raise ValueError(f"max_pending_records={self.max_pending_records} must be >= 1 (1024 is the default)")

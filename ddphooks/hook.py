@@ -32,6 +32,7 @@ from ddphooks.sketch import (
     squared_norms,
 )
 from ddphooks.stats import BucketLayout, SilentStats, slot_size
+from ddphooks.watchdog import SyncWatchdog
 from ddphooks.writer import RecordWriter
 
 logger = logging.getLogger("ddphooks")
@@ -116,7 +117,9 @@ class SilentState:
             record's ``replicas`` says which ranks differ where (0: never).
         on_alert: called with each alert on every rank; raising from it stops training on every
             rank at the same point (the first bucket of the step after next, or ``flush``/``close``),
-            so no rank hangs.
+            so no rank hangs. An ``unsynchronised`` alert reaches it where the rank notices it.
+        watch_sync: alert (kind ``unsynchronised``) when the model gets gradients DDP should
+            have synchronised but did not (see ``ddphooks.watchdog``); needs the DDP model.
 
     Example::
         >>> state = SilentState(model=ddp_model, sketch_dim=256, sinks=[JsonlSink("stats.jsonl")])
@@ -148,11 +151,13 @@ class SilentState:
         detect: bool | DetectorConfig = True,
         check_replicas_every: int = 100,
         on_alert: Callable[[dict], object] | None = None,
+        watch_sync: bool = True,
     ) -> None:
         self._settings = dict(
             sketch_dim=sketch_dim, every=every, seed=seed, transport=transport, piggyback_limit_mb=piggyback_limit_mb,
             log_rank=log_rank, chunk_elems=chunk_elems, detail_every=detail_every, detail_max_world=detail_max_world,
             max_pending_records=max_pending_records, detect=detect, check_replicas_every=check_replicas_every,
+            watch_sync=watch_sync,
         )  # fmt: skip
         initialized = dist.is_available() and dist.is_initialized()
         problem = None
@@ -203,6 +208,7 @@ class SilentState:
             self._model = model
             self._names = {id(p): name for name, p in model.module.named_parameters()}
             self._replica_tensors = self._fingerprinted_tensors(model)
+            self._watchdog = self._watch(model)
             return self
         self._bind(model, None)
         return self
@@ -239,6 +245,7 @@ class SilentState:
         self._current: _Step | None = None
         self._latest: SilentStats | BaseException | None = None
         self._latest_lock = threading.Lock()
+        self._previous_stats: SilentStats | None = None  # for the next step's cosine_previous
         self._replica_tensors = self._fingerprinted_tensors(model)
         self._replica_warned = False
         writer = None
@@ -251,13 +258,21 @@ class SilentState:
             self._records = RecordBuilder(self.config.every, self.config.detail_every, self.config.detail_max_world)
             if getattr(self, "_restored_records", None):
                 self._records.load_state_dict(self._restored_records)
-            writer = RecordWriter(self.sinks, self._records.build, self.config.max_pending_records)
+            records = self._records  # the writer thread must not hold the state itself
+            writer = RecordWriter(self.sinks, lambda item: records.build(*item), self.config.max_pending_records)
         detector = Detector(self.config.detect if isinstance(self.config.detect, DetectorConfig) else None) if self.config.detect else None
         self._pipeline = StepPipeline(detector, writer, self.on_alert, warns=writes)
+        self._watchdog = self._watch(model)
         # At interpreter exit, write what is still queued (bounded: a stuck sink cannot hang the
         # exit); on_alert is not called then, there is no training left to stop.
         self._finalizer = weakref.finalize(self, self._pipeline.close, CLOSE_TIMEOUT_S, False)
         self._bound = True
+
+    def _watch(self, model: torch.nn.Module | None) -> SyncWatchdog | None:
+        """The synchronisation watchdog of ``model`` (None without a model or with watch_sync off)."""
+        if model is None or not self.config.watch_sync:
+            return None
+        return SyncWatchdog(model, self._pipeline.raise_alert, self._pipeline.warn, self.rank, lambda: self.step)
 
     def _fingerprinted_tensors(self, model: torch.nn.Module | None) -> list[tuple[str, torch.Tensor]]:
         """Parameters and buffers whose fingerprints the replica check compares."""
@@ -321,6 +336,8 @@ class SilentState:
     def flush(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Process the completed steps (alerts, ``on_alert``) and wait (at most ``timeout``
         seconds) until their records are written and the sinks flushed."""
+        if self._bound and self._watchdog is not None:
+            self._watchdog.check()  # the last backward, if nothing came after it
         if self._bound and not self._pipeline.flush(timeout):
             # Queued, not logged here: the handler that is busy may be the one this would wait for.
             self._warn("ddphooks: flush() gave up after %.0f s: a sink or a logging handler is still busy", timeout)
@@ -330,6 +347,8 @@ class SilentState:
         most ``timeout`` seconds)."""
         if self._bound:
             self._finalizer.detach()
+            if self._watchdog is not None:
+                self._watchdog.check()
             self._pipeline.close(timeout)
 
     def state_dict(self) -> dict:
@@ -369,7 +388,10 @@ class SilentState:
 
     def _replica_check(self, step: int) -> bool:
         every = self.config.check_replicas_every
-        if not every or (step // self.config.every) % every:
+        resumed = self._watchdog is not None and self._watchdog.replica_check_due
+        if resumed:  # the replicas drifted while DDP did not synchronise: check them now
+            self._watchdog.replica_check_due = False
+        if not every or ((step // self.config.every) % every and not resumed):
             return False
         if not self._replica_tensors and not self._replica_warned:
             self._replica_warned = True
@@ -469,6 +491,7 @@ class SilentState:
                     self.bins,
                     record.transport,
                     record.fingerprinted,
+                    previous=self._previous_stats,
                 )
             except Exception as error:  # never let a statistics bug break the gradient future
                 result = error
@@ -477,6 +500,7 @@ class SilentState:
         with self._latest_lock:
             self._latest = result
         if isinstance(result, SilentStats):
+            self._previous_stats = result
             self._pipeline.complete(result)  # handed to the pipeline thread when the next step starts
         if isinstance(result, BaseException):
             self._warn("ddphooks: statistics of step %d failed: %r", record.step, result)
@@ -560,6 +584,8 @@ def silent_hook(state: SilentState, bucket: dist.GradBucket) -> torch.futures.Fu
         )
     if not state._bound:
         state.bind()  # created before the process group: bind on the first hook call (every rank is here too)
+    if state._watchdog is not None:
+        state._watchdog.hook_called()
     if bucket.index() == 0:
         if state._current is not None:
             raise RuntimeError(
@@ -589,6 +615,13 @@ def silent_hook(state: SilentState, bucket: dist.GradBucket) -> torch.futures.Fu
 
     # The last bucket: every other bucket's statistics are known, pack this rank's slot.
     world = state.world_size
+    if state._losses.first_missing():
+        state._warn(
+            "ddphooks: no loss was recorded for step %d on rank %d, so its records hold no loss (null) and the detector "
+            "has no loss signal: the forward output is not a scalar loss and has no .loss or ['loss'] (a model that "
+            "returns logits). Pass attach(model, loss_from=lambda module, args, kwargs, output: <the loss>), or call "
+            "state.observe_loss(loss) before backward(). Said once.", record.step, state.rank,
+        )  # fmt: skip
     if state._replica_check(record.step):
         record.fingerprinted = [name for name, _ in state._replica_tensors]
         record.fingerprint = replica_fingerprint([tensor for _, tensor in state._replica_tensors])

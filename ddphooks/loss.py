@@ -21,6 +21,15 @@ class LossTracker:
     def __init__(self) -> None:
         self._sums: dict[bool, torch.Tensor] = {}  # explicit? -> fp32 scalar on the loss's device
         self._counts = {True: 0, False: 0}
+        self._missing_reported = False
+
+    def first_missing(self) -> bool:
+        """True the first time a step ends with no loss observed (then never again): the
+        caller says once that records will carry no loss."""
+        if self._missing_reported or self._counts[True] or self._counts[False]:
+            return False
+        self._missing_reported = True
+        return True
 
     def observe(self, loss: torch.Tensor, explicit: bool) -> None:
         value = loss.detach().reshape(()).float()

@@ -5,15 +5,15 @@ queues it there. The training thread hands the queued steps to a background thre
 every rank reaches in the same order: the first bucket of the next step (inside backward), or
 ``flush()`` / ``close()``. The background thread, one step at a time and in order:
 
-0. links the step to the one before it (``SilentStats.follow``), for each rank's cosine to its
-   own previous gradient;
 1. runs the detector (``ddphooks.detect``) on it, the same on every rank, so every rank finds the
    same alerts; a detector error is reported once and never reaches training;
 2. queues one ``logging`` warning per new alert (logger ``"ddphooks"``) on the log rank, emitted
    on a thread of its own (as are the pipeline's other warnings): the training thread waits for
    this one when it falls more than a step behind, and a logging handler that blocks (a stalled
    stderr pipe, a slow remote handler) must hold up nothing but its own messages;
-3. hands the statistics, alerts attached, to the record writer (log rank only).
+3. hands the statistics and their alerts (with any alert raised outside the detector since the
+   last record: the synchronisation watchdog's) to the record writer (log rank only). Nothing
+   is added to the ``SilentStats`` itself: ``state.latest`` is final when its step completes.
 
 At the same point of the following step the training thread collects the alerts of the steps it
 handed over before (waiting only if the background thread is more than a step behind, so the
@@ -135,10 +135,9 @@ class StepPipeline:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._detector_failed = False
-        self._previous = None  # the last step linked, for SilentStats.follow
-        self._link_failed = False
         self._output_failed = False
         self._start_failed = False
+        self._carried: list[dict] = []  # alerts raised outside the detector, for the next record
         self._warnings = _Warnings()
 
     def complete(self, stats) -> None:
@@ -208,35 +207,25 @@ class StepPipeline:
             self._process(stats)
 
     def _process(self, stats) -> None:
+        found: list[dict] = []
         try:
-            self._handle(stats)
+            found = self._detect(stats)
+            if self.warns:
+                for alert in found:
+                    self._warnings.warn("ddphooks alert: %s", alert["message"])
+            if self.writer is not None:
+                with self._cond:
+                    carried, self._carried = self._carried, []
+                self.writer.submit((stats, carried + found))
         except Exception as error:  # reported once; the thread lives on, the training thread waits for its count
             if not self._output_failed:
                 self._warnings.warn("ddphooks: step %d could not be written: %s: %s", stats.step, type(error).__name__, error)
             self._output_failed = True
         finally:
             with self._cond:
-                self._found.append((self._done, stats.alerts))
+                self._found.append((self._done, found))
                 self._done += 1
                 self._cond.notify_all()
-
-    def _handle(self, stats) -> None:
-        self._link(stats)
-        stats.alerts = self._detect(stats)
-        if self.warns:
-            for alert in stats.alerts:
-                self._warnings.warn("ddphooks alert: %s", alert["message"])
-        if self.writer is not None:
-            self.writer.submit(stats)
-
-    def _link(self, stats) -> None:
-        try:
-            stats.follow(self._previous)
-        except Exception as error:  # like a detector error: reported once, never raised into backward
-            if not self._link_failed:
-                self._warnings.warn("ddphooks: step %d could not be linked to the previous step (no cosine_previous): %s: %s", stats.step, type(error).__name__, error)
-            self._link_failed = True
-        self._previous = stats
 
     def _detect(self, stats) -> list[dict]:
         if self.detector is None or self._detector_failed:
@@ -251,6 +240,18 @@ class StepPipeline:
     def warn(self, message: str, *args) -> None:
         """A ``logging`` warning on the pipeline's warnings thread (returns at once, any thread)."""
         self._warnings.warn(message, *args)
+
+    def raise_alert(self, alert: dict) -> None:
+        """An alert found outside the detector (the synchronisation watchdog), where it was found:
+        it joins ``alerts`` at once, is logged (log rank), goes with the next record written, and
+        reaches ``on_alert`` (which may raise, to stop training)."""
+        with self._cond:
+            self.alerts.append(alert)
+            self._carried.append(alert)
+        if self.warns:
+            self._warnings.warn("ddphooks alert: %s", alert["message"])
+        if self.on_alert is not None:
+            self.on_alert(alert)
 
     # -- the end ---------------------------------------------------------------------------------
     def flush(self, timeout: float) -> bool:

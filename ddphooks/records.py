@@ -34,7 +34,7 @@ class RecordBuilder:
 
     Example::
         >>> builder = RecordBuilder(every=1, detail_every=100, detail_max_world=64)
-        >>> record = builder.build(state.latest)
+        >>> record = builder.build(state.latest, alerts=[])
     """
 
     def __init__(self, every: int, detail_every: int, detail_max_world: int) -> None:
@@ -47,8 +47,10 @@ class RecordBuilder:
     def is_detailed(self, step: int) -> bool:
         return self.detail_every > 0 and (step // self.every) % self.detail_every == 0
 
-    def build(self, stats: SilentStats) -> dict:
-        record = stats.to_dict(detail=self.is_detailed(stats.step), detail_max_world=self.detail_max_world)
+    def build(self, stats: SilentStats, alerts: list[dict] = ()) -> dict:
+        """The record of one step, with the alerts the pipeline found on it (and those raised
+        outside the detector since the last record)."""
+        record = stats.to_dict(detail=self.is_detailed(stats.step), detail_max_world=self.detail_max_world, alerts=alerts)
         record["noise_scale_smoothed"] = _float(self._smoothed_noise_scale(*stats.noise_scale_terms))
         return record
 

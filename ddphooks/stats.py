@@ -19,7 +19,7 @@ are zero, so the sum is a gather). Together with the squared norms of the *reduc
    the unit sketches ``u_i = s_i / |s_i|`` and ``U = sum_i u_i``:
    ``sum_{j != i} <u_i, u_j> = <u_i, U> - 1`` and ``sum_{i != j} <u_i, u_j> = |U|^2 - W``;
    and each rank's cosine to its *own* gradient of the previous instrumented step,
-   ``cos(s_i(t), s_i(t'))``, once the step is linked to that one (``follow``; the signs of a
+   ``cos(s_i(t), s_i(t'))``, from the previous step's slots handed to the step (the signs of a
    sketch are fixed per bucket layout, so two steps with the same layout are comparable);
 4. the gradient noise scale (McCandlish et al. 2018) in units of one rank's batch, from
    ``|G_s|^2 = mean_i |g_i|^2`` and ``|G_b|^2 = |gbar|^2``:
@@ -272,6 +272,8 @@ class SilentStats:
         transport: how the slots travelled ("piggyback" or "separate").
         fingerprinted: names of the tensors whose replica fingerprints the slots end with (on
             replica-check steps; empty otherwise).
+        previous: the statistics of the previous instrumented step, for ``cosine_previous``
+            (only its gathered slots are kept, and only where its sketch used the same signs).
 
     Example::
         >>> stats = state.latest
@@ -288,12 +290,9 @@ class SilentStats:
         bins: int,
         transport: str,
         fingerprinted: list[str] | None = None,
+        previous: "SilentStats | None" = None,
     ) -> None:
         self.fingerprinted = fingerprinted or []
-        self.cosine_previous: np.ndarray | None = None
-        """Per rank, the sketched cosine of its gradient to its own gradient of the previous
-        instrumented step; None without a sketch, or until ``follow`` linked a comparable step."""
-        self.alerts: list[dict] = []  # set by the pipeline once the detector has seen the step
         self.step = step
         self.world_size = world_size
         self.buckets = list(buckets)
@@ -301,6 +300,12 @@ class SilentStats:
         self.transport = transport
         self._host = PendingHost([gathered, reduced_sq])
         self._lock = threading.Lock()
+        # The previous step's slots on their way to the host, not the step itself: a reference to
+        # it would chain every step to the one before. Its sketch is comparable only where it used
+        # the same signs: same bucket layouts, bins and world size (DDP rebuilds its buckets after
+        # its first steps).
+        comparable = previous is not None and bins and (previous.buckets, previous.bins, previous.world_size) == (self.buckets, bins, world_size)
+        self._previous_host = previous._host if comparable else None
 
     # -- host arrays, computed once ------------------------------------------------------------
     @cached_property
@@ -394,7 +399,9 @@ class SilentStats:
 
     @property
     def _sketches(self) -> np.ndarray:
-        gathered, _ = self._arrays
+        return self._sketch_columns(self._arrays[0])
+
+    def _sketch_columns(self, gathered: np.ndarray) -> np.ndarray:
         begin = PARAMS_BEGIN + sum(len(b.numels) for b in self.buckets)
         return gathered[:, begin : begin + self.bins]
 
@@ -404,12 +411,15 @@ class SilentStats:
         without a sketch."""
         return cosine_leave_one_out(self._sketches) if self.bins else None
 
-    def follow(self, previous: "SilentStats | None") -> None:
-        """Compute ``cosine_previous`` against the previous instrumented step (W numbers; no
-        reference to that step is kept). Only where both sketches used the same signs: same
-        bucket layouts, bins and world size (DDP rebuilds its buckets after its first steps)."""
-        comparable = previous is not None and self.bins and (previous.buckets, previous.bins, previous.world_size) == (self.buckets, self.bins, self.world_size)
-        self.cosine_previous = cosine_to_previous(self._sketches, previous._sketches) if comparable else None
+    @cached_property
+    def cosine_previous(self) -> np.ndarray | None:
+        """Per rank, the sketched cosine of its gradient to its own gradient of the previous
+        instrumented step; None without a sketch or without a comparable previous step. Fixed
+        from the moment the step is complete: computed from the two steps' slots when read."""
+        if self._previous_host is None:
+            return None
+        previous = self._sketch_columns(self._previous_host.arrays()[0])
+        return cosine_to_previous(self._sketches, previous)
 
     @cached_property
     def replicas(self) -> dict | None:
@@ -490,8 +500,12 @@ class SilentStats:
         return {"losses": bad_losses, "gradients": gradients, "gradient_count": int(len(bad[0]))}
 
     # -- output --------------------------------------------------------------------------------
-    def to_dict(self, detail: bool = True, detail_max_world: int = 64) -> dict:
+    def to_dict(self, detail: bool = True, detail_max_world: int = 64, alerts: list[dict] = ()) -> dict:
         """A JSON-serialisable record of the step (strict JSON: non-finite values are null).
+
+        The same whenever it is called: nothing is added to a step once it is complete. The
+        alerts found on the step are the pipeline's (``SilentState.alerts``); the records the
+        sinks receive carry them under ``alerts``.
 
         Args:
             detail: add the layer view: ``cosine`` (W x W), ``buckets`` and ``parameters``.
@@ -499,6 +513,7 @@ class SilentStats:
             detail_max_world: above this world size, the detail keeps per-parameter and
                 per-bucket summaries over ranks (mean, max, the rank with the max) instead of a
                 value per rank, and leaves out the W x W matrix.
+            alerts: the step's alerts, for the ``alerts`` key (the record builder passes them).
         """
         summary = self.summary()
         per_rank_cosine = self.cosine_to_others
@@ -519,7 +534,7 @@ class SilentStats:
             **{key: _float(summary[key]) for key in ("mean_cosine", "weighted_mean_cosine", "noise_scale")},
             "nonfinite": self.nonfinite,
             "replicas": self.replicas,
-            "alerts": self.alerts,
+            "alerts": list(alerts),
             "detail": detail,
         }
         if detail:

@@ -212,3 +212,39 @@ def test_resume_continues_numbering_and_the_every_phase(tmp_path):
 def test_load_state_dict_rejects_what_is_not_a_state_dict():
     with pytest.raises(ValueError, match=r"not a SilentState state_dict \(needs a non-negative integer 'step'\)"):
         SilentState().load_state_dict({"step": -1})
+
+
+def _check_no_loss_is_said_once(rank: int, world: int) -> dict:
+    import logging
+
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("ddphooks").addHandler(handler)
+    try:
+        said = {}
+        for explicit in (False, True):
+            messages.clear()
+            model = _make_ddp()  # returns logits: nothing to capture
+            state = ddphooks.attach(model, sketch_dim=64)
+            for step in range(3):
+                x, y = _batch(rank, step)
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                if explicit:
+                    state.observe_loss(loss)
+                loss.backward()
+            state.flush()
+            said[explicit] = ([m for m in messages if "no loss was recorded" in m], state.latest.losses)
+            state.close()
+        return said
+    finally:
+        logging.getLogger("ddphooks").removeHandler(handler)
+
+
+def test_a_model_that_returns_logits_is_told_once_how_to_give_its_loss():
+    for rank, said in enumerate(spawn(_check_no_loss_is_said_once, 2, timeout=TIMEOUT)):
+        warnings, losses = said[False]
+        assert len(warnings) == 1 and losses is None, said  # three steps, one warning
+        assert f"step 0 on rank {rank}" in warnings[0] and "loss_from=" in warnings[0] and "state.observe_loss(loss)" in warnings[0]
+        warnings, losses = said[True]
+        assert warnings == [] and len(losses) == 2  # observe_loss gives it: nothing to say

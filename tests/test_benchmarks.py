@@ -20,7 +20,7 @@ def _run(script: str, *args: str) -> str:
 BREAKDOWN_PARTS = {
     "statistics pass", "reduced norms", "last bucket: division into piggyback buffer + slot", "publish: SilentStats",
     "processing: hand-off to the pipeline thread", "summary()", "detector", "submit to the writer", "record building",
-    "writing (JsonlSink)",
+    "writing (JsonlSink)", "sync watchdog: forward pre-hook + sentinel gradient hook",
 }  # fmt: skip
 
 

@@ -326,16 +326,21 @@ def _check_every(rank: int, world: int) -> list:
     model = _make_ddp()
     state = SilentState(model=model, sketch_dim=64, every=3)
     model.register_comm_hook(state, silent_hook)
-    seen = []
-    for step in range(7):
+    seen, records = [], []
+    for step in range(9):
         _observed_step(model, state, rank, step)
         seen.append((state.step, state.latest.step))
-    return seen
+        records.append(state.latest.to_dict())
+    return seen, records
 
 
 def test_every_instruments_one_step_in_n_and_keeps_the_last_record():
-    seen = spawn(_check_every, 2, timeout=TIMEOUT)
-    assert seen[0] == [(1, 0), (2, 0), (3, 0), (4, 3), (5, 3), (6, 3), (7, 6)]
+    seen, records = spawn(_check_every, 2, timeout=TIMEOUT)[0]
+    assert seen == [(1, 0), (2, 0), (3, 0), (4, 3), (5, 3), (6, 3), (7, 6), (8, 6), (9, 6)]
+    # A record is final when backward() returns: the step-6 record read after step 6 is the one
+    # read after steps 7 and 8 (the pipeline works on it in between), cosine_previous included.
+    assert records[6]["cosine_previous"] is not None  # step 3 had the same bucket layout (not step 0: DDP rebuilt it)
+    assert records[6] == records[7] == records[8]
 
 
 def _check_no_sync(rank: int, world: int) -> None:

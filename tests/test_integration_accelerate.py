@@ -29,6 +29,7 @@ def test_accelerate_accumulation_records_mean_of_the_loops_losses(tmp_path):
         loop = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert loop["world_size"] == 2
         assert loop["syncs"] == [False, True] * 4  # accelerator.accumulate synchronised every 2nd micro-batch
+        assert loop["alerts"] == []  # the micro-batches under no_sync are no unsynchronised backward passes
         expected = np.asarray(loop["losses"]).reshape(4, 2).mean(axis=1)
         np.testing.assert_allclose([r["losses"][rank] for r in records], expected, rtol=1e-5, err_msg=f"rank {rank}")
     # the ranks saw different data, so the check compares two different series

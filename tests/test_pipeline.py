@@ -1,5 +1,5 @@
-"""StepPipeline in one process: steps linked in order on a background thread, alerts collected one step
-later on the training thread, monitoring errors logged once and never raised."""
+"""StepPipeline in one process: steps processed in order on a background thread, alerts collected one
+step later on the training thread, monitoring errors logged once and never raised."""
 
 import logging
 import threading
@@ -11,15 +11,17 @@ from test_stats import _stats
 
 from ddphooks.detect import Detector
 from ddphooks.pipeline import StepPipeline
-from ddphooks.stats import cosine_to_previous
 
 
 class _Writer:
     def __init__(self) -> None:
-        self.submitted = []
+        self.submitted = []  # the steps, in order
+        self.alerts = []  # the alerts each step's record carries
 
-    def submit(self, stats) -> None:
+    def submit(self, item) -> None:
+        stats, alerts = item
         self.submitted.append(stats)
+        self.alerts.append(alerts)
 
     def flush(self, timeout: float) -> bool:
         return True
@@ -34,39 +36,6 @@ def _steps(count: int, world: int = 3) -> list:
     for number, stats in enumerate(steps):
         stats.step = number
     return steps
-
-
-def test_each_step_is_linked_to_the_one_processed_before_it():
-    writer, steps = _Writer(), _steps(3)
-    pipeline = StepPipeline(None, writer, on_alert=None, warns=True)
-    pipeline.complete(steps[0])
-    pipeline.process()
-    for stats in steps[1:]:  # queued together, processed in order
-        pipeline.complete(stats)
-    pipeline.process()
-    assert pipeline.flush(5.0)
-    assert writer.submitted == steps
-    assert steps[0].cosine_previous is None
-    for earlier, later in zip(steps, steps[1:]):
-        np.testing.assert_allclose(later.cosine_previous, cosine_to_previous(later._sketches, earlier._sketches))
-
-
-def test_a_step_that_cannot_be_linked_is_logged_once_and_still_written(caplog, monkeypatch):
-    writer, steps = _Writer(), _steps(4)
-
-    def broken(self, previous):
-        raise ValueError("bad slots")
-
-    monkeypatch.setattr(type(steps[0]), "follow", broken)
-    pipeline = StepPipeline(Detector(), writer, on_alert=None, warns=True)
-    with caplog.at_level(logging.WARNING, logger="ddphooks"):
-        for stats in steps:
-            pipeline.complete(stats)
-            pipeline.process()  # must not raise: it runs inside backward
-    pipeline.flush(5.0)
-    assert writer.submitted == steps
-    linked = [r.getMessage() for r in caplog.records if "could not be linked" in r.getMessage()]
-    assert len(linked) == 1 and "ValueError: bad slots" in linked[0]
 
 
 def test_a_failing_detector_is_turned_off_with_one_warning(caplog):
@@ -119,7 +88,7 @@ def test_the_detector_runs_off_the_training_thread_and_alerts_are_collected_at_t
     assert pipeline.close(5.0)  # everything: steps 1 and 2
     assert [a["step"] for a in pipeline.alerts] == [s.step for s in steps] and [c[0] for c in called] == [s.step for s in steps]
     assert detector.waited == [True, True, True] and threading.get_ident() not in detector.threads
-    assert writer.submitted == steps and [s.alerts for s in steps] == [[a] for a in pipeline.alerts]
+    assert writer.submitted == steps and writer.alerts == [[a] for a in pipeline.alerts]
 
 
 def test_a_writer_that_raises_is_logged_once_and_alerts_still_arrive(caplog):
@@ -263,3 +232,21 @@ def test_steps_are_processed_on_the_training_thread_while_no_thread_can_start(ca
     # The warnings of the first steps were logged on the training thread, none lost.
     assert [m for m, _ in messages if m.startswith("ddphooks alert")] == [f"ddphooks alert: step {s.step}" for s in steps]
     assert refused[0][1] == threading.get_ident()
+
+
+def test_an_alert_raised_outside_the_detector_is_logged_called_and_goes_with_the_next_record(caplog):
+    writer, steps, called = _Writer(), _steps(3), []
+    pipeline = StepPipeline(None, writer, on_alert=called.append, warns=True)
+    pipeline.complete(steps[0])
+    pipeline.process()
+    alert = {"step": 1, "rank": 0, "kind": "unsynchronised", "message": "rank 0: not synchronised"}
+    with caplog.at_level(logging.WARNING, logger="ddphooks"):
+        pipeline.raise_alert(alert)  # the watchdog, between two steps
+        assert pipeline.alerts == [alert] and called == [alert]  # at once, not a step later
+        for stats in steps[1:]:
+            pipeline.complete(stats)
+            pipeline.process()
+        assert pipeline.flush(5.0)
+    assert writer.alerts == [[], [alert], []]  # the first record written after it, once
+    assert pipeline.alerts == [alert] and called == [alert]  # not collected again from the record
+    assert [r.getMessage() for r in caplog.records] == ["ddphooks alert: rank 0: not synchronised"]

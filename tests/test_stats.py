@@ -11,7 +11,7 @@ from ddphooks import JsonlSink, SilentConfig, SinkGroup
 from ddphooks.stats import BucketLayout, SilentStats, cosine_from_sketches, slot_size, weighted_mean_cosine
 
 
-def _stats(gradients: list[np.ndarray], losses: list[float | None], bins: int = 0) -> SilentStats:
+def _stats(gradients: list[np.ndarray], losses: list[float | None], bins: int = 0, previous: SilentStats | None = None) -> SilentStats:
     """Build the slots the hook would gather from explicit per-rank gradients (two parameters)."""
     world = len(gradients)
     layout = BucketLayout(0, ("a", "b"), (3, 2))
@@ -24,7 +24,7 @@ def _stats(gradients: list[np.ndarray], losses: list[float | None], bins: int = 
     reduced = [mean[:3] @ mean[:3], mean[3:] @ mean[3:]]
     gathered = torch.tensor(rows, dtype=torch.float32)
     assert gathered.shape == (world, slot_size(2, bins))
-    return SilentStats(7, world, [layout], gathered, torch.tensor(reduced), bins, "piggyback")
+    return SilentStats(7, world, [layout], gathered, torch.tensor(reduced), bins, "piggyback", previous=previous)
 
 
 def test_dispersion_definitions():
@@ -63,9 +63,9 @@ def test_cosine_to_the_previous_step_against_a_loop():
     rng = np.random.default_rng(3)
     before = [rng.standard_normal(5) for _ in range(3)]
     after = [b + 0.5 * rng.standard_normal(5) for b in before]
-    earlier, later = _stats(before, [1.0] * 3, bins=5), _stats(after, [1.0] * 3, bins=5)
-    assert later.cosine_previous is None and later.to_dict()["cosine_previous"] is None  # not linked yet
-    later.follow(earlier)
+    earlier = _stats(before, [1.0] * 3, bins=5)
+    later = _stats(after, [1.0] * 3, bins=5, previous=earlier)
+    assert earlier.cosine_previous is None and earlier.to_dict()["cosine_previous"] is None  # the first step
     expected = [a.astype(np.float32) @ b.astype(np.float32) / (np.linalg.norm(a.astype(np.float32)) * np.linalg.norm(b.astype(np.float32))) for a, b in zip(after, before)]
     assert later.to_dict()["cosine_previous"] == pytest.approx(expected, abs=1e-6)
     # Nothing of the previous step is kept (a reference would chain every step to the one before).
@@ -75,12 +75,10 @@ def test_cosine_to_the_previous_step_against_a_loop():
 def test_no_cosine_to_a_previous_step_sketched_with_other_signs():
     rng = np.random.default_rng(4)
     grads = [rng.standard_normal(5) for _ in range(2)]
-    later = _stats(grads, [1.0, 1.0], bins=5)
     other_layout = _stats(grads, [1.0, 1.0], bins=5)
     other_layout.buckets = [BucketLayout(1, ("a", "b"), (3, 2))]  # DDP rebuilt its buckets
     for previous in (None, other_layout, _stats(grads, [1.0, 1.0], bins=3), _stats(grads[:1] * 3, [1.0] * 3, bins=5)):
-        later.follow(previous)
-        assert later.cosine_previous is None
+        assert _stats(grads, [1.0, 1.0], bins=5, previous=previous).cosine_previous is None
 
 
 def test_single_rank_has_no_pairwise_statistics():

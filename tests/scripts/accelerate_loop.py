@@ -64,7 +64,7 @@ def main() -> None:
             optimizer.zero_grad()
             syncs.append(accelerator.sync_gradients)
     state.close()
-    result = {"losses": losses, "syncs": syncs, "world_size": accelerator.num_processes}
+    result = {"losses": losses, "syncs": syncs, "world_size": accelerator.num_processes, "alerts": [a["kind"] for a in state.alerts]}
     (out / f"rank{accelerator.process_index}.json").write_text(json.dumps(result))
 
 
