@@ -110,6 +110,34 @@ blows up everywhere) names no rank and raises nothing; the records show it. Non-
 nothing in the other signals (they are unknown there), online as offline, where a record holds them
 as null.
 
+Duplicate data (kind ``duplicate_data``) needs no baseline either, and works from step 0 and at
+W = 2: ranks that train on the same batches (no ``DistributedSampler``, or one given the same rank
+on every rank; one data seed on every rank) compute the same loss and the same gradient, to
+rounding, and W - 1 of them add nothing to the average. Two ranks are duplicates on a step when
+their losses and their gradient norms agree to ``duplicate_tolerance`` (relative), and, with a
+sketch, their leave-one-out cosines to ``duplicate_cosine_tolerance`` (the same gradient has the
+same sum of the others: ``S - s_i = S - s_j``); a group of every rank must also have every
+leave-one-out cosine >= ``1 - duplicate_cosine_tolerance``. Groups are found in O(W log W): sort by
+loss, cut where neighbours' losses differ beyond the tolerance, sort each piece by gradient norm
+and link neighbours that agree in every quantity. A rank with a non-finite or missing loss or
+gradient norm, or a zero gradient (a step where no rank has a gradient is no duplicate data),
+never counts; with no loss on any rank (none captured) the gradient norms and cosines decide. A
+group that stays together for ``duplicate_steps`` consecutive instrumented steps (twice as many
+where only the gradient norms are known) is named (``rank`` its lowest rank, ``ranks`` all of
+them, ``score`` their number, ``since`` the first of those steps). Distinct data agrees by
+chance: a pair of healthy ranks whose losses and gradient norms spread with a coefficient of
+variation ``c`` across ranks agrees in one of them to a relative tolerance ``tau`` with a
+probability of about ``tau / (sqrt(pi) c)`` a step (the difference of two ranks' values has a
+standard deviation of ``sqrt(2) c``), in both about ``tau^2 / (pi c^2)``, on ``k`` steps running
+``(tau^2 / (pi c^2))^k``. At W = 1024 (523,776 pairs) over 100,000 steps, with ``tau = 1e-4``,
+``c = 1%`` and ``k = 3``: 523,776 x 1e5 x (3.2e-5)^3 = 1.7e-3 false alarms a run, before the
+cosines, which agree to 1e-4 by chance about one step in 1,800 more (a spread of 0.1 across
+ranks). On the embedded model's healthy runs ``c`` is 3-15% (losses) and 5-24% (gradient norms),
+medians over steps, and a pair's chance agreement in both was measured at 3.2e-7 a step
+(see ``duplicate_tolerance``): 523,776 x 1e5 x (3.2e-7)^3 = 2e-9 false alarms a run. One alert
+per episode: a rank stays flagged until it has been in no duplicate group for ``quiet_steps``
+steps; a group with a rank not yet flagged raises a new one.
+
 Example::
     >>> detector = Detector()
     >>> for record in records:
@@ -120,6 +148,7 @@ Example::
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field, fields
 
 import numpy as np
@@ -150,6 +179,10 @@ LIKELY_CAUSES = {
     "cosine": "a gradient pointing elsewhere (different data, a corrupted gradient)",
     "replica": "an update that differs (another learning rate, a non-deterministic or corrupted optimizer step, unsynchronised buffers)",
     "nonfinite": "a numerical fault on that rank (an overflow in its batch or activations, a corrupted batch, a failing accelerator)",
+    "duplicate_data": (
+        "the same batches on several ranks (a data sampler without the rank: DistributedSampler missing or given the same rank "
+        "on every rank, one data seed on every rank)"
+    ),
 }
 #: Signals measured by the sketch, whose changes inside the sketch's noise never count.
 SKETCHED = ("cosine", "cosine_previous")
@@ -268,14 +301,40 @@ class DetectorConfig:
     top_parameters: int = 5
     """Parameters named in an alert."""
 
+    duplicate_steps: int = 3
+    """Consecutive instrumented steps on which a group of ranks must compute the same loss and
+    gradient before a ``duplicate_data`` alert (twice as many on steps where only the gradient
+    norms are known: no loss captured, no sketch). Not 2: a pair of healthy ranks agrees by
+    chance in loss and gradient norm with a probability ``p`` of about ``tau^2 / (pi c^2)`` a
+    step (see the module docstring), 3.2e-5 at ``tau = 1e-4`` and a spread ``c`` of 1%, and at
+    W = 1024 over 100,000 steps ``p^2`` gives 53 false alarms a run, ``p^3`` 1.7e-3."""
+
+    duplicate_tolerance: float = 1e-4
+    """Relative difference (``|a - b| / max(|a|, |b|)``) under which two ranks' losses, and their
+    gradient norms, count as the same. The same data gives the same numbers to rounding (bitwise
+    on gloo: 0 in both; float32 sums in another order, 1e-7), while distinct data spreads them.
+    On the embedded model's healthy runs (5 healthy settings and a fault, 120 steps at W = 2; 5
+    healthy settings at W = 4: 4320 pairs of ranks and steps), one quantity alone came close (the
+    losses to 3.7e-6, the gradient norms to 5.9e-5), but never both: a pair's larger relative
+    difference was at least 1.7e-3; both were under 1e-2 on 14 of the 4320 (3.2e-3), and that
+    rate scales with the tolerance squared: 3.2e-7 a pair and step at 1e-4."""
+
+    duplicate_cosine_tolerance: float = 1e-4
+    """With a sketch, the most two duplicate ranks' leave-one-out cosines may differ (the same
+    gradient has the same sum of the others), and how far below 1 a group of every rank may have
+    them. Sketched cosines of the same gradient agree to rounding (1 - cos is quadratic in a
+    difference of the gradients). Not 1e-3: distinct gradients come close to 1 as well, early in
+    training, where the mean gradient dominates every rank's: up to 0.9978 on the embedded
+    model's healthy runs at W = 4."""
+
     def __post_init__(self) -> None:
-        for name in ("window", "warmup", "quiet_steps", "top_parameters", "recent"):
+        for name in ("window", "warmup", "quiet_steps", "top_parameters", "recent", "duplicate_steps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"DetectorConfig.{name}={value!r} must be an int >= 1")
         for name in (
             "threshold", "drift", "step_cap", "cosine_floor", "layer_drift", "combined_drift", "combined_cap",
-            "repeat_drift", "repeat_cap", "repeat_threshold", "pair_repeat_drift",
+            "repeat_drift", "repeat_cap", "repeat_threshold", "pair_repeat_drift", "duplicate_tolerance", "duplicate_cosine_tolerance",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
@@ -296,6 +355,9 @@ class DetectorConfig:
             raise ValueError(f"DetectorConfig.repeat_loss_cap={self.repeat_loss_cap!r} must be a number >= 0 (0: the cosine alone)")
         if isinstance(self.combined_growth, bool) or not isinstance(self.combined_growth, (int, float)) or not 0 <= self.combined_growth <= 1:
             raise ValueError(f"DetectorConfig.combined_growth={self.combined_growth!r} must be a number from 0 to 1 (a power of the spread growth)")
+        for name in ("duplicate_tolerance", "duplicate_cosine_tolerance"):
+            if getattr(self, name) >= 1:
+                raise ValueError(f"DetectorConfig.{name}={getattr(self, name)!r} must be < 1 (a relative difference: equality to rounding)")
         if self.recent > self.window:
             raise ValueError(f"DetectorConfig.recent={self.recent} must be <= window={self.window} (the recent steps are the window's last)")
 
@@ -489,6 +551,59 @@ def _others_change(z: np.ndarray) -> np.ndarray:
     return 0.5 * (pick(low) + pick(high))
 
 
+def _relative_difference(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``|a - b| / max(|a|, |b|)``, 0 where ``a == b`` (two zeros included)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(a == b, 0.0, np.abs(a - b) / np.maximum(np.abs(a), np.abs(b)))
+
+
+def _duplicate_groups(
+    losses: np.ndarray | None, norms: np.ndarray, cosines: np.ndarray | None, tolerance: float, cosine_tolerance: float
+) -> tuple[np.ndarray, bool]:
+    """Per rank, the lowest rank of its duplicate group on this step (-1 outside any), and whether
+    more than the gradient norms were compared (see the module docstring).
+
+    O(W log W): sorted by loss, the ranks fall into pieces of losses that agree neighbour to
+    neighbour; each piece sorted by gradient norm, neighbours are linked where they agree in every
+    known quantity. Links only join neighbours of that order, so a group is a run of links in it.
+    """
+    world = len(norms)
+    labels = np.full(world, -1)
+    valid = np.isfinite(norms) & (norms > 0)  # a zero gradient computes nothing, not the same thing
+    use_loss = losses is not None and bool(np.isfinite(losses).any())
+    if use_loss:
+        valid &= np.isfinite(losses)
+    known_cosines = cosines is not None and bool(np.isfinite(cosines[valid]).any())
+    ranks = np.flatnonzero(valid)
+    if len(ranks) < 2:
+        return labels, use_loss or known_cosines
+    loss = losses[ranks] if use_loss else np.zeros(len(ranks))
+    order = np.argsort(loss, kind="stable")
+    pieces = np.empty(len(ranks), dtype=int)
+    pieces[order] = np.concatenate([[0], np.cumsum(_relative_difference(loss[order][1:], loss[order][:-1]) > tolerance)])
+    order = np.lexsort((norms[ranks], pieces))  # by piece, then by gradient norm
+    first, second = ranks[order][:-1], ranks[order][1:]
+    link = (pieces[order][1:] == pieces[order][:-1]) & (_relative_difference(norms[first], norms[second]) <= tolerance)
+    if use_loss:
+        link &= _relative_difference(losses[first], losses[second]) <= tolerance
+    if known_cosines:
+        gap = np.abs(cosines[first] - cosines[second])
+        link &= ~(gap > cosine_tolerance)  # compared where both are known
+    if not link.any():
+        return labels, use_loss or known_cosines
+    segment = np.concatenate([[0], np.cumsum(~link)])  # per position in `order`: its run of links
+    sizes = np.bincount(segment)
+    lowest = np.full(len(sizes), world)
+    np.minimum.at(lowest, segment, ranks[order])
+    grouped = sizes[segment] >= 2
+    labels[ranks[order][grouped]] = lowest[segment][grouped]
+    if known_cosines and len(sizes) == 1 and len(ranks) == world:
+        # Every rank in one group: each one's gradient is the sum of the others' direction.
+        if np.nanmin(cosines) < 1 - cosine_tolerance:
+            labels[:] = -1
+    return labels, use_loss or known_cosines
+
+
 class Detector:
     """Online detector over step observations; see the module docstring for the method.
 
@@ -535,6 +650,10 @@ class Detector:
         self.replica_episodes: set[int] = set()
         self.nonfinite_first: dict[int, dict] = {}  # rank -> what went non-finite on the last step, the others finite
         self.nonfinite_episodes: dict[int, int] = {}  # rank under a nonfinite alert -> finite steps since
+        # The last steps' duplicate groups: (step, labels, strong, losses, grad norms, cosines);
+        # strong: more than the gradient norms compared (see _duplicate_alerts).
+        self.duplicate_history: deque = deque(maxlen=2 * self.config.duplicate_steps)
+        self.duplicate_episodes: dict[int, int] = {}  # rank under a duplicate_data alert -> steps in no group since
         self.parameter_level: np.ndarray | None = None  # W x P exponential averages of log|g_{i,p}|
         self.parameter_scale: np.ndarray | None = None  # W x P standard deviations of their rises (see _learn_parameters)
         self.parameter_change: np.ndarray | None = None  # this step's W x P change (see _parameter_changes)
@@ -552,7 +671,8 @@ class Detector:
         self._parameter_changes(obs)
         # No scores before the baselines hold `warmup` steps: a median of three steps is no baseline.
         scores = self._scores(values, deviations, obs.cosine_noise) if self.seen >= self.config.warmup else {}
-        alerts = self._replica_alerts(obs) + self._nonfinite_alerts(obs) + self._score_alerts(obs, scores, values)
+        alerts = self._replica_alerts(obs) + self._nonfinite_alerts(obs) + self._duplicate_alerts(obs)
+        alerts += self._score_alerts(obs, scores, values)
         # A rank with half the evidence of an alert (or under alert) does not teach the baselines:
         # otherwise a lasting fault becomes the new normal before it is reported.
         suspect = self._strength() > 0.5
@@ -846,6 +966,91 @@ class Detector:
                 + (f", in {', '.join(names[:3])}" if names else "")
                 + f"; at step {obs.step} {now} not finite; typical of {LIKELY_CAUSES['nonfinite']}"
             ),
+        }
+
+    def _duplicate_alerts(self, obs: Observation) -> list[dict]:
+        """Groups of ranks that computed the same loss and gradient on the last ``duplicate_steps``
+        steps (twice as many where a step compared only the gradient norms), from step 0: see the
+        module docstring."""
+        config = self.config
+        finite = lambda array: None if array is None else np.where(np.isfinite(array), array, np.nan)
+        losses, norms, cosines = finite(obs.losses), finite(obs.grad_norms), finite(obs.cosine_loo)
+        labels, strong = _duplicate_groups(losses, norms, cosines, config.duplicate_tolerance, config.duplicate_cosine_tolerance)
+        self.duplicate_history.append((obs.step, labels, strong, losses, norms, cosines))
+        alerts = []
+        if (labels >= 0).any():
+            needed = config.duplicate_steps
+            if not all(entry[2] for entry in list(self.duplicate_history)[-needed:]):
+                needed *= 2  # the gradient norms alone: one chance agreement a step is far likelier
+            if len(self.duplicate_history) >= needed:
+                recent = np.stack([entry[1] for entry in list(self.duplicate_history)[-needed:]])  # steps x W
+                candidates = np.flatnonzero((recent >= 0).all(axis=0))
+                if len(candidates) >= 2:
+                    # Ranks together on every one of those steps: the same labels on each.
+                    _, together = np.unique(recent[:, candidates].T, axis=0, return_inverse=True)
+                    together = np.asarray(together).reshape(-1)
+                    for group in sorted((candidates[together == g] for g in np.unique(together)), key=lambda g: g[0]):
+                        if len(group) >= 2 and not set(group.tolist()) <= set(self.duplicate_episodes):
+                            alerts.append(self._duplicate_alert(obs, group))
+                            self.duplicate_episodes.update((int(rank), 0) for rank in group)
+        for rank in list(self.duplicate_episodes):
+            self.duplicate_episodes[rank] = 0 if labels[rank] >= 0 else self.duplicate_episodes[rank] + 1
+            if self.duplicate_episodes[rank] >= config.quiet_steps:
+                del self.duplicate_episodes[rank]
+        return alerts
+
+    def _duplicate_alert(self, obs: Observation, group: np.ndarray) -> dict:
+        """The alert for ``group`` (ranks together on the last steps): since when, and the largest
+        relative differences seen among them on those steps."""
+        steps = []
+        for entry in reversed(self.duplicate_history):  # back while the group stayed together
+            members = entry[1][group]
+            if members[0] < 0 or (members != members[0]).any():
+                break
+            steps.append(entry)
+        since = steps[-1][0]
+
+        def largest_gap(index: int) -> float:  # over those steps, (max - min) / max of the group's values, NaN if unknown
+            values = [entry[index][group] for entry in steps if entry[index] is not None]
+            return max((float(_relative_difference(v.max(), v.min())) for v in values if np.isfinite(v).all()), default=math.nan)
+
+        loss_gap, norm_gap = largest_gap(3), largest_gap(4)
+        known = [entry[5][group] for entry in steps if entry[5] is not None and np.isfinite(entry[5][group]).any()]
+        every = len(group) == obs.world_size
+        ranks = [int(rank) for rank in group]
+        if every:
+            who = f"every rank (all {len(ranks)})"
+        elif len(ranks) <= 8:
+            who = f"ranks {', '.join(map(str, ranks))}"
+        else:
+            who = f"{len(ranks)} ranks ({', '.join(map(str, ranks[:8]))}, ...)"
+        agreement = lambda gap: "exactly" if gap == 0 else f"to {gap:.2g} relative"
+        agreed = [f"their losses agreed {agreement(loss_gap)}"] if not math.isnan(loss_gap) else []
+        agreed.append(f"their gradient norms {'' if agreed else 'agreed '}{agreement(norm_gap)}")
+        evidence = " and ".join(agreed)
+        if known and every:
+            below = max(0.0, 1 - min(float(np.nanmin(v)) for v in known))
+            evidence += f"; their gradient cosines to the sum of the others were {'all 1' if below == 0 else f'within {below:.2g} of 1'}"
+        elif known:
+            gap = max(float(np.nanmax(v) - np.nanmin(v)) for v in known)
+            evidence += f"; their gradient cosines to the sum of the others agreed {'exactly' if gap == 0 else f'to {gap:.2g}'}"
+        signals = (["loss"] if not math.isnan(loss_gap) else []) + ["grad_norm"] + (["cosine"] if known else [])
+        same = "gradient" if math.isnan(loss_gap) else "loss and gradient"
+        message = (
+            f"{who} computed the same {same} on every step since step {since} ({len(steps)} steps; {evidence}): "
+            f"they train on the same data, and the work of {len(ranks) - 1} of these {len(ranks)} ranks is wasted; "
+            f"typical of {LIKELY_CAUSES['duplicate_data']}"
+        )
+        return {
+            "step": obs.step,
+            "rank": ranks[0],
+            "kind": "duplicate_data",
+            "since": int(since),
+            "score": float(len(ranks)),
+            "signals": signals,
+            "parameters": [],
+            "message": message,
+            "ranks": ranks,
         }
 
     # -- which layers ----------------------------------------------------------------------------

@@ -539,3 +539,212 @@ def test_the_growth_of_the_spread_matches_a_slow_reference():
         shrinking = deviations[:, ::-1]
         np.testing.assert_allclose(_growth(shrinking, 8), slow(shrinking, 8))
     np.testing.assert_allclose(_growth(shrinking, 8), 1.0)  # W = 7: a spread that shrinks keeps the window's scale
+
+
+# -- duplicate data ------------------------------------------------------------------------------
+def _duplicates(records: list[dict], group: list[int], first_step: int = 0) -> list[dict]:
+    """From ``first_step`` on, every rank of ``group`` has the loss, gradient norms and cosines of
+    its lowest rank (the same batches: the same numbers to rounding); a group of every rank has
+    leave-one-out cosines of 1 (each gradient is the others' direction)."""
+    for record in records[first_step:]:
+        world = record["world_size"]
+        for rank in group[1:]:
+            for key in ("losses", "grad_norms", "cosine_loo"):
+                record[key][rank] = record[key][group[0]]
+            for parameter in record["parameters"]:
+                parameter["grad_norms"][rank] = parameter["grad_norms"][group[0]]
+        if len(group) == world:
+            record["cosine_loo"] = [1.0] * world
+    return records
+
+
+def _kinds(alerts: list[dict], kind: str = "duplicate_data") -> list[dict]:
+    return [a for a in alerts if a["kind"] == kind]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_on_the_same_data_are_named_from_step_0_at_any_world_size(world):
+    config = DetectorConfig()
+    alerts = detect_run(_duplicates(_stream(world, 40, seed=50 + world), list(range(world))))
+    every = list(range(world))
+    found = [(a["step"], a["rank"], a["since"], a["ranks"], a["score"]) for a in _kinds(alerts)]
+    assert found == [(config.duplicate_steps - 1, 0, 0, every, float(world))], found
+    alert = _kinds(alerts)[0]
+    assert alert["signals"] == ["loss", "grad_norm", "cosine"] and alert["parameters"] == []
+    assert alert["message"] == (
+        f"every rank (all {world}) computed the same loss and gradient on every step since step 0 (3 steps; their losses agreed exactly "
+        "and their gradient norms exactly; their gradient cosines to the sum of the others were all 1): they train on the same data, "
+        f"and the work of {world - 1} of these {world} ranks is wasted; typical of {detect.LIKELY_CAUSES['duplicate_data']}"
+    )
+    assert "DistributedSampler missing or given the same rank" in alert["message"]
+
+
+def test_a_group_of_ranks_on_the_same_data_is_named_and_stays_one_episode():
+    records = _duplicates(_stream(4, 60, seed=60), [0, 2], first_step=10)
+    # Rounding: the same batch summed in another order agrees to ~1e-7, not bitwise.
+    for record in records[10:]:
+        record["grad_norms"][2] *= 1 + 3e-7
+    for record in records[30:34]:  # apart for 4 steps (< quiet_steps = 8): the same episode
+        record["losses"][2] += 0.1
+    alerts = _kinds(detect_run(records))
+    assert [(a["step"], a["rank"], a["since"], a["ranks"]) for a in alerts] == [(12, 0, 10, [0, 2])], alerts
+    assert alerts[0]["message"].startswith(
+        "ranks 0, 2 computed the same loss and gradient on every step since step 10 (3 steps; their losses agreed exactly and their "
+        "gradient norms to 3e-07 relative; their gradient cosines to the sum of the others agreed exactly): "
+    ), alerts[0]["message"]
+    assert "the work of 1 of these 2 ranks is wasted" in alerts[0]["message"]
+    for record in records[30:40]:  # apart for 10 steps: a new episode when they agree again
+        record["losses"][2] += 0.1
+    assert [(a["step"], a["since"]) for a in _kinds(detect_run(records))] == [(12, 10), (42, 40)]
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_healthy_streams_never_raise_duplicate_data(world):
+    # The statistical scores held back (warm-up): the duplicate rule alone, over 2000 steps.
+    detector = Detector(DetectorConfig(warmup=10**6))
+    for record in _stream(world, 2000, seed=70 + world):
+        del record["parameters"]
+        detector.update(Observation.from_record(record))
+    assert _kinds(detector.alerts) == []
+
+
+def test_chance_agreements_happen_as_often_as_the_estimate_of_the_docstring():
+    # A pair of healthy ranks agrees in loss and gradient norm to tau with a probability of about
+    # tau^2 / (pi c^2) a step (c their spread across ranks): counted over all pairs on 200 steps
+    # of 64 ranks (2016 pairs) with c = 1e-3, where agreements are frequent enough to count. The
+    # rule links only neighbours of its sort order, so it finds no more of them than that.
+    from ddphooks.detect import _duplicate_groups
+
+    rng = np.random.default_rng(80)
+    world, steps, c, tau = 64, 200, 1e-3, 1e-4
+    pairs = linked = 0
+    upper = np.triu(np.ones((world, world), dtype=bool), k=1)
+    for _ in range(steps):
+        losses, norms = 2.0 * (1 + c * rng.standard_normal(world)), 1.0 * (1 + c * rng.standard_normal(world))
+        close = lambda v: np.abs(v[:, None] - v[None, :]) <= tau * np.maximum(np.abs(v[:, None]), np.abs(v[None, :]))
+        pairs += int(np.sum(close(losses) & close(norms) & upper))
+        labels, strong = _duplicate_groups(losses, norms, None, tau, 1e-3)
+        assert strong
+        linked += int(np.sum(labels >= 0)) - len(set(labels[labels >= 0].tolist()))  # links (a group of n holds n - 1)
+    expected = steps * world * (world - 1) / 2 * tau**2 / (math.pi * c**2)
+    assert 0.9 * expected < pairs < 1.1 * expected, (pairs, expected)
+    assert 0.5 * pairs < linked <= pairs, (linked, pairs)
+
+
+def test_duplicate_groups_match_an_all_pairs_reference():
+    from ddphooks.detect import _duplicate_groups
+
+    rng = np.random.default_rng(81)
+    for world in (2, 3, 5, 17, 64):
+        for trial in range(20):
+            losses, norms = 2 + 0.05 * rng.standard_normal(world), np.exp(0.1 * rng.standard_normal(world))
+            cosines = 0.3 + 0.05 * rng.standard_normal(world)
+            for _ in range(rng.integers(0, 4)):  # planted groups, some of one quantity only
+                group = rng.choice(world, size=rng.integers(2, world + 1), replace=False)
+                for key in rng.choice(["loss", "norm", "both", "both"], size=1):
+                    if key in ("loss", "both"):
+                        losses[group] = losses[group[0]] * (1 + 1e-7 * rng.standard_normal(len(group)))
+                    if key in ("norm", "both"):
+                        norms[group] = norms[group[0]]
+                        cosines[group] = cosines[group[0]]
+            losses[rng.random(world) < 0.05] = np.nan
+            norms[rng.random(world) < 0.05] = 0.0
+            labels, _ = _duplicate_groups(losses, norms, cosines, 1e-4, 1e-3)
+            # All pairs: the same loss, gradient norm and cosine; groups by union-find.
+            parent = list(range(world))
+
+            def root(i):
+                while parent[i] != i:
+                    i = parent[i]
+                return i
+
+            for i in range(world):
+                for j in range(i + 1, world):
+                    ok = np.isfinite(losses[[i, j]]).all() and norms[i] > 0 and norms[j] > 0
+                    ok = ok and abs(losses[i] - losses[j]) <= 1e-4 * max(abs(losses[i]), abs(losses[j]))
+                    ok = ok and abs(norms[i] - norms[j]) <= 1e-4 * max(norms[i], norms[j]) and abs(cosines[i] - cosines[j]) <= 1e-3
+                    if ok:
+                        parent[root(j)] = root(i)
+            roots = [root(i) for i in range(world)]
+            lowest = {r: min(i for i in range(world) if roots[i] == r) for r in roots}
+            expected = np.array([lowest[roots[i]] if roots.count(roots[i]) > 1 else -1 for i in range(world)])
+            if (expected >= 0).all() and len(set(expected)) == 1:  # every rank: its cosines must be near 1 as well
+                expected[:] = -1
+            np.testing.assert_array_equal(labels, expected, err_msg=f"world {world} trial {trial}")
+
+
+def test_one_quantity_alone_that_agrees_is_no_duplicate_data():
+    # Equal losses (a loss averaged over ranks before it is observed), or equal gradient norms
+    # with distinct losses: distinct data, and no alert.
+    same_loss, same_norm = _stream(4, 40, seed=90), _stream(4, 40, seed=91)
+    for record in same_loss:
+        record["losses"] = [record["losses"][0]] * 4
+    for record in same_norm:
+        record["grad_norms"] = [record["grad_norms"][0]] * 4
+    assert _kinds(detect_run(same_loss)) == [] and _kinds(detect_run(same_norm)) == []
+    # Every rank equal in loss and norm but with its own gradient direction (cosines of distinct
+    # gradients): not the same gradient.
+    directions = _duplicates(_stream(4, 40, seed=92), [0, 1, 2, 3])
+    for record, original in zip(directions, _stream(4, 40, seed=92)):
+        record["cosine_loo"] = original["cosine_loo"]
+    assert _kinds(detect_run(directions)) == []
+
+
+def test_zero_gradients_and_unknown_values_are_never_duplicate_data():
+    zero = _duplicates(_stream(2, 20, seed=93), [0, 1])
+    for record in zero:  # nothing to learn from on any rank: no gradient, the same loss
+        record["grad_norms"] = [0.0, 0.0]
+        record["cosine_loo"] = [None, None]
+    assert _kinds(detect_run(zero)) == []
+    nan = _stream(4, 20, seed=94)
+    for record in nan:  # no loss captured and distinct gradients
+        record["losses"] = [None] * 4
+    assert _kinds(detect_run(nan)) == []
+    unknown = _duplicates(_stream(4, 20, seed=95), [0, 1, 2, 3])
+    for record in unknown:  # one rank's loss unknown: the three others are still a group
+        record["losses"][3] = None
+    alerts = _kinds(detect_run(unknown))
+    assert [(a["step"], a["ranks"]) for a in alerts] == [(2, [0, 1, 2])], alerts
+
+
+def test_without_losses_the_gradient_norms_and_cosines_decide_and_the_norms_alone_take_twice_as_long():
+    records = _duplicates(_stream(2, 20, seed=96), [0, 1])
+    for record in records:
+        record["losses"] = None
+    alerts = _kinds(detect_run(records))
+    assert [(a["step"], a["since"], a["signals"]) for a in alerts] == [(2, 0, ["grad_norm", "cosine"])], alerts
+    assert alerts[0]["message"].startswith(
+        "every rank (all 2) computed the same gradient on every step since step 0 (3 steps; their gradient norms agreed exactly; "
+        "their gradient cosines to the sum of the others were all 1): "
+    ), alerts[0]["message"]
+    detector = Detector()  # online without a sketch either: the gradient norms alone, twice as many steps
+    for record in records:
+        record["cosine_loo"] = record["cosine_previous"] = None
+        detector.update(Observation.from_record(record))
+    assert [(a["step"], a["since"], a["signals"]) for a in _kinds(detector.alerts)] == [(5, 0, ["grad_norm"])]
+
+
+def test_duplicate_data_offline_equals_online():
+    import json
+
+    records = _duplicates(_stream(4, 30, seed=97), [1, 3], first_step=5)
+    records = _duplicates(records, [0, 2], first_step=12)
+    for record in records[20:]:
+        record["losses"][2] = None  # rank 2's loss unknown from step 20: rank 0 goes on alone
+    online = Detector()
+    for record in records:  # as SilentStats hands them over: arrays, NaN where unknown
+        array = lambda key: None if record[key] is None else np.array([math.nan if v is None else v for v in record[key]], dtype=float)
+        online.update(Observation(step=record["step"], world_size=4, losses=array("losses"), grad_norms=array("grad_norms"),
+                                  cosine_loo=array("cosine_loo"), cosine_noise=record["cosine_noise"]))  # fmt: skip
+    offline = detect_run([json.loads(json.dumps(record)) for record in records])
+    assert _kinds(online.alerts) == _kinds(offline)
+    assert [(a["step"], a["ranks"]) for a in _kinds(offline)] == [(7, [1, 3]), (14, [0, 2])]
+
+
+def test_duplicate_settings_are_validated():
+    with pytest.raises(ValueError, match=r"DetectorConfig.duplicate_steps=0 must be an int >= 1"):
+        DetectorConfig(duplicate_steps=0)
+    with pytest.raises(ValueError, match=r"DetectorConfig.duplicate_tolerance=0 must be a number > 0"):
+        DetectorConfig(duplicate_tolerance=0)
+    with pytest.raises(ValueError, match=r"DetectorConfig.duplicate_cosine_tolerance=1 must be < 1"):
+        DetectorConfig(duplicate_cosine_tolerance=1)

@@ -159,10 +159,10 @@ def test_the_rank_whose_loss_went_nan_first_is_named_on_every_rank_and_a_skipped
 class _FailsAtStep6(SilentStats):
     """The statistics of step 6 fail to compute (a planted bug)."""
 
-    def __init__(self, step: int, *args) -> None:
+    def __init__(self, step: int, *args, **kwargs) -> None:
         if step == 6:
             raise RuntimeError("planted statistics failure")
-        super().__init__(step, *args)
+        super().__init__(step, *args, **kwargs)
 
 
 def _raising_loss_from(module, args, kwargs, output):
@@ -241,6 +241,11 @@ def test_a_logging_handler_that_blocks_never_slows_training():
         "ddphooks: the replica check (check_replicas_every=1) needs the DDP model to fingerprint its parameters and buffers; "
         "it is off for this state: use ddphooks.attach(model, ...), SilentState(model=...) or check_replicas_every=0",
         "ddphooks: statistics of step 6 failed: RuntimeError('planted statistics failure')",
+        # the second state's loop records no loss (its model returns no loss, nothing observed)
+        "ddphooks: no loss was recorded for step 0 on rank 0, so its records hold no loss (null) and the detector has no loss "
+        "signal: the forward output is not a scalar loss and has no .loss or ['loss'] (a model that returns logits). Pass "
+        "attach(model, loss_from=lambda module, args, kwargs, output: <the loss>), or call state.observe_loss(loss) before "
+        "backward(). Said once.",
     ]), one_off
 
 
@@ -302,3 +307,44 @@ def test_detection_settings_are_validated():
         ddphooks.SilentState(on_alert="print")
     with pytest.raises(TypeError, match=r"detect must be True, False or a ddphooks.detect.DetectorConfig"):
         ddphooks.SilentState(detect="yes")
+
+
+def _duplicate_run(rank: int, same: bool, **ddp_kwargs) -> list[dict]:
+    """6 SGD steps of a fresh DDP model, with ``same`` the batch of rank 0 on every rank (a
+    sampler without the rank), else each rank its own; the alerts every rank's detector found."""
+    model = _make_ddp(**ddp_kwargs)
+    state = ddphooks.attach(model, sketch_dim=64, check_replicas_every=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.02)
+    for step in range(6):
+        x, y = _batch(0 if same else rank, step)
+        loss = _loss(model, x, y)
+        state.observe_loss(loss)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    state.close()
+    return state.alerts
+
+
+def _check_duplicate_data(rank: int, world: int) -> tuple:
+    """Three runs in one process group of 3: the same data on every rank, distinct data, and the
+    same data on a DDP model over ranks 0 and 1 only (W = 2; rank 2 sits it out)."""
+    import torch.distributed as dist
+
+    pair = dist.new_group([0, 1])  # a collective: every rank creates it
+    same, distinct = _duplicate_run(rank, True), _duplicate_run(rank, False)
+    same_pair = _duplicate_run(rank, True, process_group=pair) if rank < 2 else None
+    return same, distinct, same_pair
+
+
+def test_ranks_that_draw_the_same_batches_are_named_on_every_rank_at_two_and_three_ranks():
+    results = spawn(_check_duplicate_data, 3, timeout=TIMEOUT)
+    for rank, (same, distinct, same_pair) in enumerate(results):
+        duplicate = [a for a in same if a["kind"] == "duplicate_data"]
+        assert [(a["step"], a["since"], a["ranks"]) for a in duplicate] == [(2, 0, [0, 1, 2])], (rank, same)
+        expected = "every rank (all 3) computed the same loss and gradient on every step since step 0"
+        assert duplicate[0]["message"].startswith(expected), duplicate[0]
+        assert same == results[0][0]  # the same alerts on every rank
+        assert [a for a in distinct if a["kind"] == "duplicate_data"] == [], (rank, distinct)
+        if rank < 2:
+            assert [(a["step"], a["ranks"]) for a in same_pair if a["kind"] == "duplicate_data"] == [(2, [0, 1])], (rank, same_pair)

@@ -239,6 +239,7 @@ def test_an_alert_raised_outside_the_detector_is_logged_called_and_goes_with_the
     pipeline = StepPipeline(None, writer, on_alert=called.append, warns=True)
     pipeline.complete(steps[0])
     pipeline.process()
+    assert pipeline.flush(5.0)  # step 0's record is written before the alert
     alert = {"step": 1, "rank": 0, "kind": "unsynchronised", "message": "rank 0: not synchronised"}
     with caplog.at_level(logging.WARNING, logger="ddphooks"):
         pipeline.raise_alert(alert)  # the watchdog, between two steps
