@@ -7,7 +7,7 @@ alike, and overheads are medians of the per-round ratios to the baseline of the 
 slowest rank): a far less noisy view of the hook's own work than step times on a shared machine.
 
 "silent + JsonlSink + summary()" is what a user runs: a default SilentState writing records to a
-JSONL file (a temporary one here) and the loop reading ``state.latest.summary()["mean_cosine"]``
+JSONL file (a temporary one here), the loop recording each step's loss (``observe_loss``) and reading ``state.latest.summary()["mean_cosine"]``
 every step. For it the script also times, by wrapping the pieces of that one state, where the
 milliseconds of an instrumented step go: the statistics pass over each bucket, the squared norms
 of the reduced buckets (gloo's thread), the piggyback division and slot packing of the last
@@ -276,8 +276,8 @@ def _time_reduced_norms():
 
 
 def register(model, config, group, timer, device):
-    """Register the configuration's hook; return what must run after each backward (or None) and
-    the configuration's Breakdown (or None)."""
+    """Register the configuration's hook; return what must run after each backward (or None), the
+    configuration's Breakdown (or None) and its SilentState (or None: it records each step's loss)."""
     hook, sketch_dim, every = config
     if hook == "allreduce":
         model.register_comm_hook(group, timer.wrap(allreduce_hook))
@@ -288,16 +288,18 @@ def register(model, config, group, timer, device):
     elif hook == "norms_separate":
         state = NormsSeparateState(group)
         model.register_comm_hook(state, timer.wrap(norms_separate_hook))
-        return state.exchange, None
+        return state.exchange, None, None
     elif hook == "silent":
-        model.register_comm_hook(SilentState(model=model, sketch_dim=sketch_dim, every=every), timer.wrap(silent_hook))
+        state = SilentState(model=model, sketch_dim=sketch_dim, every=every)
+        model.register_comm_hook(state, timer.wrap(silent_hook))
+        return None, None, state
     elif hook == "silent_sink":
         # The defaults (sketch_dim=256, every=1), as a user creates the state; rank 0 writes the file.
         state = SilentState(model=model, sinks=[JsonlSink(os.path.join(tempfile.mkdtemp(prefix="ddphooks-overhead-"), "stats.jsonl"))])
         model.register_comm_hook(state, timer.wrap(silent_hook))
         breakdown = Breakdown(state, device)
-        return breakdown.summary, breakdown
-    return None, None
+        return breakdown.summary, breakdown, state
+    return None, None, None
 
 
 def synchronize(device):
@@ -306,14 +308,15 @@ def synchronize(device):
 
 
 def bench_model(rank, world, name, configs, args, device):
-    models, optimizers, after_backward, timers, breakdowns = [], [], [], [], []
+    models, optimizers, after_backward, timers, breakdowns, states = [], [], [], [], [], []
     for config in configs:
         torch.manual_seed(0)
         model = DDP(build(name, device), device_ids=None if device.type == "cpu" else [device])
         timers.append(HookTimer())
-        after, breakdown = register(model, config, None, timers[-1], device)
+        after, breakdown, state = register(model, config, None, timers[-1], device)
         after_backward.append(after)
         breakdowns.append(breakdown)
+        states.append(state)
         models.append(model)
         optimizers.append(torch.optim.SGD(model.parameters(), lr=1e-5))
     batch = make_batch(name, models[0], rank, device)
@@ -327,7 +330,10 @@ def bench_model(rank, world, name, configs, args, device):
             synchronize(device)
             timers[i].seconds = 0.0
             start = time.perf_counter()
-            loss_of(name, models[i], batch).backward()
+            loss = loss_of(name, models[i], batch)
+            if states[i] is not None:
+                states[i].observe_loss(loss)
+            loss.backward()
             if after_backward[i] is not None:
                 after_backward[i]()
             optimizers[i].step()

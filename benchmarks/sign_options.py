@@ -1,0 +1,303 @@
+"""Signs of the bucket sketch without the int8 cache: cost, launches, memory and statistics.
+
+Each option computes what ddphooks.sketch computes for one fp32 bucket laid out like transformer
+layers: per-parameter squared norms and the CountSketch s[c] = sum_{i mod p = c} sigma_i g_i
+(p = 251 for sketch_dim 256). One thread; "x read" is the median [IQR] over interleaved rounds of
+the ratio to one read pass (torch.dot(buf, buf)) timed in the same round.
+  cached    BucketStatsKernel + BucketPlan: int8 signs cached per bucket (the reference)
+  hash64    sigma from a hash of (key, position) per chunk (today's chunks), int64 torch ops
+  hash32    the same bits in int32 torch ops (masked shifts); sign applied by xor on the sign bit
+  compiled  torch.compile (Inductor CPU, dynamic=False) of one whole-bucket function, hash inline
+  tables    sigma_i = T1[i mod 1009] T2[i mod 1013] T3[i mod 1019], fp32 tables tiled so that a
+            chunk's signs are three slices
+Hash (murmur3 fmix32 of a Weyl sequence): h = (i * 0x9E3779B9 + key) mod 2^32; h ^= h >> 16;
+h *= 0x85EBCA6B; h ^= h >> 13; h *= 0xC2B2AE35 (mod 2^32); sigma_i = -1 if bit 31 of h else +1.
+
+    python benchmarks/sign_options.py 2>/dev/null          # 25 MB/40 and 100 MB/160 parameters
+    python benchmarks/sign_options.py --quick 2>/dev/null  # 4 MB/8 parameters, 5 rounds, 10 seeds
+(stderr carries the profiler's start/stop lines; compile times are cold, in a fresh Inductor cache.)
+"""
+
+import argparse
+import math
+import os
+import statistics
+import tempfile
+import time
+
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp())  # cold compiles: no cache from earlier runs
+import numpy as np
+import torch
+import torch._dynamo.utils
+import torch._inductor.config
+from torch.profiler import ProfilerActivity, profile
+
+from ddphooks.sketch import CPU_CHUNK_ELEMS, BucketPlan, BucketStatsKernel, sketch_bins
+
+M32, GOLDEN, C1, C2 = 0xFFFFFFFF, 0x9E3779B9, 0x85EBCA6B, 0xC2B2AE35
+MODULI = (1009, 1013, 1019)  # pairwise coprime and coprime with 251; product 1.04e9 elements
+BLOCK = 16  # compiled: rows of 16 p elements (whole AVX-512 vectors), reduced 16 rows at a time
+VIEWS = {"aten::slice", "aten::view", "aten::as_strided", "aten::select", "aten::alias", "aten::empty", "aten::split_with_sizes"}
+torch._inductor.config.cpp.enable_kernel_profile = True  # compiled kernels appear in the profiler
+
+
+def s32(x):  # a 32-bit pattern as a signed int32 value
+    x &= M32
+    return x - (1 << 32) if x >> 31 else x
+
+
+def fmix32_np(h):  # numpy uint32 arithmetic wraps by definition: the reference implementation
+    h = h.astype(np.uint32)
+    h ^= h >> np.uint32(16); h *= np.uint32(C1); h ^= h >> np.uint32(13); h *= np.uint32(C2)
+    return h
+
+
+def key_of(seed):
+    return int(fmix32_np(np.array([seed * 2 + 1], dtype=np.uint64) & M32)[0])
+
+
+def hash_bits(pos, key):
+    """Bit 31 of the hash (0 or 1) of int32 positions, functional (for Inductor); key: int32 tensor.
+    int32 products wrap mod 2^32 and shifts are arithmetic, so the bits they shift in are masked."""
+    h = pos * s32(GOLDEN) + key
+    h = h ^ ((h >> 16) & 0xFFFF); h = h * s32(C1)
+    h = h ^ ((h >> 13) & 0x7FFFF); h = h * s32(C2)
+    return (h >> 31) & 1
+
+
+def layout(numel, n_params):
+    """Transformer-like parameter sizes (8 per layer: qkv w+b, proj w+b, norm, fc w+b, fc2 w)."""
+    layers = max(1, n_params // 8)
+    d = int((-9 + math.sqrt(81 + 48 * numel / layers)) / 24)
+    lengths = ([3 * d * d, 3 * d, d * d, d, d, 4 * d * d, 4 * d, 4 * d * d] * layers)[:n_params]
+    lengths[-1] += numel - sum(lengths)
+    return lengths
+
+
+class Cached:
+    def __init__(self, lengths, p, seed):
+        self.plan = BucketPlan(lengths, p, (seed, 0, sum(lengths)), torch.device("cpu"), CPU_CHUNK_ELEMS)
+        self.kernel = BucketStatsKernel(p, torch.device("cpu"))
+
+    def run(self, flat, sq, sk):
+        sk.zero_()
+        self.kernel.run(flat, self.plan, sk, sq)
+
+    def persistent(self):  # (bytes per element, fixed bytes)
+        signs = self.plan.signs.numel()
+        return signs / self.plan.numel, self.plan.persistent_bytes() - signs + self.kernel.persistent_bytes()
+
+
+class Chunked:
+    """Today's chunked pass; `signed_chunk` writes sigma * g of one chunk into the fp32 scratch."""
+
+    def __init__(self, lengths, p, chunk_elems=CPU_CHUNK_ELEMS):
+        self.plan = plan = BucketPlan(lengths, 0, (), torch.device("cpu"), chunk_elems // p * p)  # no signs
+        self.p, self.prod, self.colsums = p, torch.empty(plan.chunk_elems), torch.empty(len(plan.chunks), p)
+        self.partials, self.steps, k = torch.empty(plan.n_segments), [], 0
+        for ci, c in enumerate(plan.chunks):
+            prod = self.prod[: c.end - c.begin]
+            segs = [(prod[s.begin : s.end], self.partials[k + j]) for j, s in enumerate(c.segments)]
+            k += len(segs)
+            self.steps.append((c.begin, c.end, prod, prod[: prod.numel() // p * p].view(-1, p), self.colsums[ci], segs))
+        self.last = plan.chunks[-1].end - plan.chunks[-1].begin
+
+    def run(self, flat, sq, sk):
+        for begin, end, prod, rows, colsum, segs in self.steps:
+            self.signed_chunk(flat[begin:end], begin, prod)
+            torch.sum(rows, 0, out=colsum)
+            for part, out in segs:
+                torch.dot(part, part, out=out)
+        sq.zero_().index_add_(0, self.plan.segment_owner, self.partials)
+        torch.sum(self.colsums, 0, out=sk)
+        if self.last % self.p:  # the last chunk may end in the middle of a row
+            sk[: self.last % self.p].add_(self.prod[self.last // self.p * self.p : self.last])
+
+    def persistent(self):
+        tensors = [self.prod, self.colsums, self.partials, self.plan.segment_owner] + self.kept
+        return 0.0, sum(t.numel() * t.element_size() for t in tensors)
+
+
+class HashTorch(Chunked):
+    def __init__(self, lengths, p, seed, dtype, chunk_elems=CPU_CHUNK_ELEMS):
+        super().__init__(lengths, p, chunk_elems)
+        self.key, self.dtype, n = key_of(seed), dtype, self.plan.chunk_elems
+        pos_g = (torch.arange(n, dtype=torch.int64) * GOLDEN) & M32  # i * golden mod 2^32
+        self.pos_g = pos_g if dtype == torch.int64 else torch.where(pos_g >> 31 == 1, pos_g - (1 << 32), pos_g).to(dtype)
+        self.h, self.t = torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype)
+        self.kept = [self.pos_g, self.h, self.t]
+
+    def signed_chunk(self, g, begin, out):
+        h, t, offset = self.h[: g.numel()], self.t[: g.numel()], (begin * GOLDEN + self.key) & M32
+        if self.dtype == torch.int64:
+            torch.add(self.pos_g[: g.numel()], offset, out=h).bitwise_and_(M32)
+            torch.bitwise_right_shift(h, 16, out=t); h.bitwise_xor_(t).mul_(C1).bitwise_and_(M32)
+            torch.bitwise_right_shift(h, 13, out=t); h.bitwise_xor_(t).mul_(C2)
+            h.bitwise_right_shift_(31).bitwise_and_(1)
+            out.copy_(h)
+            torch.addcmul(g, out, g, value=-2, out=out)  # g * (1 - 2 bit)
+        else:
+            torch.add(self.pos_g[: g.numel()], s32(offset), out=h)
+            torch.bitwise_right_shift(h, 16, out=t); t.bitwise_and_(0xFFFF); h.bitwise_xor_(t).mul_(s32(C1))
+            torch.bitwise_right_shift(h, 13, out=t); t.bitwise_and_(0x7FFFF); h.bitwise_xor_(t).mul_(s32(C2))
+            h.bitwise_and_(-(1 << 31))  # bit 31 alone, xored into the float's sign bit
+            torch.bitwise_xor(g.view(torch.int32), h, out=out.view(torch.int32))
+
+
+class Tables(Chunked):
+    def __init__(self, lengths, p, seed, chunk_elems=CPU_CHUNK_ELEMS):
+        super().__init__(lengths, p, chunk_elems)
+        gen, n, self.tables = torch.Generator().manual_seed(seed), self.plan.chunk_elems, []
+        for m in MODULI:  # the table tiled to m + chunk entries: any chunk's signs are one slice
+            t = torch.randint(0, 2, (m,), generator=gen).float().mul_(2).sub_(1)
+            self.tables.append((m, t.repeat(-(-(n + m) // m))[: n + m].contiguous()))
+        self.kept = [t for _, t in self.tables]
+
+    def signed_chunk(self, g, begin, out):
+        (m1, t1), (m2, t2), (m3, t3), n = *self.tables, g.numel()
+        torch.mul(t1[begin % m1 :][:n], t2[begin % m2 :][:n], out=out)
+        out.mul_(t3[begin % m3 :][:n]).mul_(g)
+
+
+class Compiled:
+    """One Inductor graph per bucket layout: the sketch over rows of 16 p elements (no masked tail
+    vectors) summed BLOCK rows at a time, a padded tail, and one reduction per parameter."""
+
+    def __init__(self, lengths, p, seed):
+        numel, width = sum(lengths), 16 * p
+        main = numel // (width * BLOCK) * width * BLOCK
+        tail, tpad = numel - main, -(-(numel - main) // p) * p
+
+        def stats(flat, key):
+            pos = torch.arange(main, dtype=torch.int32).view(main // (width * BLOCK), BLOCK, width)
+            x = flat[:main].view(pos.shape)
+            sk = (x * (1 - 2 * hash_bits(pos, key).float())).sum(1).sum(0).view(16, p).sum(0)
+            if tail:
+                xt = torch.nn.functional.pad(flat[main:], (0, tpad - tail))
+                sign = 1 - 2 * hash_bits(torch.arange(main, main + tpad, dtype=torch.int32), key).float()
+                sk = sk + (xt * sign).view(-1, p).sum(0)
+            return torch.stack([(s * s).sum() for s in flat.split(lengths)]), sk
+
+        self.fn, self.key = torch.compile(stats, dynamic=False), torch.tensor(s32(key_of(seed)), dtype=torch.int32)
+
+    def run(self, flat, sq, sk):
+        q, s = self.fn(flat, self.key)
+        sq.copy_(q); sk.copy_(s)
+
+    def persistent(self):
+        return 0.0, 0
+
+
+def make(name, lengths, p, seed, compiled):
+    if name == "compiled":  # compiled once per layout; a new seed only refills the key tensor
+        opt = compiled[id(lengths)] = compiled.get(id(lengths)) or Compiled(lengths, p, seed)
+        opt.key.fill_(s32(key_of(seed)))
+        return opt
+    if name == "cached":
+        return Cached(lengths, p, seed)
+    return Tables(lengths, p, seed) if name == "tables" else HashTorch(lengths, p, seed, torch.int64 if name == "hash64" else torch.int32)
+
+
+def launches(fn):
+    """Dispatched aten ops not called by another aten op (views excluded) + compiled kernels."""
+    fn()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    count = 0
+    for e in prof.events():
+        parent = e.cpu_parent
+        while parent is not None and not parent.name.startswith("aten::"):
+            parent = parent.cpu_parent
+        count += (e.name.startswith("aten::") and e.name not in VIEWS and parent is None) or "cpp_fused" in e.name
+    return count
+
+
+def cosines(name, lengths, p, seeds, a, b, compiled, sq, sk):
+    """Over seeds: mean+-std of the sketched cosine, and of <s_a, s_b> / <a, b>."""
+    cos, ratio = [], []
+    for seed in range(seeds):
+        opt = make(name, lengths, p, seed, compiled)
+        opt.run(a, sq, sk); sa = sk.double().clone()
+        opt.run(b, sq, sk); sb = sk.double()
+        cos.append((sa @ sb / (sa.norm() * sb.norm())).item())
+        ratio.append((sa @ sb / (a.double() @ b.double())).item())
+    return [f"{statistics.mean(v):.3f}+-{statistics.stdev(v):.3f}" for v in (cos, ratio)]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds (15; 5 with --quick)")
+    parser.add_argument("--seeds", type=int, default=None, help="seeds of the statistics (50; 10 with --quick)")
+    parser.add_argument("--options", nargs="+", default=["cached", "hash64", "hash32", "compiled", "tables"])
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    begin_all, p, compiled = time.perf_counter(), sketch_bins(256), {}
+    buckets = [(4, 8)] if args.quick else [(25, 40), (100, 160)]
+    rounds, seeds = args.rounds or (5 if args.quick else 15), args.seeds or (10 if args.quick else 50)
+    res = {name: {} for name in args.options}
+    for mb, n_params in buckets:
+        lengths = layout(mb * 2**20 // 4, n_params)
+        flat, sq, sk = torch.randn(sum(lengths), generator=torch.Generator().manual_seed(1)), torch.empty(n_params), torch.empty(p)
+        opts = {}
+        for name in args.options:  # setup (compile for `compiled`), recompiles on a new key and new data, launches, memory
+            graphs, t = torch._dynamo.utils.counters["stats"]["unique_graphs"], time.perf_counter()
+            opts[name] = opt = make(name, lengths, p, 0, compiled)
+            opt.run(flat, sq, sk)
+            res[name][f"setup{mb}"] = f"{time.perf_counter() - t:.1f}"
+            make(name, lengths, p, 7, compiled).run(flat * 2, sq, sk)
+            opts[name] = opt = make(name, lengths, p, 0, compiled)
+            res[name][f"graphs{mb}"] = str(torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs)
+            res[name][f"ops{mb}"], res[name]["mem"] = str(launches(lambda: opt.run(flat, sq, sk))), opt.persistent()
+        ratios = {name: [] for name in opts}
+        for r in range(3 + rounds):
+            t = time.perf_counter(); torch.dot(flat, flat); read = time.perf_counter() - t
+            for name, opt in opts.items():
+                t = time.perf_counter(); opt.run(flat, sq, sk); elapsed = time.perf_counter() - t
+                ratios[name] += [elapsed / read] if r >= 3 else []
+        for name, xs in ratios.items():
+            q = statistics.quantiles(xs, n=4)
+            res[name][f"x{mb}"] = f"{q[1]:5.2f} [{q[0]:.2f}-{q[2]:.2f}]"
+        if (mb, n_params) == buckets[0]:  # statistics on the first bucket: a random pair, a pair with a large constant part
+            gen = torch.Generator().manual_seed(2)
+            x, y = torch.randn(sum(lengths), generator=gen), torch.randn(sum(lengths), generator=gen)
+            exact, sketches = torch.stack([(s.double() ** 2).sum() for s in x.split(lengths)]), {}
+            for name in args.options:  # true cosine 0.5 for both pairs
+                res[name]["rand"], _ = cosines(name, lengths, p, seeds, x, 0.5 * x + 0.75**0.5 * y, compiled, sq, sk)
+                res[name]["const"], res[name]["const_ip"] = cosines(name, lengths, p, seeds, 1 + x, 1 + y, compiled, sq, sk)
+                make(name, lengths, p, 0, compiled).run(x, sq, sk)
+                sketches[name] = sk.clone()
+                res[name]["norm_err"] = f"{((sq.double() - exact).abs() / exact).max().item():.1e}"
+            for name in set(sketches) & {"hash32", "compiled"} if "hash64" in sketches else ():
+                # one flipped sign moves one bin by ~2|g_i|, ~1e-2 of the largest bin
+                res[name]["=hash64"] = f"{((sketches[name] - sketches['hash64']).abs().max() / sketches['hash64'].abs().max()).item():.0e}"
+    n, key = 3_000_000, key_of(0)  # chunk invariance: signs of 3 M positions with chunks of 4 sizes
+    expect = 1 - 2 * torch.from_numpy((fmix32_np((np.arange(n, dtype=np.uint64) * GOLDEN + key) & M32) >> 31).astype(np.float32))
+    for name in set(args.options) & {"hash64", "hash32", "tables"}:
+        got = []
+        for chunk in (CPU_CHUNK_ELEMS, 1 << 20, 1 << 22, 4099):
+            o = Tables([n], p, 0, chunk) if name == "tables" else HashTorch([n], p, 0, torch.int64 if name == "hash64" else torch.int32, chunk)
+            out, ones = torch.empty(n), torch.ones(n)
+            for c in o.plan.chunks:
+                o.signed_chunk(ones[c.begin : c.end], c.begin, out[c.begin : c.end])
+            got.append(out)
+        res[name]["chunks"] = "same" if all(torch.equal(g, got[0]) for g in got) else "DIFFER"
+        res[name]["chunks"] += "" if name == "tables" else ", =numpy" if torch.equal(got[0], expect) else ", !=numpy"
+    print(f"p = {p}, torch {torch.__version__}, 1 thread, {rounds} rounds, {seeds} seeds, buckets (MB, params) {buckets}")
+    cols = [f"x{mb}" for mb, _ in buckets] + [f"ops{mb}" for mb, _ in buckets] + ["B/elem", "fixed KB"]
+    cols += [f"setup{mb}" for mb, _ in buckets] + [f"graphs{mb}" for mb, _ in buckets]
+    cols += ["rand", "const", "const_ip", "norm_err", "=hash64", "chunks"]
+    rows = [["option"] + cols]
+    for name, r in res.items():
+        r["B/elem"], r["fixed KB"] = f"{r['mem'][0]:.2f}", f"{r['mem'][1] / 1024:.0f}"
+        rows.append([name] + [r.get(c, "-") for c in cols])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
+    print("x: x read pass (median [IQR]); ops: aten ops + compiled kernels per bucket; graphs: compiled graphs "
+          "after setup + a call with a new key and new data (1 = no recompile); rand/const: sketched cosine "
+          f"(true 0.5) mean+-std over seeds; const_ip: <s_a,s_b>/<a,b>; =hash64: max sketch difference; total {time.perf_counter() - begin_all:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
