@@ -257,3 +257,28 @@ def test_t_quantiles_match_the_tables():
     assert report.t_quantile(0.975, 1) == pytest.approx(_t_closed_form(0.975, 1), rel=1e-9) == pytest.approx(12.7062, abs=1e-4)
     assert (round(T_975[2], 4), round(T_975[4], 4), round(T_80[2], 4), round(T_80[4], 4)) == (4.3027, 2.7764, 1.0607, 0.9410)  # printed tables
     assert report.t_quantile(0.975, 1e6) == pytest.approx(statistics.NormalDist().inv_cdf(0.975), rel=1e-5)
+
+
+def test_the_report_opens_with_which_runs_were_healthy_and_when_the_fault_was_named(tmp_path):
+    records = planted_records(world=2, steps=20)
+    named = {"rank": 1, "kind": "layer", "since": 9, "score": 31.5, "signals": ["layer"], "parameters": ["w", "b"], "message": "rank 1 ..."}
+    other = dict(named, rank=0, parameters=[])
+    for record in records:
+        record["alerts"] = {11: [dict(other, step=11)], 12: [dict(named, step=12)], 17: [dict(named, step=17)]}.get(record["step"], [])
+    header = {"setting": "fault", "fault_kind": "sdc", "world_size": 2, "fault_step": 9, "fault_rank": 1, "fault_parameter": "w"}
+    fault = write_run(tmp_path / "run-fault-sdc.jsonl", records, header)
+    quiet = [dict(r, alerts=[]) for r in planted_records(world=2, steps=20)]
+    healthy = write_run(tmp_path / "run-sync.jsonl", quiet, {"setting": "sync", "world_size": 2})
+    noisy = write_run(tmp_path / "run-group-sync.jsonl", [dict(r, alerts=[dict(other, step=r["step"])] if r["step"] == 5 else []) for r in quiet], {"setting": "group-sync", "world_size": 2})
+    missed = write_run(tmp_path / "run-fault.jsonl", quiet, dict(header, fault_kind="labels", fault_parameter=None))
+    summary = report.write_report([str(p) for p in (healthy, noisy, fault, missed)], tmp_path / "out", heatmaps=0)
+    text = summary.read_text()
+    # The first screen: right under the title, before any table of means.
+    assert text.index("## At a glance") < text.index("## Signals") < text.index("## Per rank")
+    assert "| sync x2 | none (healthy) | 0 | healthy: no alert | - | - |" in text
+    assert "| group-sync x2 | none (healthy) | 1 | healthy: 1 false alarm | - | - |" in text
+    # The rank-0 alert at step 11 does not count: the first naming rank 1 is step 12, 3 steps after the fault.
+    assert "| fault-sdc x2 | sdc on rank 1 from step 9 | 3 | named rank 1 after 3 steps | step 12 (layer) | w (w) |" in text
+    assert "| fault x2 | labels on rank 1 from step 9 | 0 | not named | - | - |" in text
+    glance = json.loads((tmp_path / "out" / "summary.json").read_text())["glance"]
+    assert [(g["run"], g["delay"]) for g in glance] == [("sync x2", None), ("group-sync x2", None), ("fault-sdc x2", 3), ("fault x2", None)]

@@ -543,6 +543,54 @@ def _markdown_alerts(runs: list[Run], alerts: list[list[dict]], sources: list[st
     return lines
 
 
+def glance_rows(runs: list[Run], alerts: list[list[dict]]) -> list[dict]:
+    """Per run (healthy runs first), what a reader wants first: healthy or which fault, how many
+    alerts, and for a fault run the first alert that names the faulty rank at or after the fault step (its step, the delay
+    in steps, its kind and first parameter) with the parameter the fault hit where it was one.
+
+    Example::
+
+        glance_rows([read_run("runs/run-fault-sdc-w2.jsonl")], [recorded_alerts(run)])
+    """
+    rows = []
+    for run, found in zip(runs, alerts):
+        fault_step = run.fault_step
+        row = {"run": run.name, "fault": None, "alerts": len(found), "named_step": None, "delay": None, "kind": None, "parameter": None, "hit": None}
+        if fault_step is None:
+            row["verdict"] = "healthy: no alert" if not found else f"healthy: {len(found)} false alarm{'s' * (len(found) > 1)}"
+            rows.append(row)
+            continue
+        rank = run.header.get("fault_rank", run.header.get("config", {}).get("fault_rank"))
+        row["fault"] = f"{run.header.get('fault_kind') or 'labels'} on rank {rank} from step {fault_step}"
+        row["hit"] = run.header.get("fault_parameter")
+        named = [a for a in found if a.get("rank") == rank and isinstance(a.get("step"), int) and a["step"] >= fault_step]
+        if named:
+            first = min(named, key=lambda a: a["step"])
+            row.update(named_step=first["step"], delay=first["step"] - fault_step, kind=first.get("kind"), parameter=(first.get("parameters") or [None])[0])
+            row["verdict"] = f"named rank {rank} after {row['delay']} step{'s' * (row['delay'] != 1)}"
+        else:
+            row["verdict"] = "not named"
+        rows.append(row)
+    return sorted(rows, key=lambda row: row["fault"] is not None)  # healthy runs first, each group in the given order
+
+
+def _markdown_glance(rows: list[dict]) -> list[str]:
+    lines = [
+        "## At a glance",
+        "",
+        "Each run, healthy or with an injected fault, and what the online detector said: for a fault run, the first alert",
+        "naming the faulty rank, how many steps after the fault it came, and the parameter it named first.",
+        "",
+        "| run | injected fault | alerts | verdict | first alert on the faulty rank | parameter named (hit) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        alert = "-" if r["named_step"] is None else f"step {r['named_step']} ({r['kind']})"
+        parameter = "-" if r["parameter"] is None and r["hit"] is None else f"{_cell(r['parameter'])}" + (f" ({r['hit']})" if r["hit"] else "")
+        lines.append(f"| {r['run']} | {_cell(r['fault']) if r['fault'] else 'none (healthy)'} | {r['alerts']} | {r['verdict']} | {alert} | {parameter} |")
+    return lines + [""]
+
+
 def _interval(entry: dict) -> str:
     return "n/a" if not math.isfinite(entry["ci_low"]) else f"[{entry['ci_low']:.4f}, {entry['ci_high']:.4f}]"
 
@@ -586,8 +634,9 @@ def write_report(paths: list[str], out: str | Path, skip: float = 0.1, heatmaps:
     ``ddphooks.detect`` run offline) and, where a setting was run with several seeds, the mean over
     seeds with its confidence interval and the comparison of each desynchronised setting with its
     baseline (difference and minimum detectable effect). ``summary.json`` holds the same numbers
-    (strict JSON: null where a value is undefined): ``{"runs": [...], "ranks": [...], "alerts":
-    [...], "seeds": [...], "comparisons": [...]}``.
+    (strict JSON: null where a value is undefined): ``{"glance": [...], "runs": [...], "ranks":
+    [...], "alerts": [...], "seeds": [...], "comparisons": [...]}``. ``summary.md`` opens with the
+    glance: which runs were healthy, which had a fault, and whether and when the fault was named.
 
     Args:
         paths: run files (JSON lines: an optional header line, then one record per step).
@@ -638,8 +687,12 @@ def write_report(paths: list[str], out: str | Path, skip: float = 0.1, heatmaps:
     groups = seed_groups(runs, skip)
     repeated = any(group["runs"] > 1 for group in groups)
     comparisons = seed_comparisons(groups) if repeated else []
+    glance = glance_rows(runs, list(alerts))
     lines = [
         "# ddphooks experiment report",
+        "",
+        *_markdown_glance(glance),
+        "## Signals",
         "",
         f"Means over steps (the first {skip:.0%} of each run skipped; fault runs split at the fault step).",
         "",
@@ -673,6 +726,7 @@ def write_report(paths: list[str], out: str | Path, skip: float = 0.1, heatmaps:
     summary = out / "summary.md"
     summary.write_text("\n".join(lines) + "\n", encoding="utf-8")
     document = {
+        "glance": glance,
         "runs": rows,
         "ranks": ranks,
         "alerts": [{"run": run.name, "source": source, "alerts": found} for run, found, source in zip(runs, alerts, sources)],

@@ -279,6 +279,12 @@ def train_rank(rank: int, world: int, config: ExperimentConfig) -> dict:
     return {"path": str(config.run_path(world)), "final_loss": final["loss_mean"], "alerts": alerts if config.detect else None}
 
 
+#: The second fault run of ``--setting all``: a corrupted gradient, which the detector names with
+#: the rank, the step and the layer within a few steps (README: 3 steps, median, at W = 2), so the
+#: main job shows a fault being named; the first keeps ``--fault-kind`` (shuffled labels).
+ALL_SECOND_FAULT = "sdc"
+
+
 def _alerts_line(alerts: list[dict] | None) -> str:
     """``, N alerts (first: ...)`` of the online detector, or ``""`` without it."""
     if alerts is None:
@@ -292,7 +298,11 @@ def _alerts_line(alerts: list[dict] | None) -> str:
 # -- command line ----------------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = ExperimentConfig()
-    parser.add_argument("--setting", default="sync", help=f"one of {', '.join(SETTINGS)}; several separated by commas, or 'all', run in sequence")
+    parser.add_argument(
+        "--setting", default="sync",
+        help=f"one of {', '.join(SETTINGS)}; several separated by commas, or 'all', run in sequence ('all' runs the fault setting "
+        f"twice: with --fault-kind and with {ALL_SECOND_FAULT})",
+    )  # fmt: skip
     parser.add_argument("--nproc", type=int, default=2, help="gloo worker processes to spawn on the CPU (ignored under torchrun)")
     parser.add_argument("--data", default=defaults.data, help="'embedded', a local JSON/JSON-lines file, or a hub dataset such as tatsu-lab/alpaca")
     parser.add_argument("--model", default=defaults.model, help=f"'embedded', '{SMOLLM2}', a .gguf file, or a Hugging Face model path")
@@ -339,12 +349,15 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit(f"--nproc {world}: comparing ranks needs at least 2 processes")
     if not 0 <= args.fault_rank < world:
         raise SystemExit(f"--fault-rank {args.fault_rank} is not a rank of {world} processes")
+    runs = [(setting, args.fault_kind) for setting in settings]
+    if args.setting == "all" and args.fault_kind != ALL_SECOND_FAULT:
+        runs.append(("fault", ALL_SECOND_FAULT))  # a fault the detector names with its rank, step and layer
     paths = []
-    for setting in settings:
+    for setting, fault_kind in runs:
         config = ExperimentConfig(
             setting=setting, data=args.data, model=args.model, max_steps=args.max_steps, batch_size=args.batch_size,
             max_length=args.max_length, lr=args.lr, dropout=args.dropout, seed=args.seed, sketch_dim=args.sketch_dim,
-            fault_kind=args.fault_kind, fault_rank=args.fault_rank, fault_step=args.fault_step, detect=args.detect,
+            fault_kind=fault_kind, fault_rank=args.fault_rank, fault_step=args.fault_step, detect=args.detect,
             check_replicas_every=args.check_replicas_every, limit=args.limit, device=args.device, out=args.out, progress=not args.no_progress,
         )  # fmt: skip
         if config.model == EMBEDDED and (not under_torchrun or dist.get_rank() == 0):
