@@ -138,6 +138,10 @@ medians over steps, and a pair's chance agreement in both was measured at 3.2e-7
 per episode: a rank stays flagged until it has been in no duplicate group for ``quiet_steps``
 steps; a group with a rank not yet flagged raises a new one.
 
+Every alert's message ends with what its kind typically means (``LIKELY_CAUSES``) and a pointer to
+its section of the alerts reference, ``; see docs/alerts.md#<kind>`` (``reference``): what the alert
+means, what to check first, its measured false-alarm rate and delay.
+
 Example::
     >>> detector = Detector()
     >>> for record in records:
@@ -167,9 +171,11 @@ CROSS_DIRECTION = {"loss": 0, "grad_norm": 0, "cosine": -1, "cosine_previous": +
 #: either way would add every healthy rank's folded noise (0.8 standard deviations a signal on
 #: average) to the allowance, and a rank a little off would have to be off by that much more.
 COMBINED_DIRECTION = {"loss": +1, "grad_norm": +1, "cosine": -1, "cosine_previous": +1}
-#: What each kind of alert typically means, ending its message: the faults whose pattern it is
-#: (benchmarks/detection.py: a corrupted gradient raised ``layer`` alerts, a stuck loader
-#: ``cosine_previous`` ones, shuffled labels ``combined`` ones), so the reader knows what to check.
+#: What each kind of alert typically means, at the end of its message before its ``reference``:
+#: the faults whose pattern it is (benchmarks/detection.py: a corrupted gradient raised ``layer``
+#: alerts, a stuck loader ``cosine_previous`` ones, shuffled labels ``combined`` ones), so the
+#: reader knows what to check. Its keys are every kind the detector raises (the watchdog adds
+#: ``unsynchronised``), each with a section of the alerts reference.
 LIKELY_CAUSES = {
     "layer": "a corrupted gradient (a failing accelerator, silent data corruption)",
     "cosine_previous": "the same batch over and over (a stuck or exhausted data loader)",
@@ -184,6 +190,17 @@ LIKELY_CAUSES = {
         "on every rank, one data seed on every rank)"
     ),
 }
+#: The alerts reference, one section per kind with the kind as its anchor (``docs/alerts.md#replica``):
+#: what the alert means, what to check first, its measured false-alarm rate and delay.
+ALERTS_REFERENCE = "docs/alerts.md"
+
+
+def reference(kind: str) -> str:
+    """The pointer every alert message ends with (after ``"; "``): its section of the alerts
+    reference, e.g. ``reference("replica") == "see docs/alerts.md#replica"``."""
+    return f"see {ALERTS_REFERENCE}#{kind}"
+
+
 #: Signals measured by the sketch, whose changes inside the sketch's noise never count.
 SKETCHED = ("cosine", "cosine_previous")
 MAD_TO_STD = 1.4826
@@ -199,7 +216,7 @@ COMMON_FACTOR_PARAMETERS = 3
 
 @dataclass(frozen=True)
 class DetectorConfig:
-    """Thresholds of the detector; the defaults were chosen on healthy runs (see README)."""
+    """Thresholds of the detector; the defaults were chosen on healthy runs (see docs/detection.md)."""
 
     window: int = 32
     """Trailing steps the baselines (median, MAD) are computed over."""
@@ -865,7 +882,7 @@ class Detector:
         )
         if parameters:
             message += f", mostly in {', '.join(parameters[:3])}"
-        message += f"; typical of {LIKELY_CAUSES[name]}"
+        message += f"; typical of {LIKELY_CAUSES[name]}; {reference(name)}"
         return {
             "step": obs.step,
             "rank": rank,
@@ -921,7 +938,7 @@ class Detector:
                         f"rank {rank} holds different parameters than the other replicas at step {obs.step}{tie}: "
                         f"{replicas.get('tensors', len(tensors))} tensor(s) differ, up to {largest:.3g} relative"
                         + (f", in {', '.join(names[:3])}" if names else "")
-                        + f"; typical of {LIKELY_CAUSES['replica']}"
+                        + f"; typical of {LIKELY_CAUSES['replica']}; {reference('replica')}"
                     ),
                 }
             )
@@ -964,7 +981,7 @@ class Detector:
                 f"rank {rank}'s {first['what']} went non-finite (NaN or Inf) at step {first['step']} while rank(s) "
                 f"{', '.join(map(str, first['finite']))} had finite values"
                 + (f", in {', '.join(names[:3])}" if names else "")
-                + f"; at step {obs.step} {now} not finite; typical of {LIKELY_CAUSES['nonfinite']}"
+                + f"; at step {obs.step} {now} not finite; typical of {LIKELY_CAUSES['nonfinite']}; {reference('nonfinite')}"
             ),
         }
 
@@ -1039,7 +1056,7 @@ class Detector:
         message = (
             f"{who} computed the same {same} on every step since step {since} ({len(steps)} steps; {evidence}): "
             f"they train on the same data, and the work of {len(ranks) - 1} of these {len(ranks)} ranks is wasted; "
-            f"typical of {LIKELY_CAUSES['duplicate_data']}"
+            f"typical of {LIKELY_CAUSES['duplicate_data']}; {reference('duplicate_data')}"
         )
         return {
             "step": obs.step,

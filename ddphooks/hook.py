@@ -103,12 +103,14 @@ class SilentState:
         piggyback_limit_mb: with "auto", a last bucket above this size uses the separate transport.
         sinks: where records go (``JsonlSink`` ...); written on ``log_rank`` only.
         log_rank: rank that writes to the sinks (None: every rank).
-        comm_hook, comm_state: another DDP hook that does the gradient communication (e.g.
-            ``fp16_compress_hook`` with its process group); statistics then travel separately
-            and the reduced norms are those of what ``comm_hook`` returns.
+        comm_hook: another DDP hook that does the gradient communication (e.g.
+            ``fp16_compress_hook``); statistics then travel separately and the reduced norms are
+            those of what ``comm_hook`` returns.
+        comm_state: the state ``comm_hook`` is called with (e.g. its process group).
         chunk_elems: elements per chunk of the statistics pass (None: a device default).
-        detail_every, detail_max_world, max_pending_records: record detail and the writer's
-            queue (see :class:`SilentConfig`).
+        detail_every: every N-th instrumented step writes a detail record (see ``SilentConfig``).
+        detail_max_world: largest world size whose detail records keep per-rank tables (see ``SilentConfig``).
+        max_pending_records: records waiting for the writer thread at most (see ``SilentConfig``).
         detect: run the online detector (``ddphooks.detect``; a ``DetectorConfig`` to set its
             thresholds) on a background thread; alerts go to ``state.alerts``, the records'
             ``alerts`` and one ``logging`` warning each on the log rank.

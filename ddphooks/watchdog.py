@@ -25,9 +25,10 @@ from outside the hook, at O(1) cost per backward pass:
 4. The first unsynchronised backward of an episode raises one alert of kind ``unsynchronised``
    naming this rank (each rank judges itself: the ranks cannot agree without the communication
    that stopped), on ``state.alerts``, ``on_alert``, the log rank's ``"ddphooks"`` logger and the
-   first record written after it. When ``silent_hook`` runs again the episode ends with one note
-   on the logger, and the first instrumented step after it checks the replicas (if the replica
-   check is on): they drifted with nothing comparing them.
+   first record written after it; its message ends with ``see docs/alerts.md#unsynchronised``.
+   When ``silent_hook`` runs again the episode ends with one note on the logger, and the first
+   instrumented step after it checks the replicas (if the replica check is on): they drifted with
+   nothing comparing them.
 
 What it never judges: backward passes inside ``no_sync()``, evaluation forwards (no backward),
 steps where no sentinel receives a gradient (frozen or unused sentinels leave it blind, never
@@ -44,6 +45,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+
+from ddphooks.detect import reference
 
 CAUSES = (
     "DDP's gradient hooks were lost because the wrapped module's parameters were converted or moved after wrapping "
@@ -162,7 +165,7 @@ class SyncWatchdog:
                     f"synchronised (not inside no_sync()), but DistributedDataParallel never communicated them "
                     f"(silent_hook did not run; last synchronised step {step - 1}): the ranks now train apart, and no "
                     f"statistics, alerts or replica checks come from ddphooks until DDP synchronises again. "
-                    f"Likely causes: {CAUSES}"
+                    f"Likely causes: {CAUSES}; {reference('unsynchronised')}"
                 ),
             }
         )

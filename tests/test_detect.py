@@ -66,7 +66,9 @@ def test_a_planted_layer_is_named_first():
     assert alerts and alerts[0]["rank"] == 1
     assert alerts[0]["parameters"][0] == NAMES[3]
     assert NAMES[3] in alerts[0]["message"]
-    assert alerts[0]["message"].endswith("; typical of a corrupted gradient (a failing accelerator, silent data corruption)")
+    assert alerts[0]["message"].endswith(
+        "; typical of a corrupted gradient (a failing accelerator, silent data corruption); see docs/alerts.md#layer"
+    )
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -398,7 +400,10 @@ def test_replica_divergence_alerts_at_once_without_warm_up():
     alerts = detect_run(records)
     assert [(a["step"], a["rank"], a["kind"]) for a in alerts] == [(5, 3, "replica")]
     assert alerts[0]["parameters"] == ["w"]
-    assert alerts[0]["message"].endswith("in w; typical of an update that differs (another learning rate, a non-deterministic or corrupted optimizer step, unsynchronised buffers)")
+    assert alerts[0]["message"].endswith(
+        "in w; typical of an update that differs (another learning rate, a non-deterministic or corrupted optimizer step, "
+        "unsynchronised buffers); see docs/alerts.md#replica"
+    )
 
 
 def _non_finite(record: dict, ranks: list[int], parameter: int = 2) -> None:
@@ -424,7 +429,8 @@ def test_the_rank_that_went_non_finite_first_is_named_once_it_poisons_every_rank
     others = ", ".join(str(r) for r in range(world) if r != 1)
     assert alerts[0]["message"] == (
         f"rank 1's loss and local gradient went non-finite (NaN or Inf) at step 5 while rank(s) {others} had finite values, "
-        f"in {NAMES[2]}; at step 6 every rank's values are not finite; typical of {detect.LIKELY_CAUSES['nonfinite']}"
+        f"in {NAMES[2]}; at step 6 every rank's values are not finite; typical of {detect.LIKELY_CAUSES['nonfinite']}; "
+        "see docs/alerts.md#nonfinite"
     )
     # Online, the same values are Inf (a record writes them as null): the same alerts, none else.
     detector = Detector()
@@ -574,7 +580,8 @@ def test_ranks_on_the_same_data_are_named_from_step_0_at_any_world_size(world):
     assert alert["message"] == (
         f"every rank (all {world}) computed the same loss and gradient on every step since step 0 (3 steps; their losses agreed exactly "
         "and their gradient norms exactly; their gradient cosines to the sum of the others were all 1): they train on the same data, "
-        f"and the work of {world - 1} of these {world} ranks is wasted; typical of {detect.LIKELY_CAUSES['duplicate_data']}"
+        f"and the work of {world - 1} of these {world} ranks is wasted; typical of {detect.LIKELY_CAUSES['duplicate_data']}; "
+        "see docs/alerts.md#duplicate_data"
     )
     assert "DistributedSampler missing or given the same rank" in alert["message"]
 

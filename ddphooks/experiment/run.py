@@ -280,7 +280,7 @@ def train_rank(rank: int, world: int, config: ExperimentConfig) -> dict:
 
 
 #: The second fault run of ``--setting all``: a corrupted gradient, which the detector names with
-#: the rank, the step and the layer within a few steps (README: 3 steps, median, at W = 2), so the
+#: the rank, the step and the layer within a few steps (docs/detection.md: 3 steps, median, at W = 2), so the
 #: main job shows a fault being named; the first keeps ``--fault-kind`` (shuffled labels).
 ALL_SECOND_FAULT = "sdc"
 

@@ -181,7 +181,7 @@ class SilentCallback(TrainerCallback):
         >>> from ddphooks.integrations.transformers import SilentCallback
         >>> trainer = Trainer(model, args, train_dataset=data, callbacks=[SilentCallback(sketch_dim=256)])
         >>> trainer.train()                       # torchrun --nproc-per-node 8 train.py
-        >>> trainer.state.log_history[-2]["ddphooks/loss_std"]
+        >>> trainer.state.log_history[-2].get("ddphooks/loss_std")
     """
 
     def __init__(self, state: SilentState | None = None, output_dir: str | os.PathLike | None = None, stop_on_alert: bool = False, **settings) -> None:

@@ -1,6 +1,6 @@
 """The scalars that metric-tracking sinks (TensorBoard, W&B) take from a step record.
 
-A record (see the README's record keys) holds lists and nested detail; a metric tracker wants
+A record (see docs/records.md for its keys) holds lists and nested detail; a metric tracker wants
 flat ``tag -> float``. ``record_scalars`` gives, under one prefix:
 
 - ``<prefix><key>`` for each signal in ``SIGNALS``;
