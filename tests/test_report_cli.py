@@ -282,3 +282,18 @@ def test_the_report_opens_with_which_runs_were_healthy_and_when_the_fault_was_na
     assert "| fault x2 | labels on rank 1 from step 9 | 0 | not named | - | - |" in text
     glance = json.loads((tmp_path / "out" / "summary.json").read_text())["glance"]
     assert [(g["run"], g["delay"]) for g in glance] == [("sync x2", None), ("group-sync x2", None), ("fault-sdc x2", 3), ("fault x2", None)]
+
+
+def test_a_fault_run_gets_a_figure_of_the_parameter_its_first_alert_named(tmp_path):
+    pytest.importorskip("matplotlib")
+    records = planted_records(world=2, steps=20)
+    for record in records:
+        hit = 4.0 if record["step"] >= 9 else 1.0  # rank 1's weight from step 9
+        record["parameters"] = [{"name": "w", "grad_norms": [1.0, hit]}, {"name": "b", "grad_norms": [0.5, 0.5]}]
+        record["alerts"] = [{"rank": 1, "kind": "layer", "since": 9, "score": 25.0, "parameters": ["w"], "message": "rank 1 ..."}] if record["step"] == 11 else []
+    fault = write_run(tmp_path / "run-fault.jsonl", records, {"setting": "fault", "world_size": 2, "fault_step": 9, "fault_rank": 1})
+    healthy = write_run(tmp_path / "run-sync.jsonl", [dict(r, alerts=[]) for r in records], {"setting": "sync", "world_size": 2})
+    summary = report.write_report([str(healthy), str(fault)], tmp_path / "out", heatmaps=0)
+    assert (tmp_path / "out" / "alert-fault-x2.png").stat().st_size > 0
+    assert not list((tmp_path / "out").glob("alert-sync*"))  # no alert, no figure
+    assert "![alert-fault-x2](alert-fault-x2.png)" in summary.read_text()

@@ -506,6 +506,44 @@ def _plot_cosines(plt, run: Run, out: Path, count: int, window: int) -> Path | N
     return path
 
 
+def _plot_alerted_parameter(plt, run: Run, alerts: list[dict], out: Path) -> Path | None:
+    """The first alerted parameter's gradient norm per rank, step by step, with the fault (dotted)
+    and the alert (solid, the named rank's colour): where a fault hit one layer, the run-wide
+    signals barely move, and this is where it shows. None without such an alert, or without the
+    per-parameter norms (detail records) of that parameter."""
+    first = next((a for a in alerts if a.get("parameters") and isinstance(a.get("rank"), int) and isinstance(a.get("step"), int)), None)
+    if first is None:
+        return None
+    name = first["parameters"][0]
+    steps, norms = [], []
+    for record in run.records:
+        entry = next((p for p in record.get("parameters") or [] if p.get("name") == name and p.get("grad_norms")), None)
+        if entry is not None:
+            steps.append(record["step"])
+            norms.append([math.nan if v is None else v for v in entry["grad_norms"]])
+    if not steps:
+        return None
+    figure, axis = plt.subplots(figsize=(9, 3.2))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for rank in range(len(norms[0])):
+        named = rank == first["rank"]
+        axis.plot(steps, [row[rank] for row in norms], color=colors[rank % len(colors)], lw=1.8 if named else 0.9, label=f"rank {rank}" + (" (named)" if named else ""))
+    if run.fault_step is not None:
+        axis.axvline(run.fault_step, color="black", ls=":", lw=1.2, label=f"fault (step {run.fault_step})")
+    axis.axvline(first["step"], color=colors[first["rank"] % len(colors)], lw=1.2, label=f"alert (step {first['step']}, {first.get('kind')})")
+    axis.set_yscale("log")
+    axis.set_xlabel("step")
+    axis.set_ylabel("local gradient norm", fontsize=8)
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=7, ncol=4, loc="upper left")
+    axis.set_title(f"{run.name}: gradient norm of {name}, the parameter the first alert named", fontsize=9)
+    figure.tight_layout()
+    path = out / f"alert-{run.name.replace(' ', '-')}.png"
+    figure.savefig(path, dpi=90)
+    plt.close(figure)
+    return path
+
+
 def _fmt(value: float, digits: int = 4) -> str:
     return "n/a" if not math.isfinite(value) else f"{value:.{digits}f}"
 
@@ -680,6 +718,7 @@ def write_report(paths: list[str], out: str | Path, skip: float = 0.1, heatmaps:
     else:
         skipped = ""
         figures.append(_plot_signals(plt, runs, out, window, list(alerts)))
+        figures += [f for f in (_plot_alerted_parameter(plt, run, found, out) for run, found in zip(runs, alerts)) if f is not None]
         if heatmaps:
             figures += [f for f in (_plot_cosines(plt, run, out, heatmaps, window) for run in runs) if f is not None]
     rows = [row for run in runs for row in summary_rows(run, skip)]
