@@ -41,7 +41,7 @@ class SilentConfig:
     """Rank that writes records to the sinks (None: every rank)."""
 
     chunk_elems: int | None = None
-    """Elements per chunk of the statistics pass (None: 65536 on CPU, 16M on accelerators)."""
+    """Elements per chunk of the statistics pass (None: 131072 on the CPU, 16M on accelerators)."""
 
     detail_every: int = 100
     """Every ``detail_every``-th instrumented step (and the first) writes a *detail* record with
