@@ -5,13 +5,14 @@ The integrations (``ddphooks.integrations``) are thin adapters over this functio
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from functools import partial
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from ddphooks.hook import SilentState, silent_hook
+from ddphooks.hook import PYTHON_REDUCER, SilentState, silent_hook
 from ddphooks.loss import loss_of
 
 #: ``loss_from(module, args, kwargs, output)``: the rank's scalar loss of one forward, or None.
@@ -23,7 +24,14 @@ def _default_loss_from(module: torch.nn.Module, args: tuple, kwargs: dict, outpu
 
 
 def ddp_module(model: torch.nn.Module) -> DistributedDataParallel:
-    """The ``DistributedDataParallel`` module behind ``model`` (unwrapping ``torch.compile``)."""
+    """The ``DistributedDataParallel`` module behind ``model`` (unwrapping ``torch.compile``).
+
+    Raises ``ValueError`` under compiled DDP's python reducer, whose per-parameter hook calls
+    silent_hook cannot measure (the default DDPOptimizer keeps DDP's buckets and works)."""
+    # Only set if the user imported dynamo's config: nothing is imported here to find out.
+    mode = getattr(sys.modules.get("torch._dynamo.config"), "optimize_ddp", True)
+    if isinstance(mode, str) and mode.startswith("python_reducer"):
+        raise ValueError("attach: " + PYTHON_REDUCER.format(mode=mode))
     inner = getattr(model, "_orig_mod", model)  # torch.compile(ddp) keeps the DDP module here
     if not isinstance(inner, DistributedDataParallel):
         raise TypeError(

@@ -7,6 +7,7 @@ This is the only module that talks to ``torch.distributed``; the numerical work 
 # No `from __future__ import annotations` here: DDP checks the hook's annotations at runtime
 # (bucket must be dist.GradBucket, the return torch.futures.Future[torch.Tensor]).
 import logging
+import sys
 import threading
 import weakref
 from dataclasses import dataclass
@@ -41,6 +42,14 @@ logger = logging.getLogger("ddphooks")
 CLOSE_TIMEOUT_S = 30.0
 
 CommHook = Callable[[object, dist.GradBucket], torch.futures.Future]
+
+#: Why compiled DDP's python reducer is refused, and what to use instead.
+PYTHON_REDUCER = (
+    "compiled DDP with torch._dynamo.config.optimize_ddp = {mode!r} calls communication hooks once per parameter "
+    "with (grad, param) and ignores what they return, so silent_hook cannot carry or measure the step there; use "
+    "the default optimize_ddp = True ('ddp_optimizer', which keeps DDP's buckets and works with ddphooks) or eager "
+    "DistributedDataParallel"
+)
 
 
 @dataclass
@@ -580,10 +589,9 @@ def silent_hook(state: SilentState, bucket: dist.GradBucket) -> torch.futures.Fu
     if not isinstance(state, SilentState):
         raise TypeError(f"silent_hook needs a SilentState as its state, got {type(state).__name__}")
     if not isinstance(bucket, dist.GradBucket):
-        raise TypeError(
-            f"silent_hook received {type(bucket).__name__} instead of a GradBucket (compiled DDP's python reducer "
-            "passes per-parameter tuples); use eager DistributedDataParallel"
-        )
+        config = sys.modules.get("torch._dynamo.config")
+        mode = getattr(config, "optimize_ddp", "python_reducer") if config is not None else "python_reducer"
+        raise TypeError(f"silent_hook received {type(bucket).__name__} instead of a GradBucket: " + PYTHON_REDUCER.format(mode=mode))
     if not state._bound:
         state.bind()  # created before the process group: bind on the first hook call (every rank is here too)
     if state._watchdog is not None:
