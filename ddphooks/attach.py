@@ -23,14 +23,20 @@ def _default_loss_from(module: torch.nn.Module, args: tuple, kwargs: dict, outpu
     return loss_of(output)
 
 
+def python_reducer() -> str | None:
+    """The mode of compiled DDP's python reducer if it is set (ddphooks cannot measure it), else None."""
+    # Only set if the user imported dynamo's config: nothing is imported here to find out.
+    mode = getattr(sys.modules.get("torch._dynamo.config"), "optimize_ddp", True)
+    return mode if isinstance(mode, str) and mode.startswith("python_reducer") else None
+
+
 def ddp_module(model: torch.nn.Module) -> DistributedDataParallel:
     """The ``DistributedDataParallel`` module behind ``model`` (unwrapping ``torch.compile``).
 
     Raises ``ValueError`` under compiled DDP's python reducer, whose per-parameter hook calls
     silent_hook cannot measure (the default DDPOptimizer keeps DDP's buckets and works)."""
-    # Only set if the user imported dynamo's config: nothing is imported here to find out.
-    mode = getattr(sys.modules.get("torch._dynamo.config"), "optimize_ddp", True)
-    if isinstance(mode, str) and mode.startswith("python_reducer"):
+    mode = python_reducer()
+    if mode is not None:
         raise ValueError("attach: " + PYTHON_REDUCER.format(mode=mode))
     inner = getattr(model, "_orig_mod", model)  # torch.compile(ddp) keeps the DDP module here
     if not isinstance(inner, DistributedDataParallel):

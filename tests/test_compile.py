@@ -62,3 +62,26 @@ def test_silent_hook_called_per_parameter_names_the_python_reducer():
     grad = torch.zeros(3)
     with pytest.raises(TypeError, match=r"silent_hook received tuple instead of a GradBucket: compiled DDP with torch._dynamo"):
         silent_hook(SilentState(), (grad, torch.nn.Parameter(grad)))
+
+
+@pytest.fixture
+def python_reducer():
+    import torch._dynamo.config
+
+    torch._dynamo.config.optimize_ddp = "python_reducer"
+    yield
+    torch._dynamo.config.optimize_ddp = True
+
+
+def test_the_integrations_warn_and_stay_off_under_the_python_reducer(python_reducer):
+    """Monitoring never stops training: where it cannot measure, a callback says so and does nothing."""
+    from ddphooks.integrations.lightning import SilentCallback as LightningCallback
+    from ddphooks.integrations.transformers import SilentCallback as TrainerCallback
+
+    trainer_callback = TrainerCallback()
+    with pytest.warns(RuntimeWarning, match=r"SilentCallback does nothing for this run; training is unchanged: compiled DDP with"):
+        trainer_callback.on_train_begin(None, None, None)  # returns before looking at the Trainer
+    lightning_callback = LightningCallback()
+    with pytest.warns(UserWarning, match=r"SilentCallback: ddphooks is off for this run, training is unchanged: compiled DDP with"):
+        lightning_callback.on_fit_start(None, None)
+    assert not lightning_callback._active

@@ -38,8 +38,8 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from ddphooks.attach import LossFrom, attach
-from ddphooks.hook import SilentState
+from ddphooks.attach import LossFrom, attach, python_reducer
+from ddphooks.hook import PYTHON_REDUCER, SilentState
 from ddphooks.sinks import JsonlSink
 from ddphooks.sinks.jsonl import drop_records_from
 
@@ -134,6 +134,10 @@ class SilentCallback(pl.Callback):
 
     # -- attaching -------------------------------------------------------------------------------
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        mode = python_reducer()
+        if mode is not None:
+            self._warn_once("python-reducer", f"SilentCallback: ddphooks is off for this run, training is unchanged: {PYTHON_REDUCER.format(mode=mode)}")
+            return
         model = trainer.strategy.model
         if not (dist.is_available() and dist.is_initialized()) or not isinstance(getattr(model, "_orig_mod", model), DistributedDataParallel):
             self._warn_once(

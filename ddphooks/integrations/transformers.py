@@ -28,8 +28,8 @@ from transformers import Trainer, TrainerCallback
 from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ddphooks.attach import LossFrom, attach, ddp_module
-from ddphooks.hook import SilentState
+from ddphooks.attach import LossFrom, attach, ddp_module, python_reducer
+from ddphooks.hook import PYTHON_REDUCER, SilentState
 from ddphooks.loss import loss_of
 from ddphooks.sinks import JsonlSink
 from ddphooks.sinks.jsonl import drop_records_from
@@ -201,6 +201,10 @@ class SilentCallback(TrainerCallback):
 
     # -- Trainer events ----------------------------------------------------------------------
     def on_train_begin(self, args, trainer_state, control, **kwargs):
+        mode = python_reducer()
+        if mode is not None:
+            warnings.warn(f"ddphooks SilentCallback does nothing for this run; training is unchanged: {PYTHON_REDUCER.format(mode=mode)}", RuntimeWarning, stacklevel=2)
+            return
         trainer, resume_dir = _calling_trainer()
         if trainer is None:
             warnings.warn(
