@@ -1,6 +1,6 @@
 """Detection delay and false alarms of ddphooks.detect, measured offline on experiment run files.
 
-The detector is fed each run's records in order (``detect_run``), exactly as it runs inside
+The detector is fed each run's records in order (as ``detect_run`` does), exactly as it runs inside
 training. For fault runs (header ``fault_kind``), the delay is the number of instrumented steps
 from the fault step to the first alert that names the faulty rank; an alert before the fault, or
 one naming another rank, counts as a false alarm. Healthy runs (every other setting) must raise
@@ -9,15 +9,29 @@ none. The runs come from ``ddphooks experiment`` (commands in benchmarks/README.
     python benchmarks/detection.py runs/healthy runs/faults            # folders searched for run-*.jsonl
     python benchmarks/detection.py runs/faults --json detection.json
     python benchmarks/detection.py runs/heldout --set recent=32            # another DetectorConfig
+    python benchmarks/detection.py runs/healthy runs/faults --levels 1 1.25 1.5 2   # per alert level
+
+With ``--levels`` every run is detected once per ``DetectorConfig.alert_level``; the tables give,
+per level, the false alarms per 30,000 healthy steps (pooled over the healthy settings, per world
+size) and each fault kind's median delay next to the sequential-detection bound ``ln(ARL0) /
+(d'^2 / 2)`` (Lorden; ARL0 = healthy steps per false alarm at that level and world size, or at least
+the steps seen where there was none): d' is the per-step separation of the signal that fired,
+``(mean score of the faulty rank over the first 10 steps from the fault - mean score of the other
+ranks) / their standard deviation``, from the scores the detector keeps (``keep_scores``), the
+median over the runs whose alert named the faulty rank.
 """
 
 import argparse
+import dataclasses
 import json
+import math
 import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from ddphooks.detect import DetectorConfig, detect_run
+import numpy as np
+
+from ddphooks.detect import Detector, DetectorConfig, Observation
 from ddphooks.experiment.report import read_run
 
 HEALTHY_POOL = ("sync", "desync-shuffle", "desync-all", "group-sync")
@@ -26,31 +40,64 @@ parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("folders", nargs="+", help="folders searched (recursively) for run-*.jsonl files")
 parser.add_argument("--json", default=None, help="also write the results to this file")
 parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="override one DetectorConfig field (repeatable), e.g. --set recent=32")
+parser.add_argument("--levels", nargs="+", type=float, default=None, metavar="L", help="alert levels to compare (DetectorConfig.alert_level), with d' and the bound")
+parser.add_argument("--dprime-steps", type=int, default=10, help="steps from the fault over which the faulty rank's scores are averaged for d'")
 args = parser.parse_args()
 try:
     config = DetectorConfig.from_overrides(args.set)
 except ValueError as error:
     parser.error(str(error))
 
-delays = defaultdict(list)  # (kind, W, fault step) -> delays (None: missed)
-false_alarms = defaultdict(lambda: [0, 0])  # (setting, W) -> [alerts, steps]
-wrong = defaultdict(int)
-for path in sorted(p for folder in args.folders for p in Path(folder).rglob("run-*.jsonl")):
-    run = read_run(path)
-    world = run.header.get("world_size") or run.records[0]["world_size"]
-    alerts = detect_run(run.records, config)
-    kind = run.header.get("fault_kind") if run.header.get("setting") == "fault" else None
-    if kind is None:
-        false_alarms[(run.header.get("setting", "?"), world)][0] += len(alerts)
-        false_alarms[(run.header.get("setting", "?"), world)][1] += len(run.records)
-        continue
-    fault_step, fault_rank = run.fault_step, run.header.get("config", {}).get("fault_rank")
-    named = [a["step"] - fault_step for a in alerts if a["step"] >= fault_step and a["rank"] == fault_rank]
-    delays[(kind, world, fault_step)].append(min(named) if named else None)
-    early = [a for a in alerts if a["step"] < fault_step]
-    false_alarms[("fault, before the fault", world)][0] += len(early)
-    false_alarms[("fault, before the fault", world)][1] += sum(1 for r in run.records if r["step"] < fault_step)
-    wrong[(kind, world, fault_step)] += sum(1 for a in alerts if a["step"] >= fault_step and a["rank"] != fault_rank)
+def dprime(detector: Detector, scores: list[dict], fault_step: int, fault_rank: int, step: int) -> float | None:
+    """Per-step separation of the signal behind the first alert naming the faulty rank (see the
+    module docstring); None where it cannot be computed."""
+    key = next((key for fired_step, rank, key in detector.fired if fired_step == step and rank == fault_rank), None)
+    if key is None:
+        return None
+    rows = [(number, row[key]) for number, row in scores if key in row]
+    faulty = [z[fault_rank] for number, z in rows if fault_step <= number < fault_step + args.dprime_steps]
+    others = np.concatenate([np.delete(z, fault_rank) for _, z in rows]) if rows else np.array([])
+    others = others[np.isfinite(others)]
+    faulty = [z for z in faulty if math.isfinite(z)]
+    if not faulty or len(others) < 2 or others.std() == 0:
+        return None
+    return float((np.mean(faulty) - others.mean()) / others.std())
+
+
+def measure(config: DetectorConfig) -> dict:
+    """Every run through a detector with ``config``: delays, false alarms, other-rank alerts, d'."""
+    found = {"delays": defaultdict(list), "false_alarms": defaultdict(lambda: [0, 0]), "wrong": defaultdict(int), "dprimes": defaultdict(list)}
+    for path in paths:
+        run = read_run(path)
+        world = run.header.get("world_size") or run.records[0]["world_size"]
+        detector, scores = Detector(config, keep_scores=True), []
+        for record in run.records:
+            detector.update(Observation.from_record(record))
+            scores.append((record["step"], dict(detector.step_scores)))
+        alerts = detector.alerts
+        kind = run.header.get("fault_kind") if run.header.get("setting") == "fault" else None
+        if kind is None:
+            found["false_alarms"][(run.header.get("setting", "?"), world)][0] += len(alerts)
+            found["false_alarms"][(run.header.get("setting", "?"), world)][1] += len(run.records)
+            continue
+        fault_step, fault_rank = run.fault_step, run.header.get("config", {}).get("fault_rank")
+        named = [a for a in alerts if a["step"] >= fault_step and a["rank"] == fault_rank]
+        first = min(named, key=lambda a: a["step"]) if named else None
+        found["delays"][(kind, world, fault_step)].append(None if first is None else first["step"] - fault_step)
+        if first is not None:
+            separation = dprime(detector, scores, fault_step, fault_rank, first["step"])
+            if separation is not None:
+                found["dprimes"][(kind, world, fault_step)].append(separation)
+        early = [a for a in alerts if a["step"] < fault_step]
+        found["false_alarms"][("fault, before the fault", world)][0] += len(early)
+        found["false_alarms"][("fault, before the fault", world)][1] += sum(1 for r in run.records if r["step"] < fault_step)
+        found["wrong"][(kind, world, fault_step)] += sum(1 for a in alerts if a["step"] >= fault_step and a["rank"] != fault_rank)
+    return found
+
+
+paths = sorted(p for folder in args.folders for p in Path(folder).rglob("run-*.jsonl"))
+result = measure(config)
+delays, false_alarms, wrong = result["delays"], result["false_alarms"], result["wrong"]
 
 print(f"detector: {config}")
 print(f"\n{'fault kind':<10} {'W':>2} {'from step':>9} {'runs':>4} {'missed':>6} {'median delay':>12} {'worst delay':>11} {'other-rank alerts':>17}")
@@ -75,5 +122,31 @@ for (setting, world), (count, steps) in sorted(false_alarms.items()):
 for world, (count, steps) in sorted(pooled.items()):
     print(f"{'pooled (' + ', '.join(HEALTHY_POOL) + ')':<24} {world:>2} {steps:>6} {count:>6} {1000 * count / max(steps, 1):>14.2f}")
 
+levels = []
+if args.levels:
+    # Per alert level: false alarms pooled over every healthy step (all healthy settings and the
+    # fault runs before their fault), per world size, and each fault kind's delay against the bound.
+    for level in args.levels:
+        found = measure(dataclasses.replace(config, alert_level=level))
+        print(f"\n{'level':>5} {'W':>2} {'healthy steps':>13} {'false alarms':>12} {'per 30,000':>10} {'ARL0':>8}")
+        arl0 = {}
+        for world in sorted({w for _, w in found["false_alarms"]}):
+            count = sum(c for (_, w), (c, _) in found["false_alarms"].items() if w == world)
+            steps = sum(n for (_, w), (_, n) in found["false_alarms"].items() if w == world)
+            arl0[world] = (steps / count, "") if count else (steps, ">=")
+            print(f"{level:>5g} {world:>2} {steps:>13} {count:>12} {30000 * count / max(steps, 1):>10.2f} {arl0[world][1] + format(arl0[world][0], '.0f'):>8}")
+            levels.append({"level": level, "world": world, "steps": steps, "false_alarms": count})
+        print(f"\n{'level':>5} {'fault kind':<10} {'W':>2} {'runs':>4} {'missed':>6} {'median delay':>12} {'median d-prime':>14} {'bound':>6} {'delay / bound':>13}")
+        for (kind, world, fault_step), values in sorted(found["delays"].items()):
+            named = [v for v in values if v is not None]
+            median = statistics.median(named) if named else None
+            separations = found["dprimes"][(kind, world, fault_step)]
+            d = statistics.median(separations) if separations else None
+            bound = math.log(arl0[world][0]) / (d * d / 2) if d and world in arl0 and arl0[world][0] > 1 else None
+            ratio = median / bound if median is not None and bound else None
+            cells = ["-" if v is None else f"{v:.2f}" for v in (d, bound, ratio)]
+            print(f"{level:>5g} {kind:<10} {world:>2} {len(values):>4} {len(values) - len(named):>6} {'-' if median is None else median:>12} {cells[0]:>14} {cells[1]:>6} {cells[2]:>13}")
+            levels.append({"level": level, "kind": kind, "world": world, "fault_step": fault_step, "delays": values, "dprime": d, "bound": bound})
+
 if args.json:
-    Path(args.json).write_text(json.dumps({"config": vars(config), "delays": rows, "healthy": healthy}, indent=1))
+    Path(args.json).write_text(json.dumps({"config": vars(config), "delays": rows, "healthy": healthy, "levels": levels}, indent=1))

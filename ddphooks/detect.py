@@ -230,6 +230,14 @@ class DetectorConfig:
     threshold: float = 20.0
     """CUSUM level (in standard deviations summed over steps) at which an alert is raised."""
 
+    alert_level: float = 1.0
+    """One knob for how much evidence an alert needs: every statistical CUSUM's alert level
+    (``threshold``, ``repeat_threshold``) is multiplied by it. Higher: fewer false alarms, later
+    alerts (each step of a lasting shift adds the same evidence, so the delay grows about in
+    proportion); the measured false-alarm rate and delays per level are in
+    ``benchmarks/detection.py --levels``. Replica, non-finite, duplicate-data and unsynchronised
+    alerts need no evidence to accumulate and do not depend on it."""
+
     drift: float = 3.0
     """Allowance subtracted from every step's score: shifts smaller than this never accumulate."""
 
@@ -352,6 +360,7 @@ class DetectorConfig:
         for name in (
             "threshold", "drift", "step_cap", "cosine_floor", "layer_drift", "combined_drift", "combined_cap",
             "repeat_drift", "repeat_cap", "repeat_threshold", "pair_repeat_drift", "duplicate_tolerance", "duplicate_cosine_tolerance",
+            "alert_level",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
@@ -626,17 +635,23 @@ class Detector:
 
     Args:
         config: thresholds (``DetectorConfig()`` by default).
+        keep_scores: keep each step's score per CUSUM and rank (``step_scores``) and the CUSUM
+            behind each statistical alert (``fired``), for ``benchmarks/detection.py``.
 
     Example::
         >>> detector = Detector()
         >>> alerts = detector.update(Observation.from_record(record))
     """
 
-    def __init__(self, config: DetectorConfig | None = None) -> None:
+    def __init__(self, config: DetectorConfig | None = None, keep_scores: bool = False) -> None:
         self.config = config or DetectorConfig()
         self.world: int | None = None
         self.seen = 0
         self.alerts: list[dict] = []
+        # For the benchmarks (the per-step separation d' of the signal that fired): each step's
+        # score per CUSUM key and rank, and the key behind each statistical alert.
+        self.step_scores: dict[tuple[str, str], np.ndarray] | None = {} if keep_scores else None
+        self.fired: list[tuple[int, int, tuple[str, str]]] = []  # (step, rank, key)
 
     def _start(self, world: int) -> None:
         window = self.config.window
@@ -654,9 +669,9 @@ class Detector:
         # Per CUSUM: its allowance, the cap on one step's score, and its alert level.
         self.allowance = {key: config.drift for key in self.cusum}
         self.cap = {key: config.step_cap for key in self.cusum}
-        self.limit = {key: config.threshold for key in self.cusum}
+        self.limit = {key: config.threshold * config.alert_level for key in self.cusum}
         repeat = ("cross", "cosine_previous")
-        self.allowance[repeat], self.cap[repeat], self.limit[repeat] = config.repeat_drift, config.repeat_cap, config.repeat_threshold
+        self.allowance[repeat], self.cap[repeat], self.limit[repeat] = config.repeat_drift, config.repeat_cap, config.repeat_threshold * config.alert_level
         if world == 2:  # the same rise scores about half as much with two ranks (see pair_repeat_drift)
             self.allowance[repeat] = config.pair_repeat_drift
         if world >= 3:  # terms capped one by one: combined_cap; repeat_cap and repeat_loss_cap (in _scores)
@@ -683,6 +698,8 @@ class Detector:
             return []  # nothing to compare
         if self.world != obs.world_size:
             self._start(obs.world_size)
+        if self.step_scores is not None:
+            self.step_scores.clear()
         values = self._values(obs)
         deviations = self._deviations(values)
         self._parameter_changes(obs)
@@ -842,6 +859,8 @@ class Detector:
         that dips on one step and spikes on the next is no lasting shift), and the parameters
         (a lasting rise of one parameter's gradient norm on one rank, silent corruption of that
         layer, accumulates there instead of drowning in the noise of all the others)."""
+        if self.step_scores is not None:
+            self.step_scores[key] = z.max(axis=1)  # each rank's strongest part, before the cap
         previous = self.parts.get(key)
         if previous is None:  # the first scored step, or other parameters (see _parameter_changes)
             previous, self.parts_since[key] = np.zeros_like(z), np.full(z.shape, -1)
@@ -858,6 +877,8 @@ class Detector:
         return self.parts.get(("own", "layer"))
 
     def _alert(self, obs: Observation, rank: int, strongest: tuple[str, str], levels: dict, since: int, values: dict) -> dict:
+        if self.step_scores is not None:
+            self.fired.append((obs.step, rank, strongest))
         kind, name = strongest
         signals = sorted({f"{n} ({k})" for (k, n), level in levels.items() if level > self.limit[(k, n)] / 2})
         parameters = self._suspicious_parameters(rank)

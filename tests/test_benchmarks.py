@@ -145,3 +145,12 @@ def test_detection_measures_delay_and_false_alarms(tmp_path):
     assert json.loads((tmp_path / "d32.json").read_text())["config"]["recent"] == 32
     bad = subprocess.run([sys.executable, str(BENCHMARKS / "detection.py"), str(tmp_path), "--set", "recnt=32"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "'recnt=32'" in bad.stderr and "recent" in bad.stderr
+    # --levels: per alert level, false alarms pooled per world size and the delay against the bound
+    out = _run("detection.py", str(tmp_path / "faults"), str(tmp_path / "healthy"), "--levels", "1", "2", "--json", str(tmp_path / "levels.json"))
+    assert "delay / bound" in out
+    levels = json.loads((tmp_path / "levels.json").read_text())["levels"]
+    pooled = {row["level"]: row for row in levels if "steps" in row}
+    assert pooled[1.0]["steps"] == pooled[2.0]["steps"] == 200 + 60  # the healthy run and the fault run before its fault
+    faults = {row["level"]: row for row in levels if "kind" in row}
+    assert faults[1.0]["dprime"] > 1 and faults[1.0]["bound"] > 0  # the planted shift is a few standard deviations a step
+    assert faults[2.0]["delays"][0] is None or faults[2.0]["delays"][0] >= faults[1.0]["delays"][0]  # more evidence needed
