@@ -30,8 +30,8 @@ from outside the hook, at O(1) cost per backward pass:
    instrumented step after it checks the replicas (if the replica check is on): they drifted with
    nothing comparing them.
 
-What it never judges: backward passes inside ``no_sync()``, evaluation forwards (no backward),
-steps where no sentinel receives a gradient (frozen or unused sentinels leave it blind, never
+What never raises it: backward passes inside ``no_sync()``, evaluation forwards (no backward),
+steps where the sentinel receives no gradient (a frozen or unused sentinel leaves it blind, never
 wrong), ``every=N`` (the hook runs on every step; only its statistics are every N-th).
 
 Example::
@@ -125,7 +125,9 @@ class SyncWatchdog:
 
     @torch.compiler.disable  # plain Python bookkeeping; a compiled DDP module calls it eagerly
     def _forward(self, module: torch.nn.Module, args: tuple) -> None:
-        if not (module.training and torch.is_grad_enabled()):
+        # The wrapped module's mode, as for the loss capture: Lightning's validation calls .eval()
+        # on the wrapper and restores only the LightningModule's mode.
+        if not (getattr(module, "module", module).training and torch.is_grad_enabled()):
             return  # evaluation: no backward follows
         self.check()
         self._forward_seen = True
