@@ -5,14 +5,13 @@ The integrations (``ddphooks.integrations``) are thin adapters over this functio
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from functools import partial
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from ddphooks.hook import PYTHON_REDUCER, SilentState, silent_hook
+from ddphooks.hook import PYTHON_REDUCER, SilentState, python_reducer, silent_hook
 from ddphooks.loss import loss_of
 
 #: ``loss_from(module, args, kwargs, output)``: the rank's scalar loss of one forward, or None.
@@ -21,13 +20,6 @@ LossFrom = Callable[[torch.nn.Module, tuple, dict, object], "torch.Tensor | None
 
 def _default_loss_from(module: torch.nn.Module, args: tuple, kwargs: dict, output: object) -> torch.Tensor | None:
     return loss_of(output)
-
-
-def python_reducer() -> str | None:
-    """The mode of compiled DDP's python reducer if it is set (ddphooks cannot measure it), else None."""
-    # Only set if the user imported dynamo's config: nothing is imported here to find out.
-    mode = getattr(sys.modules.get("torch._dynamo.config"), "optimize_ddp", True)
-    return mode if isinstance(mode, str) and mode.startswith("python_reducer") else None
 
 
 def ddp_module(model: torch.nn.Module) -> DistributedDataParallel:

@@ -52,6 +52,13 @@ PYTHON_REDUCER = (
 )
 
 
+def python_reducer() -> str | None:
+    """The mode of compiled DDP's python reducer if it is set (ddphooks cannot measure it), else None."""
+    # Only set if the user imported dynamo's config: nothing is imported here to find out.
+    mode = getattr(sys.modules.get("torch._dynamo.config"), "optimize_ddp", True)
+    return mode if isinstance(mode, str) and mode.startswith("python_reducer") else None
+
+
 @dataclass
 class _BucketEntry:
     """What the hook keeps per bucket layout: its chunk plan, names and a norms buffer."""
@@ -589,8 +596,7 @@ def silent_hook(state: SilentState, bucket: dist.GradBucket) -> torch.futures.Fu
     if not isinstance(state, SilentState):
         raise TypeError(f"silent_hook needs a SilentState as its state, got {type(state).__name__}")
     if not isinstance(bucket, dist.GradBucket):
-        config = sys.modules.get("torch._dynamo.config")
-        mode = getattr(config, "optimize_ddp", "python_reducer") if config is not None else "python_reducer"
+        mode = python_reducer() or "python_reducer"
         raise TypeError(f"silent_hook received {type(bucket).__name__} instead of a GradBucket: " + PYTHON_REDUCER.format(mode=mode))
     if not state._bound:
         state.bind()  # created before the process group: bind on the first hook call (every rank is here too)

@@ -247,7 +247,8 @@ class StepPipeline:
         reaches ``on_alert`` (which may raise, to stop training)."""
         with self._cond:
             self.alerts.append(alert)
-            self._carried.append(alert)
+            if self.writer is not None:  # only the log rank writes records: elsewhere nothing carries it
+                self._carried.append(alert)
         if self.warns:
             self._warnings.warn("ddphooks alert: %s", alert["message"])
         if self.on_alert is not None:

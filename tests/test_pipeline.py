@@ -251,3 +251,10 @@ def test_an_alert_raised_outside_the_detector_is_logged_called_and_goes_with_the
     assert writer.alerts == [[], [alert], []]  # the first record written after it, once
     assert pipeline.alerts == [alert] and called == [alert]  # not collected again from the record
     assert [r.getMessage() for r in caplog.records] == ["ddphooks alert: rank 0: not synchronised"]
+
+
+def test_an_alert_raised_outside_the_detector_is_not_kept_where_no_records_are_written():
+    pipeline = StepPipeline(None, None, on_alert=None, warns=False)  # a rank that writes no records
+    for step in range(3):
+        pipeline.raise_alert({"step": step, "rank": 1, "kind": "unsynchronised", "message": "rank 1: not synchronised"})
+    assert len(pipeline.alerts) == 3 and pipeline._carried == []  # nothing waits for a record that never comes

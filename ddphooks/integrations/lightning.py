@@ -38,8 +38,8 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from ddphooks.attach import LossFrom, attach, python_reducer
-from ddphooks.hook import PYTHON_REDUCER, SilentState
+from ddphooks.attach import LossFrom, attach
+from ddphooks.hook import PYTHON_REDUCER, SilentState, python_reducer
 from ddphooks.sinks import JsonlSink
 from ddphooks.sinks.jsonl import drop_records_from
 

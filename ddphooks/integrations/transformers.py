@@ -28,8 +28,8 @@ from transformers import Trainer, TrainerCallback
 from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ddphooks.attach import LossFrom, attach, ddp_module, python_reducer
-from ddphooks.hook import PYTHON_REDUCER, SilentState
+from ddphooks.attach import LossFrom, attach, ddp_module
+from ddphooks.hook import PYTHON_REDUCER, SilentState, python_reducer
 from ddphooks.loss import loss_of
 from ddphooks.sinks import JsonlSink
 from ddphooks.sinks.jsonl import drop_records_from
