@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ddphooks.detect import DetectorConfig
-from ddphooks.sketch import MAX_SKETCH_DIM, MIN_SKETCH_DIM
+from ddphooks.sketch import MAX_SKETCH_DIM, MIN_SKETCH_DIM, SIGN_PAGE
 
 TRANSPORTS = ("auto", "piggyback", "separate")
 
@@ -41,7 +41,8 @@ class SilentConfig:
     """Rank that writes records to the sinks (None: every rank)."""
 
     chunk_elems: int | None = None
-    """Elements per chunk of the statistics pass (None: 131072 on the CPU, 16M on accelerators)."""
+    """Elements per chunk of the statistics pass (None: 131072 on the CPU, 8M on accelerators); at most
+    the sign table's 8M entries."""
 
     detail_every: int = 100
     """Every ``detail_every``-th instrumented step (and the first) writes a *detail* record with
@@ -102,8 +103,8 @@ class SilentConfig:
                 raise ValueError(f"log_rank={self.log_rank} must be a rank (>= 0) or None for every rank")
         if self.chunk_elems is not None:
             _check_int("chunk_elems", self.chunk_elems)
-            if self.chunk_elems < 1024:
-                raise ValueError(f"chunk_elems={self.chunk_elems} must be >= 1024 (or None for the default)")
+            if not 1024 <= self.chunk_elems <= SIGN_PAGE:
+                raise ValueError(f"chunk_elems={self.chunk_elems} must be between 1024 and {SIGN_PAGE} (the sign table's entries), or None for the default")
         _check_int("detail_every", self.detail_every)
         if self.detail_every < 0:
             raise ValueError(f"detail_every={self.detail_every} must be >= 0 (0: no detail records, 1: every record, 100: default)")

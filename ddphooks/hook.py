@@ -29,6 +29,7 @@ from ddphooks.sketch import (
     CPU_CHUNK_ELEMS,
     BucketPlan,
     BucketStatsKernel,
+    SignTable,
     sketch_bins,
     squared_norms,
 )
@@ -429,28 +430,35 @@ class SilentState:
     def _entry(self, bucket: dist.GradBucket, buffer: torch.Tensor) -> _BucketEntry:
         """The plan of this bucket's layout; rebuilt when DDP rebuilds its buckets."""
         params = bucket.parameters()
-        key = (buffer.numel(), buffer.dtype, buffer.device, tuple(id(p) for p in params))
-        entry = self._buckets.get(bucket.index())
+        index = bucket.index()
+        # Positions in the model: the buckets one after the other. DDP reduces its buckets in index
+        # order on every rank, so bucket index - 1 has its plan already and the positions agree.
+        previous = self._buckets.get(index - 1)
+        if index and previous is None:
+            raise RuntimeError(f"silent_hook saw bucket {index} before bucket {index - 1}; DDP reduces its buckets in order")
+        base = previous.plan.end if index else 0
+        key = (buffer.numel(), buffer.dtype, buffer.device, tuple(id(p) for p in params), base)
+        entry = self._buckets.get(index)
         if entry is not None and entry.key == key:
             return entry
         lengths = [p.numel() for p in params]
         if sum(lengths) != buffer.numel():
-            raise RuntimeError(f"bucket {bucket.index()} holds {buffer.numel()} elements but its parameters have {sum(lengths)}")
+            raise RuntimeError(f"bucket {index} holds {buffer.numel()} elements but its parameters have {sum(lengths)}")
         kernel = self._kernel(buffer.device)
         if entry is not None:
             kernel.forget(entry.plan)
         chunk = self.config.chunk_elems or (CPU_CHUNK_ELEMS if buffer.device.type == "cpu" else ACCELERATOR_CHUNK_ELEMS)
-        # Seed words are the same on every rank: DDP gives every rank the same bucket layout.
-        plan = BucketPlan(lengths, self.bins, (self.config.seed, bucket.index(), buffer.numel()), buffer.device, chunk)
-        names = tuple(self._names.get(id(p), f"bucket{bucket.index()}.param{j}") for j, p in enumerate(params))
+        plan = BucketPlan(lengths, self.bins, base, buffer.device, chunk)
+        names = tuple(self._names.get(id(p), f"bucket{index}.param{j}") for j, p in enumerate(params))
         sq = torch.empty(len(lengths), dtype=torch.float32, device=buffer.device)
-        entry = _BucketEntry(key, plan, BucketLayout(bucket.index(), names, tuple(lengths)), sq)
-        self._buckets[bucket.index()] = entry
+        entry = _BucketEntry(key, plan, BucketLayout(index, names, tuple(lengths)), sq)
+        self._buckets[index] = entry
         return entry
 
     def _kernel(self, device: torch.device) -> BucketStatsKernel:
         if device not in self._kernels:
-            self._kernels[device] = BucketStatsKernel(self.bins, device)
+            signs = SignTable(self.config.seed, self.bins, device) if self.bins else None
+            self._kernels[device] = BucketStatsKernel(self.bins, device, signs)
         return self._kernels[device]
 
     def _open_step(self, device: torch.device) -> _Step:

@@ -12,13 +12,15 @@ The sketch is a CountSketch with deterministic bins:
 1. element ``i`` of a bucket goes to bin ``i mod p``, where ``p`` is the largest prime not above
    ``sketch_dim``. A prime period spreads both contiguous runs and power-of-two strides (one
    column of a matrix) over all bins; contiguous blocks or ``i mod 2^m`` do not.
-2. element ``i`` is multiplied by a random sign ``sigma_i`` in {-1, +1}, drawn once per bucket
-   layout from a seeded generator and cached as int8 (1 byte per gradient element). Independent
-   signs per element make ``<s_a, s_b>`` unbiased: cross terms ``sigma_i sigma_j a_i b_j`` with
-   ``i != j`` in one bin have mean zero. Signs that repeat (periodic, per row, hashed with weak
-   mixing) add up coherently on a constant component and break the estimate.
+2. element ``i`` is multiplied by a random sign ``sigma_i`` in {-1, +1}. Independent signs make
+   ``<s_a, s_b>`` unbiased: cross terms ``sigma_i sigma_j a_i b_j`` with ``i != j`` in one bin have
+   mean zero. Signs that repeat (periodic, per row, hashed with weak mixing) add up coherently on
+   a constant component and break the estimate. The signs are not stored per element: they come
+   from one fixed table indexed by the element's position in the model (:class:`SignTable`), so
+   the memory is the same at 135M and at 70B parameters.
 3. ``s[c] = sum_{i mod p = c} sigma_i g_i``. Sketches of several buckets add up to the sketch of the
-   whole model, because the projection is linear.
+   whole model, because the projection is linear. Bins and signs follow the element's position
+   in the model: buckets are laid out one after the other, each starting at a multiple of ``p``.
 
 The cosine between two ranks is then estimated as ``<s_a, s_b> / (|s_a| |s_b|)``; normalising by
 the sketched norms has a smaller error, about ``(1 - c^2) / sqrt(p)``, than dividing by the exact
@@ -43,8 +45,9 @@ MAX_SKETCH_DIM = 65536
 MIN_SKETCH_DIM = 16
 #: Elements per chunk on the CPU: the chunk and its fp32 product stay in a 2 MB L2 cache.
 CPU_CHUNK_ELEMS = 1 << 17
-#: Elements per chunk on accelerators, where each chunk costs kernel launches rather than cache.
-ACCELERATOR_CHUNK_ELEMS = 1 << 24
+#: Elements per chunk on accelerators, where each chunk costs kernel launches rather than cache: a
+#: bucket of up to 32 MB of fp32 is one chunk, and the fp32 scratch stays at 32 MB.
+ACCELERATOR_CHUNK_ELEMS = 1 << 23
 
 
 def largest_prime_at_most(n: int) -> int:
@@ -63,7 +66,8 @@ def sketch_bins(sketch_dim: int) -> int:
 
 
 def random_signs(numel: int, seed_words: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """``numel`` random signs (int8, -1 or +1), the same on every process for the same seed words.
+    """``numel`` independent random signs (int8, -1 or +1), the same on every process for the same
+    seed words.
 
     numpy's PCG64 seeded through a ``SeedSequence`` is used because it is fast (about 5 ns per
     element) and portable; the global torch and numpy generators are never touched.
@@ -74,7 +78,92 @@ def random_signs(numel: int, seed_words: tuple[int, ...], device: torch.device) 
     return signs.to(device)
 
 
-@dataclass(frozen=True)
+#: ``M``, entries of the sign table: 8 M int8 signs, stored twice (16 MB on each device that
+#: sketches, whatever the size of the model).
+SIGN_PAGE = 1 << 23
+#: ``R``, entries of the table of row signs (a prime: rows R apart are far from pages apart).
+ROW_PERIOD = 65521
+_TABLE_WORD, _ROW_WORD = 0x7AB1E, 0x8035  # seed words of the two tables, apart from other uses of the seed
+
+
+class SignTable:
+    """Random signs for every position of the model, in fixed memory.
+
+    Each gradient element has a position ``x`` in the model (``BucketPlan.base`` plus its offset
+    in the bucket); it goes to bin ``x mod p`` of row ``x div p``, and its sign is::
+
+        sigma_x = T[x mod M] * v[(x div p) mod R]
+
+    with ``T`` a table of ``M = 2^23`` random signs and ``v`` a table of ``R = 65521`` random row
+    signs. Both are drawn from the seed (and ``p``) alone: every rank and every device (CPU,
+    CUDA, NPU) gets the same signs. Why this sketches like independent signs:
+
+    1. Unbiased: two positions ``x != y`` in one bin lie in different rows, ``m != 0`` rows
+       apart. Their signs are independent unless they share both the table entry (``M | m p``,
+       so ``M | m``: p is odd) and the row sign (``R | m``), i.e. unless they are ``M R p``
+       (about 10^14) positions apart. So ``E[sigma_x sigma_y] = 0``.
+    2. The same error: the error of ``<s_a, s_b>`` is a sum of products ``sigma_x sigma_y`` over
+       pairs in one bin. A periodic table alone repeats those products page after page (a pair
+       and its copy ``M`` positions on carry the same ``T`` entries), which doubles the error on
+       a gradient that repeats with period ``M``, such as a constant; the row signs of a pair and
+       of its copy are four different entries of ``v``, so the copies are uncorrelated again.
+       Measured against independent signs in ``tests/test_sketch.py`` and
+       ``benchmarks/sign_accuracy.py``.
+
+    In the kernel, ``T`` multiplies the gradient element by element (the int8 table is stored
+    twice, so any run of up to ``M`` positions is one slice) and ``v`` weights the rows when
+    they are summed into bins (``s = v_rows^T G``, a matrix-vector product that costs what the
+    plain row sum did).
+
+    Args:
+        seed: the projection's seed (``SilentConfig.seed``), identical on every rank.
+        bins: ``p``, the sketch's bins (a prime; rows are ``p`` positions long).
+        device: where the tables live (the device of the buckets they sign).
+        page: ``M``, entries of ``T`` (smaller only in tests).
+    """
+
+    def __init__(self, seed: int, bins: int, device: torch.device, page: int = SIGN_PAGE) -> None:
+        if page < 2 or page & (page - 1):
+            raise ValueError(f"page={page} must be a power of two >= 2")
+        if bins < 2:
+            raise ValueError(f"bins={bins} must be a prime >= 2")
+        self.seed = seed
+        self.bins = bins
+        self.page = page
+        self.device = torch.device(device)
+        table = random_signs(page, (seed, _TABLE_WORD), torch.device("cpu"))
+        self.values = torch.cat([table, table]).to(self.device)  # T twice: a window of <= M positions is one slice
+        self.row_table = random_signs(ROW_PERIOD, (seed, _ROW_WORD, bins), torch.device("cpu")).float().to(self.device)
+        self._row_tiles = self.row_table  # v repeated, so that any run of rows is one slice
+
+    def pieces(self, begin: int, end: int) -> list[tuple[int, torch.Tensor]]:
+        """``T`` at positions ``[begin, end)`` as ``(offset from begin, int8 view)`` pieces of at
+        most ``M`` positions each (one piece for a range up to ``M`` long)."""
+        return [
+            (first - begin, self.values[first % self.page : first % self.page + min(end - first, self.page)])
+            for first in range(begin, end, self.page)
+        ]
+
+    def row_signs(self, first_row: int, count: int) -> torch.Tensor:
+        """``v`` of rows ``first_row, ..., first_row + count - 1``, one fp32 view."""
+        start = first_row % ROW_PERIOD
+        if start + count > self._row_tiles.numel():
+            repeats = -(-(ROW_PERIOD + count) // ROW_PERIOD)
+            self._row_tiles = self.row_table.repeat(repeats)
+        return self._row_tiles[start : start + count]
+
+    def signs(self, begin: int, end: int) -> torch.Tensor:
+        """``sigma`` of positions ``[begin, end)`` as one int8 tensor (for tests and references)."""
+        positions = torch.arange(begin, end, device=self.device)
+        table = self.values[positions % self.page]
+        return table * self.row_table[(positions // self.bins) % ROW_PERIOD].to(torch.int8)
+
+    def nbytes(self) -> int:
+        """Bytes the tables keep on their device."""
+        return self.values.numel() * self.values.element_size() + self._row_tiles.numel() * 4
+
+
+@dataclass(frozen=True, slots=True)
 class _ChunkSegment:
     """The part of one parameter that falls into one chunk."""
 
@@ -83,7 +172,7 @@ class _ChunkSegment:
     end: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _Chunk:
     begin: int  # offset inside the bucket
     end: int
@@ -91,121 +180,149 @@ class _Chunk:
 
 
 class BucketPlan:
-    """How one bucket layout is cut into chunks, and its cached random signs.
+    """How one bucket layout is cut into chunks, and where it lies in the model.
 
     A plan is built once per bucket layout (DDP rebuilds its buckets once, after the first
-    iteration) and reused on every step.
+    iteration) and reused on every step. It keeps nothing per element: the signs come from the
+    kernel's :class:`SignTable` at positions ``base, base + 1, ...``, and the chunks are kept as
+    a few integers each in numpy arrays (chunk ``c`` covers ``[c * chunk_elems, ...)``).
 
     Args:
         lengths: number of elements of each parameter, in bucket order (segments are contiguous).
         bins: sketch entries ``p`` (a prime), or 0 for norms only.
-        seed_words: seed of this bucket's signs; must be identical on every rank.
+        base: position of the bucket's first element in the model, a multiple of ``bins``
+            (identical on every rank: the buckets laid out one after the other).
         device: where the bucket lives.
         chunk_elems: elements per chunk (rounded to a multiple of ``bins``).
     """
 
-    def __init__(
-        self,
-        lengths: list[int],
-        bins: int,
-        seed_words: tuple[int, ...],
-        device: torch.device,
-        chunk_elems: int,
-    ) -> None:
+    def __init__(self, lengths: list[int], bins: int, base: int, device: torch.device, chunk_elems: int) -> None:
+        if base < 0 or (bins and base % bins):
+            raise ValueError(f"base={base} must be a non-negative multiple of bins={bins}")
         self.lengths = list(lengths)
         self.numel = sum(self.lengths)
         self.device = torch.device(device)
         self.bins = bins
+        self.base = base
         if bins:
             # A chunk holds whole rows of `bins` elements, so every chunk starts at bin 0.
             chunk_elems = max(bins, chunk_elems // bins * bins)
         self.chunk_elems = min(chunk_elems, max(self.numel, 1))
-        self.signs = random_signs(self.numel, seed_words, device) if bins else None
-        starts = np.concatenate([[0], np.cumsum(self.lengths)]).tolist()
-        chunks = []
-        for begin in range(0, self.numel, self.chunk_elems):
-            end = min(begin + self.chunk_elems, self.numel)
-            segments = tuple(
-                _ChunkSegment(j, max(starts[j], begin) - begin, min(starts[j + 1], end) - begin)
-                for j in range(len(self.lengths))
-                if starts[j] < end and starts[j + 1] > begin
-            )
-            chunks.append(_Chunk(begin, end, segments))
-        self.chunks = chunks
-        self.n_segments = sum(len(c.segments) for c in chunks)
-        self.segment_owner = torch.tensor(
-            [s.param for c in chunks for s in c.segments], dtype=torch.long, device=device
-        )
+        self.n_chunks = -(-self.numel // self.chunk_elems)
+        # The segments (the part of one parameter in one chunk), chunk by chunk: chunk c holds
+        # segments segment_start[c] .. segment_start[c + 1] - 1, at [segment_begin, segment_end)
+        # inside the chunk. A parameter of many chunks adds one segment per chunk.
+        owner, begin, end, per_chunk = [], [], [], np.zeros(self.n_chunks + 1, dtype=np.int64)
+        offset = 0
+        for j, length in enumerate(self.lengths):
+            for chunk in range(offset // self.chunk_elems, -(-(offset + length) // self.chunk_elems)):
+                first = chunk * self.chunk_elems
+                owner.append(j)
+                begin.append(max(offset, first) - first)
+                end.append(min(offset + length, first + self.chunk_elems) - first)
+                per_chunk[chunk + 1] += 1
+            offset += length
+        self.segment_start = np.cumsum(per_chunk)
+        self.segment_begin = np.array(begin, dtype=np.int64)
+        self.segment_end = np.array(end, dtype=np.int64)
+        self.n_segments = len(owner)
+        self.segment_owner = torch.tensor(owner, dtype=torch.long, device=device)
+
+    @property
+    def end(self) -> int:
+        """The first position after this bucket where the next one may start (a multiple of ``bins``)."""
+        step = self.bins or 1
+        return -(-(self.base + self.numel) // step) * step
+
+    def chunks(self) -> list[_Chunk]:
+        """The chunks with their segments, as objects (built on each call: for tools and tests)."""
+        owner = self.segment_owner.tolist()
+        return [
+            _Chunk(c * self.chunk_elems, min((c + 1) * self.chunk_elems, self.numel), tuple(
+                _ChunkSegment(owner[k], int(self.segment_begin[k]), int(self.segment_end[k]))
+                for k in range(self.segment_start[c], self.segment_start[c + 1])))
+            for c in range(self.n_chunks)
+        ]  # fmt: skip
 
     def persistent_bytes(self) -> int:
-        """Bytes this plan keeps alive between steps (the cached signs dominate)."""
-        signs = self.signs.numel() * self.signs.element_size() if self.signs is not None else 0
-        return signs + self.segment_owner.numel() * 8
+        """Bytes this plan keeps alive between steps (its segment arrays)."""
+        arrays = (self.segment_start, self.segment_begin, self.segment_end)
+        return self.segment_owner.numel() * 8 + sum(a.nbytes for a in arrays)
 
 
 class BucketStatsKernel:
     """Per-parameter squared norms and the sketch of flat buckets, in one chunked pass.
 
-    Per chunk (512 KB of fp32, so the work stays in the L2 cache): copy the chunk's int8 signs into
-    an fp32 scratch buffer, multiply it in place by the gradient chunk (the only read from
-    memory), add its rows into one partial sketch, and take the squared norm of each parameter
-    segment from the product (``sigma^2 = 1``, so ``|sigma g|^2 = |g|^2``). Half-precision
-    gradients are promoted to fp32 by the multiply itself. Without a sketch (``bins == 0``) the
-    kernel only takes one squared norm per parameter (``squared_norms``).
+    Per chunk (512 KB of fp32 on the CPU, so the work stays in the L2 cache):
+
+    1. copy the chunk's table signs ``T`` (one slice of the int8 sign table) into an fp32 scratch
+       buffer and multiply it in place by the gradient chunk (the only read from memory);
+       half-precision gradients are promoted to fp32 by the multiply itself;
+    2. add the product's rows, weighted by their row signs ``v``, into the sketch: one
+       matrix-vector product ``s += rows^T v``;
+    3. take the squared norm of each parameter segment from the product (``sigma^2 = 1``, so
+       ``|sigma g|^2 = |g|^2``).
+
+    Without a sketch (``bins == 0``) the kernel only takes one squared norm per parameter
+    (``squared_norms``).
 
     The scratch is shared by all buckets: DDP calls the hook for one bucket after the other on
-    one thread, so it is never used concurrently. Views into it are prepared once per plan, which
-    keeps the per-chunk Python work to four calls.
+    one thread, so it is never used concurrently. A plan keeps a few integers per chunk, and the
+    views into the scratch are shared by all its chunks, so its memory stays small at any size.
 
-    On accelerators the per-parameter squared norms of a chunk come from one fused multi-tensor
-    norm (``torch._foreach_norm``, the kernel ``clip_grad_norm_`` uses) instead of one ``dot`` per
-    parameter segment: a bucket holds dozens of parameters, and each launch costs microseconds
-    of host time. (``torch.segment_reduce`` would be one launch too, but its kernels sum each
-    segment sequentially, slow on a GPU and less accurate in fp32.)
+    On accelerators, where each op costs a kernel launch rather than bytes, a chunk is up to 8 M
+    elements (a 32 MB fp32 bucket is one chunk), the table signs multiply the gradient directly
+    (``int8 * float``, one launch), and the per-parameter squared norms of a chunk come from one
+    fused multi-tensor norm (``torch._foreach_norm``, the kernel ``clip_grad_norm_`` uses) instead
+    of one ``dot`` per parameter segment. A one-chunk bucket costs 5 or 6 launches whatever its
+    number of parameters. (``torch.segment_reduce`` would be one launch too, but its kernels sum
+    each segment sequentially, slow on a GPU and less accurate in fp32.)
 
     Args:
         bins: sketch entries ``p`` of every plan this kernel runs (0 for norms only).
         device: where the buckets live.
+        signs: the sign table of ``bins`` bins on ``device`` (required when ``bins > 0``).
         fused: use the fused multi-tensor norm (None: on every device but the CPU).
     """
 
-    def __init__(self, bins: int, device: torch.device, fused: bool | None = None) -> None:
+    def __init__(self, bins: int, device: torch.device, signs: SignTable | None = None, fused: bool | None = None) -> None:
+        if bins and (signs is None or signs.bins != bins):
+            raise ValueError(f"a kernel with a sketch of {bins} bins needs a SignTable of {bins} bins")
         self.bins = bins
         self.device = torch.device(device)
+        self.signs = signs
         self.fused = self.device.type != "cpu" if fused is None else fused
         self._scratch_elems = 0
-        self._prepared: dict[int, tuple[BucketPlan, list]] = {}
+        self._prepared: dict[int, tuple] = {}
 
     def _allocate(self, plans: list[BucketPlan]) -> None:
         """Size the scratch for the largest plan and prepare the views of every live plan."""
         f32 = dict(dtype=torch.float32, device=self.device)
         self._scratch_elems = max(plan.chunk_elems for plan in plans)
         self._product = torch.empty(self._scratch_elems, **f32)  # sign * gradient, one chunk
-        self._colsums = torch.empty(max(len(plan.chunks) for plan in plans), self.bins, **f32)
         self._partials = torch.empty(max(plan.n_segments for plan in plans), **f32)
-        self._prepared = {id(plan): (plan, self._prepare(plan)) for plan in plans}
+        self._prepared = {id(plan): (plan, *self._prepare(plan)) for plan in plans}
 
-    def _prepare(self, plan: BucketPlan) -> list:
-        prepared = []
-        k = 0
-        for ci, chunk in enumerate(plan.chunks):
-            length = chunk.end - chunk.begin
-            product = self._product[:length]
+    def _prepare(self, plan: BucketPlan) -> tuple:
+        """What a plan's run needs beyond its arrays: views of the scratch for a full and for the
+        last chunk, whether norms can go straight to the output, and the sign of the last row."""
+        if plan.chunk_elems > self.signs.page:
+            raise ValueError(f"chunks of {plan.chunk_elems} elements exceed the sign table's {self.signs.page} entries; use chunk_elems <= {self.signs.page}")
+        views = {}
+        for length in {plan.chunk_elems, plan.numel - (plan.n_chunks - 1) * plan.chunk_elems}:
             full = length - length % self.bins
-            partials = self._partials[k : k + len(chunk.segments)]
-            segments = [(product[seg.begin : seg.end], partials[j]) for j, seg in enumerate(chunk.segments)]
-            k += len(chunk.segments)
-            rows = product[:full].view(-1, self.bins)
-            signs = plan.signs[chunk.begin : chunk.end]
-            parts = [part for part, _ in segments]
-            prepared.append((chunk.begin, chunk.end, signs, product, rows, self._colsums[ci], segments, partials, parts))
-        return prepared
+            views[length] = (self._product[:length], self._product[:full].view(-1, self.bins).t())
+        self.signs.row_signs(ROW_PERIOD - 1, plan.chunk_elems // self.bins)  # tiles the row signs for any chunk, once
+        direct = self.fused and plan.n_chunks == 1 and plan.n_segments == len(plan.lengths)  # segment j is parameter j
+        tail_row = (plan.base + plan.numel) // self.bins  # the last, partial row (if any)
+        return views, direct, self.signs.row_table[tail_row % ROW_PERIOD].item()
 
     def persistent_bytes(self) -> int:
-        """Bytes of scratch kept between calls."""
+        """Bytes kept between calls: the scratch and the sign tables (fixed, whatever the model)."""
+        table = self.signs.nbytes() if self.signs is not None else 0
         if not self._scratch_elems:
-            return 0
-        return 4 * (self._scratch_elems + self._colsums.numel() + self._partials.numel())
+            return table
+        return table + 4 * (self._scratch_elems + self._partials.numel())
 
     def forget(self, plan: BucketPlan) -> None:
         """Drop the prepared views of a plan that is no longer used (after a bucket rebuild)."""
@@ -231,23 +348,39 @@ class BucketStatsKernel:
             return
         entry = self._prepared.get(id(plan))
         if entry is None or entry[0] is not plan:
-            self._allocate([p for p, _ in self._prepared.values()] + [plan])
+            self._allocate([p for p, *_ in self._prepared.values()] + [plan])
             entry = self._prepared[id(plan)]
-        for begin, end, signs, product, rows, colsum, segments, partials, parts in entry[1]:
-            product.copy_(signs)
-            product.mul_(flat[begin:end])
-            torch.sum(rows, 0, out=colsum)
+        _, views, direct, tail_sign = entry
+        table, page, bins, chunk_elems = self.signs.values, self.signs.page, self.bins, plan.chunk_elems
+        starts, seg_begin, seg_end = plan.segment_start.tolist(), plan.segment_begin.tolist(), plan.segment_end.tolist()
+        for c in range(plan.n_chunks):
+            begin = c * chunk_elems
+            end = min(begin + chunk_elems, plan.numel)
+            position = plan.base + begin
+            product, rows_t = views[end - begin]
+            signs = table[position % page : position % page + end - begin]
+            if self.fused:  # one launch: sign * gradient, promoted to fp32
+                torch.mul(signs, flat[begin:end], out=product)
+            else:  # measured faster on the CPU than the mixed-dtype multiply
+                product.copy_(signs)
+                product.mul_(flat[begin:end])
+            # rows weighted by their signs, summed into bins: s += rows^T v
+            sketch_acc.addmv_(rows_t, self.signs.row_signs(position // bins, rows_t.shape[1]))
+            first, last = starts[c], starts[c + 1]
+            whole = last - first == 1 and seg_end[first] - seg_begin[first] == end - begin
+            parts = [product] if whole else [product[seg_begin[k] : seg_end[k]] for k in range(first, last)]
             if self.fused:  # all of the chunk's segments in one multi-tensor kernel
-                torch.stack(torch._foreach_norm(parts, 2), out=partials).square_()
+                out = sq_norms if direct else self._partials[first:last]
+                torch.stack(torch._foreach_norm(parts, 2), out=out).square_()
             else:  # one dot per segment: measured fastest on the CPU, where a call costs no launch
-                for part, partial in segments:
-                    torch.dot(part, part, out=partial)
-        sq_norms.zero_().index_add_(0, plan.segment_owner, self._partials[: plan.n_segments])
-        sketch_acc.add_(self._colsums[: len(plan.chunks)].sum(0))
-        last_length = plan.chunks[-1].end - plan.chunks[-1].begin
-        tail = last_length % self.bins
-        if tail:  # the last chunk of a bucket may end in the middle of a row
-            sketch_acc[:tail].add_(self._product[last_length - tail : last_length])
+                for k, part in enumerate(parts, first):
+                    torch.dot(part, part, out=self._partials[k])
+        if not direct:  # a parameter split over chunks sums its segments
+            sq_norms.zero_().index_add_(0, plan.segment_owner, self._partials[: plan.n_segments])
+        tail = plan.numel % bins if plan.n_chunks else 0
+        if tail:  # the bucket may end in the middle of a row
+            last_length = plan.numel - (plan.n_chunks - 1) * chunk_elems
+            sketch_acc[:tail].add_(self._product[last_length - tail : last_length], alpha=tail_sign)
 
 
 def squared_norms(flat: torch.Tensor, lengths: list[int], out: torch.Tensor, fused: bool = False) -> None:

@@ -208,11 +208,15 @@ def _check_sketch_exact(rank: int, world: int) -> None:
         model.zero_grad()
     stats = state.latest
     expected = torch.zeros(world, state.bins, dtype=torch.float64)
-    for layout in stats.buckets:
+    table = state._kernel(torch.device("cpu")).signs
+    end = 0
+    for layout in sorted(stats.buckets, key=lambda layout: layout.index):
         plan = state._buckets[layout.index].plan
+        assert len(stats.buckets) > 1 and plan.base >= end  # positions of the buckets one after the other
+        end = plan.base + plan.numel
         flat = torch.cat([ref["param_gradients"][name] for name in layout.names], dim=1)
-        bins = torch.arange(flat.shape[1]) % state.bins
-        expected.index_add_(1, bins, flat * plan.signs.double())
+        positions = plan.base + torch.arange(flat.shape[1])
+        expected.index_add_(1, positions % state.bins, flat * table.signs(plan.base, end).double())
     sketches = torch.from_numpy(stats._arrays[0][:, -state.bins :])
     torch.testing.assert_close(sketches, expected, rtol=1e-4, atol=1e-6)
 

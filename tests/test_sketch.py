@@ -7,8 +7,11 @@ import pytest
 import torch
 
 from ddphooks.sketch import (
+    ROW_PERIOD,
+    SIGN_PAGE,
     BucketPlan,
     BucketStatsKernel,
+    SignTable,
     largest_prime_at_most,
     random_signs,
     sketch_bins,
@@ -17,12 +20,26 @@ from ddphooks.sketch import (
 from ddphooks.stats import cosine_from_sketches
 
 CPU = torch.device("cpu")
+_TABLES: dict[tuple[int, int, int], SignTable] = {}
 
 
-def _reference_sketch(flat: torch.Tensor, plan: BucketPlan) -> torch.Tensor:
-    """s[c] = sum over i with i mod p == c of sigma_i * g_i, in float64."""
-    signed = flat.double() * plan.signs.double()
-    bins = torch.arange(flat.numel()) % plan.bins
+def _table(seed: int, bins: int, page: int = SIGN_PAGE) -> SignTable:
+    """One table per (seed, bins, page) for the whole module: a full-size table takes ~0.1 s to draw."""
+    if (seed, bins, page) not in _TABLES:
+        _TABLES[seed, bins, page] = SignTable(seed, bins, CPU, page)
+    return _TABLES[seed, bins, page]
+
+
+def _definition_signs(table: SignTable, begin: int, end: int) -> torch.Tensor:
+    """sigma_x = T[x mod M] * v[(x div p) mod R], position by position (the slow, obvious way)."""
+    t, v = table.values[: table.page].tolist(), table.row_table.tolist()
+    return torch.tensor([t[x % table.page] * int(v[(x // table.bins) % ROW_PERIOD]) for x in range(begin, end)])
+
+
+def _reference_sketch(flat: torch.Tensor, plan: BucketPlan, table: SignTable) -> torch.Tensor:
+    """s[c] = sum over positions x of the bucket with x mod p == c of sigma_x * g_x, in float64."""
+    signed = flat.double() * _definition_signs(table, plan.base, plan.base + plan.numel).double()
+    bins = (plan.base + torch.arange(flat.numel())) % plan.bins
     return torch.zeros(plan.bins, dtype=torch.float64).index_add_(0, bins, signed)
 
 
@@ -38,25 +55,72 @@ def test_signs_are_deterministic_balanced_and_leave_global_rngs_alone():
     a = random_signs(100_000, (7, 1, 100_000), CPU)
     b = random_signs(100_000, (7, 1, 100_000), CPU)
     c = random_signs(100_000, (8, 1, 100_000), CPU)
+    tables = [SignTable(7, 61, CPU, page=1 << 16), SignTable(7, 61, CPU, page=1 << 16), SignTable(8, 61, CPU, page=1 << 16)]
     assert torch.equal(torch.random.get_rng_state(), torch_state)
     assert np.array_equal(np.random.get_state()[1], numpy_state[1])
     assert a.dtype == torch.int8 and set(a.unique().tolist()) == {-1, 1}
     assert torch.equal(a, b) and not torch.equal(a, c)
     assert abs(a.float().mean().item()) < 0.02
+    assert torch.equal(tables[0].values, tables[1].values) and not torch.equal(tables[0].values, tables[2].values)
+    assert torch.equal(tables[0].row_table, tables[1].row_table) and not torch.equal(tables[0].row_table, tables[2].row_table)
+    assert torch.equal(tables[0].values[1 << 16 :], tables[0].values[: 1 << 16])  # T stored twice
+    assert abs(tables[0].row_table.mean().item()) < 0.02
+
+
+def test_sign_table_memory_is_fixed():
+    table = SignTable(0, 251, CPU)
+    assert 16 * 2**20 < table.nbytes() < 17 * 2**20
+    kernel = BucketStatsKernel(251, CPU, table)
+    for numel in (10**6, 4 * 10**6):  # twice the bucket, the same memory: nothing per element
+        plan = BucketPlan([numel // 2, numel - numel // 2], 251, 0, CPU, 1 << 17)
+        kernel.run(torch.randn(numel), plan, torch.zeros(251), torch.empty(2))
+        assert kernel.persistent_bytes() < table.nbytes() + 2**20 and plan.persistent_bytes() < 0.001 * numel
+
+
+def test_sign_table_pieces_follow_the_definition():
+    table = SignTable(5, 13, CPU, page=64)
+    for begin, end in ((0, 64), (10, 20), (60, 200), (128, 129), (3, 64 * 40 + 7)):
+        pieces = table.pieces(begin, end)
+        assert len(pieces) == -(-(end - begin) // 64) and [offset for offset, _ in pieces] == list(range(0, end - begin, 64))
+        t = torch.cat([piece for _, piece in pieces]).long()
+        assert torch.equal(t, table.values[torch.arange(begin, end) % 64].long())
+        assert torch.equal(table.signs(begin, end).long(), _definition_signs(table, begin, end))
+    rows = table.row_signs(ROW_PERIOD - 3, 10)  # wraps around the row table
+    assert torch.equal(rows, table.row_table[torch.arange(ROW_PERIOD - 3, ROW_PERIOD + 7) % ROW_PERIOD])
+    assert table.pieces(5, 5) == [] and table.signs(5, 5).numel() == 0
+    with pytest.raises(ValueError, match="page=100 must be a power of two"):
+        SignTable(0, 13, CPU, page=100)
+
+
+def test_plan_positions():
+    plan = BucketPlan([100, 50], 61, 122, CPU, 1024)
+    assert plan.end == 305  # 122 + 150 rounded up to a multiple of 61
+    with pytest.raises(ValueError, match="base=100 must be a non-negative multiple of bins=61"):
+        BucketPlan([10], 61, 100, CPU, 1024)
+    with pytest.raises(ValueError, match="a kernel with a sketch of 61 bins needs a SignTable of 61 bins"):
+        BucketStatsKernel(61, CPU)
+    with pytest.raises(ValueError, match="needs a SignTable of 61 bins"):
+        BucketStatsKernel(61, CPU, _table(0, 13, 64))
+    kernel = BucketStatsKernel(61, CPU, _table(0, 61, 1024))
+    with pytest.raises(ValueError, match="chunks of 1952 elements exceed the sign table's 1024 entries; use chunk_elems <= 1024"):
+        kernel.run(torch.randn(5000), BucketPlan([5000], 61, 0, CPU, 2000), torch.zeros(61), torch.empty(1))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("sketch_dim", [0, 16, 256])
 @pytest.mark.parametrize("chunk_elems", [1024, 1 << 16])
 @pytest.mark.parametrize("fused", [False, True], ids=["dots", "fused"])
-def test_kernel_matches_direct_formulas(dtype, sketch_dim, chunk_elems, fused):
-    # Segment lengths that straddle chunk boundaries, tiny segments and a ragged last row.
+@pytest.mark.parametrize("page", [SIGN_PAGE, 1 << 16], ids=["page", "small-pages"])
+def test_kernel_matches_direct_formulas(dtype, sketch_dim, chunk_elems, fused, page):
+    # Segment lengths that straddle chunk boundaries, tiny segments and a ragged last row; with a
+    # small table, the bucket wraps around it and rows around the row table.
     lengths = [1000, 70_001, 5, 30_000, 17, 1]
     generator = torch.Generator().manual_seed(1)
     flat = torch.randn(sum(lengths), generator=generator).to(dtype)
     bins = sketch_bins(sketch_dim)
-    plan = BucketPlan(lengths, bins, (3, 4), CPU, chunk_elems)
-    kernel = BucketStatsKernel(bins, CPU, fused=fused)  # fused: the accelerator path, run on the CPU
+    table = _table(3, bins, page) if bins else None
+    plan = BucketPlan(lengths, bins, 7 * bins, CPU, chunk_elems)
+    kernel = BucketStatsKernel(bins, CPU, table, fused=fused)  # fused: the accelerator path, run on the CPU
     sketch = torch.zeros(max(bins, 1))
     sq = torch.empty(len(lengths))
     before = flat.clone()
@@ -66,41 +130,43 @@ def test_kernel_matches_direct_formulas(dtype, sketch_dim, chunk_elems, fused):
         expected = torch.stack([part.double().pow(2).sum() for part in flat.split(lengths)])
         torch.testing.assert_close(sq.double(), expected, rtol=1e-5, atol=0)
         if bins:
-            torch.testing.assert_close(sketch.double(), _reference_sketch(flat, plan), rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(sketch.double(), _reference_sketch(flat, plan, table), rtol=1e-4, atol=1e-4)
     assert torch.equal(flat, before), "the kernel must not modify the gradient"
 
 
 def test_kernel_shares_scratch_between_plans_of_different_sizes():
-    kernel = BucketStatsKernel(61, CPU)
-    small = BucketPlan([10, 20], 61, (0, 0), CPU, 1024)
-    large = BucketPlan([50_000, 3], 61, (0, 1), CPU, 1 << 14)
+    table = _table(0, 61, 1 << 14)
+    kernel = BucketStatsKernel(61, CPU, table)
+    small = BucketPlan([10, 20], 61, 0, CPU, 1024)
+    large = BucketPlan([50_000, 3], 61, small.end, CPU, 1 << 14)
     for plan in (small, large, small):
         flat = torch.randn(plan.numel)
         sketch, sq = torch.zeros(61), torch.empty(len(plan.lengths))
         kernel.run(flat, plan, sketch, sq)
-        torch.testing.assert_close(sketch.double(), _reference_sketch(flat, plan), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(sketch.double(), _reference_sketch(flat, plan, table), rtol=1e-4, atol=1e-4)
 
 
 def test_kernel_rejects_a_buffer_of_the_wrong_size():
-    plan = BucketPlan([10, 20], 61, (0, 0), CPU, 1024)
+    plan = BucketPlan([10, 20], 61, 0, CPU, 1024)
     with pytest.raises(ValueError, match="bucket has 31 elements but its plan expects 30"):
-        BucketStatsKernel(61, CPU).run(torch.randn(31), plan, torch.zeros(61), torch.empty(2))
+        BucketStatsKernel(61, CPU, _table(0, 61, 1 << 12)).run(torch.randn(31), plan, torch.zeros(61), torch.empty(2))
 
 
 def test_kernel_reports_non_finite_values_in_their_segment_only():
-    plan = BucketPlan([100, 100, 100], 61, (0, 0), CPU, 1024)
+    plan = BucketPlan([100, 100, 100], 61, 0, CPU, 1024)
     flat = torch.randn(300)
     flat[150] = float("nan")
     flat[250] = float("inf")
     sq = torch.empty(3)
-    BucketStatsKernel(61, CPU).run(flat, plan, torch.zeros(61), sq)
+    BucketStatsKernel(61, CPU, _table(0, 61, 1 << 12)).run(flat, plan, torch.zeros(61), sq)
     assert math.isfinite(sq[0]) and math.isnan(sq[1]) and math.isinf(sq[2])
 
 
 def test_squared_norms_of_reduced_buckets():
     lengths = [5, 200_000, 3]
+    generator = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.float64, torch.bfloat16):
-        flat = torch.randn(sum(lengths)).to(dtype)
+        flat = torch.randn(sum(lengths), generator=generator).to(dtype)
         expected = torch.stack([p.double().pow(2).sum() for p in flat.split(lengths)])
         for fused in (False, True):  # the CPU path and the accelerator path
             out = torch.empty(3)
@@ -138,30 +204,100 @@ def _pair(family: str, cosine: float, rng: np.random.Generator) -> tuple[np.ndar
     return x, cosine * x_hat + math.sqrt(1 - cosine**2) * y / np.linalg.norm(y)
 
 
+def _sketch(vector: torch.Tensor, scheme: str, seed: int, bins: int) -> np.ndarray:
+    """The sketch of one 1-D gradient: with independent signs per element (the reference: the
+    int8 cache ddphooks kept before the table), or through the kernel with table signs."""
+    if scheme == "independent":
+        signs = random_signs(vector.numel(), (seed, 99), CPU).double()
+        bins_of = torch.arange(vector.numel()) % bins
+        return torch.zeros(bins, dtype=torch.float64).index_add_(0, bins_of, vector.double() * signs).numpy()
+    page = int(scheme.split()[-1])  # "table, pages of N"
+    kernel = BucketStatsKernel(bins, CPU, SignTable(seed, bins, CPU, page))
+    acc = torch.zeros(bins)
+    kernel.run(vector, BucketPlan([vector.numel()], bins, 0, CPU, min(1 << 16, page)), acc, torch.empty(1))
+    return acc.double().numpy()
+
+
+# Tables of 1024 entries (a table holds at least one row of p <= 1021 bins): every entry is reused
+# 64 times in a gradient, so a constant gradient repeats every pair of signs 64 times unless the
+# row signs decorrelate them. (A gradient within one table length, 8 M positions by default, sees
+# no repeat at all.)
+SCHEMES = ("independent", "table, pages of 1024", "table, pages of 4096")
+
+
 def test_sketched_cosine_rms_error_within_bound():
     """RMS error of the estimated cosine <= 1.25 / sqrt(sketch_dim) for sketch_dim 64, 256, 1024,
-    over 50 seeds (projection and gradients), for four families of gradients and true cosines
-    -0.5, 0, 0.5, 0.9."""
-    kernels = {k: BucketStatsKernel(sketch_bins(k), CPU) for k in SKETCH_DIMS}
+    over 50 seeds (projection and gradients) and the true cosines -0.5, 0, 0.5, 0.9, for four
+    families of gradients; with table signs no more than 1.3 times the error with independent
+    signs."""
     squared = {}
     for family in ("dense", "contiguous", "column", "constant"):
         for cosine in (-0.5, 0.0, 0.5, 0.9):
             for seed in range(SEEDS):
                 rng = np.random.default_rng([seed, int(cosine * 10) + 10, len(family)])
                 pair = [torch.from_numpy(v).float() for v in _pair(family, cosine, rng)]
-                for k, kernel in kernels.items():
-                    plan = BucketPlan([DIM], kernel.bins, (seed, 0, DIM), CPU, 1 << 16)
-                    sketches = np.zeros((2, kernel.bins))
-                    for row, vector in enumerate(pair):
-                        acc = torch.zeros(kernel.bins)
-                        kernel.run(vector, plan, acc, torch.empty(1))
-                        sketches[row] = acc.double().numpy()
-                    kernel.forget(plan)
-                    error = cosine_from_sketches(sketches)[0, 1] - cosine
-                    squared.setdefault((k, family, cosine), []).append(error**2)
-    rms = {key: math.sqrt(sum(v) / len(v)) for key, v in squared.items()}
-    failures = {key: round(v, 4) for key, v in rms.items() if v > 1.25 / math.sqrt(key[0])}
+                for k in SKETCH_DIMS:
+                    for scheme in SCHEMES[:2]:
+                        sketches = np.stack([_sketch(vector, scheme, seed, sketch_bins(k)) for vector in pair])
+                        error = cosine_from_sketches(sketches)[0, 1] - cosine
+                        squared.setdefault((scheme, k, family, cosine), []).append(error**2)
+    rms = {}
+    for (scheme, k, family, _), errors in squared.items():
+        rms.setdefault((scheme, k, family), []).extend(errors)
+    rms = {key: math.sqrt(sum(v) / len(v)) for key, v in rms.items()}
+    failures = {key: round(v, 4) for key, v in rms.items() if v > 1.25 / math.sqrt(key[1])}
     assert not failures, f"RMS errors above 1.25/sqrt(sketch_dim): {failures}"
-    # The bound is not vacuous: dense gradients at cosine 0 really have an error near 1/sqrt(p).
     for k in SKETCH_DIMS:
-        assert rms[(k, "dense", 0.0)] > 0.5 / math.sqrt(k)
+        # The bound is not vacuous: dense gradients really have an error near 1/sqrt(p).
+        assert rms[(SCHEMES[1], k, "dense")] > 0.5 / math.sqrt(k)
+        for family in ("dense", "contiguous", "column", "constant"):
+            assert rms[(SCHEMES[1], k, family)] <= 1.3 * rms[(SCHEMES[0], k, family)], (k, family, rms)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_sketched_inner_product_is_unbiased(scheme):
+    """Over 300 seeds, <s_a, s_b> / <a, b> has mean 1 (within 4 standard errors) for two gradients
+    with a large common constant part, the case where reused signs would add up coherently;
+    its spread with table signs is within 1.3 times that with independent signs."""
+    rng = np.random.default_rng(0)
+    a, b = (torch.from_numpy(3.0 + rng.standard_normal(DIM)).float() for _ in range(2))
+    exact = float(a.double() @ b.double())
+    bins = sketch_bins(64)
+    ratios = np.array([_sketch(a, scheme, seed, bins) @ _sketch(b, scheme, seed, bins) / exact for seed in range(300)])
+    standard_error = ratios.std() / math.sqrt(len(ratios))
+    assert abs(ratios.mean() - 1) < 4 * standard_error, (ratios.mean(), standard_error)
+    # the error of independent signs for this pair: |a||b| / <a, b> * sqrt(2 / p) roughly
+    reference = math.sqrt(2 / bins) * float(a.norm() * b.norm()) / exact
+    assert 0.5 * reference < ratios.std() < 1.3 * reference, (ratios.std(), reference)
+
+
+_OTHER_PROCESS = """
+import sys, torch
+from ddphooks.sketch import BucketPlan, BucketStatsKernel, SignTable
+torch.set_num_threads(1)
+flat = torch.load(sys.argv[1])
+table = SignTable(11, 251, torch.device("cpu"))
+plan = BucketPlan([1000, flat.numel() - 1000], 251, 251 * 32_000, torch.device("cpu"), 4099)
+acc = torch.zeros(251)
+BucketStatsKernel(251, torch.device("cpu"), table, fused=True).run(flat, plan, acc, torch.empty(2))
+torch.save(acc, sys.argv[2])
+"""
+
+
+def test_sketch_is_the_same_in_another_process_with_other_threads_and_chunks(tmp_path):
+    """One gradient straddling a page boundary, sketched here (all threads, the CPU path, chunks of
+    64 K) and in a fresh process (one thread, the accelerator path, chunks of 4099): the same."""
+    flat = torch.randn(3 * 2**20, generator=torch.Generator().manual_seed(3))
+    torch.save(flat, tmp_path / "flat.pt")
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-c", _OTHER_PROCESS, str(tmp_path / "flat.pt"), str(tmp_path / "acc.pt")], check=True, timeout=120)
+    table = _table(11, 251)
+    plan = BucketPlan([1000, flat.numel() - 1000], 251, 251 * 32_000, CPU, 1 << 16)
+    assert plan.base < SIGN_PAGE < plan.base + plan.numel  # wraps around the table
+    acc = torch.zeros(251)
+    BucketStatsKernel(251, CPU, table).run(flat, plan, acc, torch.empty(2))
+    scale = acc.abs().max().item()  # fp32 sums of 12 K terms per bin, in another order
+    torch.testing.assert_close(acc, torch.load(tmp_path / "acc.pt"), rtol=1e-5, atol=1e-5 * scale)
+    torch.testing.assert_close(acc.double(), _reference_sketch(flat, plan, table), rtol=1e-5, atol=1e-5 * scale)
