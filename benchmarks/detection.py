@@ -10,6 +10,7 @@ none. The runs come from ``ddphooks experiment`` (commands in benchmarks/README.
     python benchmarks/detection.py runs/faults --json detection.json
     python benchmarks/detection.py runs/heldout --set recent=32            # another DetectorConfig
     python benchmarks/detection.py runs/healthy runs/faults --levels 1 1.25 1.5 2   # per alert level
+    python benchmarks/detection.py runs/healthy runs/faults --ablations             # each rule switched off
 
 With ``--levels`` every run is detected once per ``DetectorConfig.alert_level``; the tables give,
 per level, the false alarms per 30,000 healthy steps (pooled over the healthy settings, per world
@@ -35,6 +36,17 @@ from ddphooks.detect import Detector, DetectorConfig, Observation
 from ddphooks.experiment.report import read_run
 
 HEALTHY_POOL = ("sync", "desync-shuffle", "desync-all", "group-sync")
+#: Each rule of the detector switched off through its settings, for --ablations.
+ABLATIONS = {
+    "defaults": [],
+    "no combined CUSUM": ["combined_drift=1e9"],
+    "no cross-rank repeat CUSUM": ["repeat_threshold=1e9"],
+    "no loss term in the repeat score": ["repeat_loss_cap=0"],
+    "no per-parameter CUSUM": ["layer_drift=15.99"],
+    "no step cap": ["step_cap=1e9"],
+    "no cosine floor": ["cosine_floor=1e-9"],
+    "no growth power (combined)": ["combined_growth=0"],
+}
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("folders", nargs="+", help="folders searched (recursively) for run-*.jsonl files")
@@ -42,6 +54,7 @@ parser.add_argument("--json", default=None, help="also write the results to this
 parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="override one DetectorConfig field (repeatable), e.g. --set recent=32")
 parser.add_argument("--levels", nargs="+", type=float, default=None, metavar="L", help="alert levels to compare (DetectorConfig.alert_level), with d' and the bound")
 parser.add_argument("--dprime-steps", type=int, default=10, help="steps from the fault over which the faulty rank's scores are averaged for d'")
+parser.add_argument("--ablations", action="store_true", help="also detect every run with each rule of the detector switched off (ABLATIONS)")
 args = parser.parse_args()
 try:
     config = DetectorConfig.from_overrides(args.set)
@@ -148,5 +161,23 @@ if args.levels:
             print(f"{level:>5g} {kind:<10} {world:>2} {len(values):>4} {len(values) - len(named):>6} {'-' if median is None else median:>12} {cells[0]:>14} {cells[1]:>6} {cells[2]:>13}")
             levels.append({"level": level, "kind": kind, "world": world, "fault_step": fault_step, "delays": values, "dprime": d, "bound": bound})
 
+ablations = []
+if args.ablations:
+    print("\nablations: false alarms / healthy steps per W (all healthy steps); per fault kind and W: missed / runs, median delay")
+    for name, overrides in ABLATIONS.items():
+        found = measure(dataclasses.replace(DetectorConfig.from_overrides(overrides), alert_level=config.alert_level))
+        cells = []
+        for world in sorted({w for _, w in found["false_alarms"]}):
+            count = sum(c for (_, w), (c, _) in found["false_alarms"].items() if w == world)
+            steps = sum(n for (_, w), (_, n) in found["false_alarms"].items() if w == world)
+            cells.append(f"W{world} {count}/{steps}")
+            ablations.append({"ablation": name, "world": world, "false_alarms": count, "steps": steps})
+        for (kind, world, fault_step), values in sorted(found["delays"].items()):
+            named = [v for v in values if v is not None]
+            median = statistics.median(named) if named else None
+            cells.append(f"{kind} W{world} {len(values) - len(named)}/{len(values)}, {'-' if median is None else f'{median:g}'}")
+            ablations.append({"ablation": name, "kind": kind, "world": world, "fault_step": fault_step, "delays": values})
+        print(f"{name:<34} " + " | ".join(cells))
+
 if args.json:
-    Path(args.json).write_text(json.dumps({"config": vars(config), "delays": rows, "healthy": healthy, "levels": levels}, indent=1))
+    Path(args.json).write_text(json.dumps({"config": vars(config), "delays": rows, "healthy": healthy, "levels": levels, "ablations": ablations}, indent=1))

@@ -5,7 +5,12 @@ For each bucket size and sketch_dim, in one process and one thread, interleaved 
   divide       buf.div_(W): the pass allreduce_hook itself makes (context, not statistics work)
   statistics   per-parameter squared norms + sketch + packing of the rank's slot (before the allreduce)
   reduced      squared norms of the reduced bucket (after the allreduce, for the exact cosine)
-Ratios are medians of per-round ratios to the read pass of the same round.
+Ratios are medians of per-round ratios to the read pass of the same round. "ops" counts the ops
+the statistics work dispatches per bucket on the accelerator path (fused norms, 8 M-element
+chunks), each a kernel launch on a GPU or NPU; the torch profiler sees them on the CPU too, so
+they are counted here whatever --device is. Memory: what the statistics keep between steps on
+the device, split into a fixed part (sign tables, scratch) and a part per gradient element
+(plans), and the per-rank totals this implies for 135M, 1B and 7B parameters.
 
     python benchmarks/hook_cost.py            # 1, 25, 100 MB buckets
     python benchmarks/hook_cost.py --quick    # 1 and 25 MB, fewer rounds
@@ -24,7 +29,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from ddphooks.sketch import ACCELERATOR_CHUNK_ELEMS, CPU_CHUNK_ELEMS, BucketPlan, BucketStatsKernel, sketch_bins, squared_norms
+from ddphooks.sketch import ACCELERATOR_CHUNK_ELEMS, CPU_CHUNK_ELEMS, BucketPlan, BucketStatsKernel, SignTable, sketch_bins, squared_norms
 from ddphooks.stats import slot_size
 
 # -- config ----------------------------------------------------------------------------------------
@@ -33,6 +38,8 @@ SKETCH_DIMS = (0, 64, 256, 1024)
 PARAMS_PER_BUCKET = 8  # a bucket holds several parameters; norms are per parameter
 WORLD = 8  # only sets the divisor and the slot count; nothing is communicated
 ROUNDS, WARMUP = 15, 3
+MODEL_SIZES = {"135M": 135e6, "1B": 1e9, "7B": 7e9}
+VIEWS = {"aten::slice", "aten::view", "aten::as_strided", "aten::select", "aten::alias", "aten::t", "aten::transpose", "aten::split"}
 
 
 def synchronize(device):
@@ -64,14 +71,51 @@ def bytes_allocated(fn, device):
     return sum(max(0, event.self_cpu_memory_usage) for event in prof.key_averages())
 
 
+def split(numel, n_params):
+    lengths = [numel // n_params] * (n_params - 1)
+    return lengths + [numel - sum(lengths)]
+
+
+def launches(fn):
+    """Ops dispatched by one call: aten ops not called by another aten op, views excluded."""
+    fn()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    count = 0
+    for event in prof.events():
+        parent = event.cpu_parent
+        while parent is not None and not parent.name.startswith("aten::"):
+            parent = parent.cpu_parent
+        count += event.name.startswith("aten::") and event.name not in VIEWS and parent is None
+    return count
+
+
+def plan_bytes_per_element(bins, chunk_elems):
+    """Memory a plan keeps per gradient element: its segment arrays (a few integers per chunk; the
+    scratch views are two per plan), for a 1 G-element layout of 64 parameters."""
+    numel = 1 << 30
+    return BucketPlan(split(numel, 64), bins, 0, torch.device("cpu"), chunk_elems).persistent_bytes() / numel
+
+
+def accelerator_path(numel, bins, n_params, table):
+    """The accelerator path (fused norms, accelerator chunks) run on the CPU: ops per bucket, and
+    the fixed bytes kept between steps."""
+    if not bins:
+        return 0, 0
+    flat, sketch, sq = torch.randn(numel), torch.zeros(bins), torch.empty(n_params)
+    plan = BucketPlan(split(numel, n_params), bins, 0, torch.device("cpu"), ACCELERATOR_CHUNK_ELEMS)
+    kernel = BucketStatsKernel(bins, torch.device("cpu"), table, fused=True)
+    return launches(lambda: kernel.run(flat, plan, sketch, sq)), kernel.persistent_bytes()
+
+
 def measure(bucket_mb, sketch_dim, rounds, chunk_elems, device):
     numel = bucket_mb * 2**20 // 4
-    lengths = [numel // PARAMS_PER_BUCKET] * (PARAMS_PER_BUCKET - 1)
-    lengths.append(numel - sum(lengths))
+    lengths = split(numel, PARAMS_PER_BUCKET)
     bins = sketch_bins(sketch_dim)
     buffer = torch.randn(numel, device=device)
-    plan = BucketPlan(lengths, bins, (0, 0, numel), device, chunk_elems)
-    kernel = BucketStatsKernel(bins, device)  # fused multi-tensor norms on accelerators, as in the hook
+    table = SignTable(0, bins, device) if bins else None
+    plan = BucketPlan(lengths, bins, 0, device, chunk_elems)
+    kernel = BucketStatsKernel(bins, device, table)  # fused multi-tensor norms on accelerators, as in the hook
     sketch = torch.zeros(max(bins, 1), device=device)
     sq = torch.empty(len(lengths), device=device)
     slot = torch.empty(slot_size(len(lengths), bins), device=device)
@@ -96,7 +140,11 @@ def measure(bucket_mb, sketch_dim, rounds, chunk_elems, device):
             if round_index >= WARMUP:
                 samples[name].append(elapsed)
     ratio = lambda name: statistics.median(t / r for t, r in zip(samples[name], samples["read"]))
-    persistent = plan.persistent_bytes() + kernel.persistent_bytes()
+    fixed = kernel.persistent_bytes()  # sign tables and scratch: the same for any model
+    cpu_table = table if device.type == "cpu" else (SignTable(0, bins, torch.device("cpu")) if bins else None)
+    accelerator_ops, accelerator_fixed = accelerator_path(numel, bins, PARAMS_PER_BUCKET, cpu_table)
+    per_element = plan_bytes_per_element(bins, chunk_elems) if bins else 0.0
+    accelerator_per_element = plan_bytes_per_element(bins, ACCELERATOR_CHUNK_ELEMS) if bins else 0.0
     return {
         "device": device.type,
         "bucket_mb": bucket_mb,
@@ -107,8 +155,13 @@ def measure(bucket_mb, sketch_dim, rounds, chunk_elems, device):
         "statistics_x_read": ratio("statistics"),
         "reduced_x_read": ratio("reduced"),
         "divide_x_read": ratio("divide"),
-        "persistent_bytes_per_element": persistent / numel,
+        "persistent_fixed_bytes": fixed,
+        "persistent_bytes_per_element": per_element,
         "transient_bytes_per_call": bytes_allocated(statistics_work, device) + bytes_allocated(work["reduced"], device),
+        "accelerator_ops": accelerator_ops,
+        "accelerator_ops_64_params": accelerator_path(numel, bins, 64, cpu_table)[0],
+        "accelerator_fixed_bytes": accelerator_fixed,
+        "accelerator_bytes_per_element": accelerator_per_element,
     }
 
 
@@ -132,15 +185,27 @@ def main():
     print(f"statistics work per bucket on {device}, 1 thread, torch {torch.__version__}, chunks of {chunk_elems} elements, "
           f"{PARAMS_PER_BUCKET} parameters per bucket, medians of {rounds} interleaved rounds\n")
     print(f"{'bucket':>7} {'sketch':>6} {'read ms':>8} {'stats ms':>9} {'stats/read':>10} {'reduced/read':>12} "
-          f"{'(divide/read)':>13} {'persistent B/elem':>17} {'transient B/call':>16}")
+          f"{'(divide/read)':>13} {'ops (8/64 params)':>17} {'fixed MB':>8} {'B/elem':>8} {'transient B/call':>16}")
     results = []
     for bucket_mb in buckets:
         for sketch_dim in args.sketch_dims:
             r = measure(bucket_mb, sketch_dim, rounds, chunk_elems, device)
             results.append(r)
+            ops = f"{r['accelerator_ops']}/{r['accelerator_ops_64_params']}"
             print(f"{bucket_mb:>5}MB {sketch_dim:>6} {r['read_ms']:8.2f} {r['statistics_ms']:9.2f} {r['statistics_x_read']:9.2f}x "
-                  f"{r['reduced_x_read']:11.2f}x {r['divide_x_read']:12.2f}x {r['persistent_bytes_per_element']:17.3f} "
-                  f"{r['transient_bytes_per_call']:16,d}")
+                  f"{r['reduced_x_read']:11.2f}x {r['divide_x_read']:12.2f}x {ops:>17} {r['persistent_fixed_bytes'] / 2**20:8.1f} "
+                  f"{r['persistent_bytes_per_element']:8.1e} {r['transient_bytes_per_call']:16,d}")
+    largest = max(r["bucket_mb"] for r in results)
+    print(f"\npersistent statistics memory per rank, sketch_dim 256, from the {largest} MB bucket's fixed and per-element "
+          f"costs (the piggyback copy of the last bucket, <= piggyback_limit_mb = 32 MB, comes on top)")
+    for r in results:
+        if r["bucket_mb"] == largest and r["sketch_dim"] == 256:
+            for path, fixed, per_element in ((f"{device.type} path", r["persistent_fixed_bytes"], r["persistent_bytes_per_element"]),
+                                             ("accelerator path", r["accelerator_fixed_bytes"], r["accelerator_bytes_per_element"])):
+                sizes = {name: (fixed + per_element * n) / 2**20 for name, n in MODEL_SIZES.items()}
+                r.setdefault("per_model_mb", {})[path] = sizes
+                print(f"  {path:<17} fixed {fixed / 2**20:5.1f} MB + {per_element:.2e} B/elem: "
+                      + ", ".join(f"{name} {mb:,.1f} MB" for name, mb in sizes.items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -1,15 +1,18 @@
-"""Signs of the bucket sketch without the int8 cache: cost, launches, memory and statistics.
+"""Signs of the bucket sketch without a per-element cache: cost, launches, memory and statistics.
 
 Each option computes what ddphooks.sketch computes for one fp32 bucket laid out like transformer
 layers: per-parameter squared norms and the CountSketch s[c] = sum_{i mod p = c} sigma_i g_i
 (p = 251 for sketch_dim 256). One thread; "x read" is the median [IQR] over interleaved rounds of
 the ratio to one read pass (torch.dot(buf, buf)) timed in the same round.
-  cached    BucketStatsKernel + BucketPlan: int8 signs cached per bucket (the reference)
+  shipped   BucketStatsKernel + SignTable: sigma_x = T[x mod 2^23] v[(x div p) mod 65521] (what ddphooks runs)
   hash64    sigma from a hash of (key, position) per chunk (today's chunks), int64 torch ops
   hash32    the same bits in int32 torch ops (masked shifts); sign applied by xor on the sign bit
   compiled  torch.compile (Inductor CPU, dynamic=False) of one whole-bucket function, hash inline
   tables    sigma_i = T1[i mod 1009] T2[i mod 1013] T3[i mod 1019], fp32 tables tiled so that a
             chunk's signs are three slices
+  native    the shipped signs in one fused C loop (gcc -O3 -march=native, loaded with ctypes): each
+            gradient element read once, its bin updated and its square summed; needs a C compiler
+            at run time, which pip cannot install
 Hash (murmur3 fmix32 of a Weyl sequence): h = (i * 0x9E3779B9 + key) mod 2^32; h ^= h >> 16;
 h *= 0x85EBCA6B; h ^= h >> 13; h *= 0xC2B2AE35 (mod 2^32); sigma_i = -1 if bit 31 of h else +1.
 
@@ -19,9 +22,11 @@ h *= 0x85EBCA6B; h ^= h >> 13; h *= 0xC2B2AE35 (mod 2^32); sigma_i = -1 if bit 3
 """
 
 import argparse
+import ctypes
 import math
 import os
 import statistics
+import subprocess
 import tempfile
 import time
 
@@ -32,7 +37,7 @@ import torch._dynamo.utils
 import torch._inductor.config
 from torch.profiler import ProfilerActivity, profile
 
-from ddphooks.sketch import CPU_CHUNK_ELEMS, BucketPlan, BucketStatsKernel, sketch_bins
+from ddphooks.sketch import CPU_CHUNK_ELEMS, BucketPlan, BucketStatsKernel, SignTable, sketch_bins
 
 M32, GOLDEN, C1, C2 = 0xFFFFFFFF, 0x9E3779B9, 0x85EBCA6B, 0xC2B2AE35
 MODULI = (1009, 1013, 1019)  # pairwise coprime and coprime with 251; product 1.04e9 elements
@@ -74,33 +79,32 @@ def layout(numel, n_params):
     return lengths
 
 
-class Cached:
+class Shipped:
     def __init__(self, lengths, p, seed):
-        self.plan = BucketPlan(lengths, p, (seed, 0, sum(lengths)), torch.device("cpu"), CPU_CHUNK_ELEMS)
-        self.kernel = BucketStatsKernel(p, torch.device("cpu"))
+        self.plan = BucketPlan(lengths, p, 0, torch.device("cpu"), CPU_CHUNK_ELEMS)
+        self.kernel = BucketStatsKernel(p, torch.device("cpu"), SignTable(seed, p, torch.device("cpu")))
 
     def run(self, flat, sq, sk):
         sk.zero_()
         self.kernel.run(flat, self.plan, sk, sq)
 
     def persistent(self):  # (bytes per element, fixed bytes)
-        signs = self.plan.signs.numel()
-        return signs / self.plan.numel, self.plan.persistent_bytes() - signs + self.kernel.persistent_bytes()
+        return self.plan.persistent_bytes() / self.plan.numel, self.kernel.persistent_bytes()
 
 
 class Chunked:
     """Today's chunked pass; `signed_chunk` writes sigma * g of one chunk into the fp32 scratch."""
 
     def __init__(self, lengths, p, chunk_elems=CPU_CHUNK_ELEMS):
-        self.plan = plan = BucketPlan(lengths, 0, (), torch.device("cpu"), chunk_elems // p * p)  # no signs
-        self.p, self.prod, self.colsums = p, torch.empty(plan.chunk_elems), torch.empty(len(plan.chunks), p)
+        self.plan = plan = BucketPlan(lengths, 0, 0, torch.device("cpu"), chunk_elems // p * p)  # layout only
+        self.p, self.prod, self.colsums = p, torch.empty(plan.chunk_elems), torch.empty(plan.n_chunks, p)
         self.partials, self.steps, k = torch.empty(plan.n_segments), [], 0
-        for ci, c in enumerate(plan.chunks):
+        for ci, c in enumerate(plan.chunks()):
             prod = self.prod[: c.end - c.begin]
             segs = [(prod[s.begin : s.end], self.partials[k + j]) for j, s in enumerate(c.segments)]
             k += len(segs)
             self.steps.append((c.begin, c.end, prod, prod[: prod.numel() // p * p].view(-1, p), self.colsums[ci], segs))
-        self.last = plan.chunks[-1].end - plan.chunks[-1].begin
+        self.last = plan.numel - (plan.n_chunks - 1) * plan.chunk_elems
 
     def run(self, flat, sq, sk):
         for begin, end, prod, rows, colsum, segs in self.steps:
@@ -159,6 +163,70 @@ class Tables(Chunked):
         out.mul_(t3[begin % m3 :][:n]).mul_(g)
 
 
+NATIVE_SOURCE = r"""
+#include <stdint.h>
+/* sketch[x mod p] += T[x mod page] v[(x div p) mod R] g[i] and sq[j] = |g_j|^2, x = base + i (base a
+   multiple of p), in runs of at most one row of p elements, each a vectorised loop; the bin and the
+   row advance by counting (no division per row). T is stored twice. */
+void sketch_norms(const float* restrict g, int64_t base, const int8_t* restrict table, int64_t page,
+                  const float* restrict rows, int64_t period, int64_t p, const int64_t* restrict seg_end,
+                  int64_t nseg, float* restrict sketch, double* restrict sq) {
+    int64_t i = 0, c = 0, r = (base / p) % period;
+    for (int64_t j = 0; j < nseg; ++j) {
+        double acc = 0.0;
+        while (i < seg_end[j]) {
+            int64_t run = p - c;
+            if (run > seg_end[j] - i) run = seg_end[j] - i;
+            const float v = rows[r];
+            const int8_t* restrict t = table + ((base + i) & (page - 1));
+            const float* restrict gg = g + i;
+            float* restrict s = sketch + c;
+            float a = 0.0f;
+            #pragma omp simd reduction(+:a)
+            for (int64_t k = 0; k < run; ++k) { const float gv = gg[k]; s[k] += v * (float)t[k] * gv; a += gv * gv; }
+            acc += a;
+            i += run;
+            c += run;
+            if (c == p) { c = 0; if (++r == period) r = 0; }
+        }
+        sq[j] = acc;
+    }
+}
+"""
+_native = None
+
+
+def native_library():
+    global _native
+    if _native is None:
+        folder = tempfile.mkdtemp()
+        with open(os.path.join(folder, "sketch.c"), "w") as f:
+            f.write(NATIVE_SOURCE)
+        cmd = ["gcc", "-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-o", os.path.join(folder, "sketch.so"), os.path.join(folder, "sketch.c")]
+        subprocess.run(cmd, check=True)
+        _native = ctypes.CDLL(os.path.join(folder, "sketch.so"))
+    return _native
+
+
+class Native:
+    def __init__(self, lengths, p, seed):
+        self.table, self.p, self.lib = SignTable(seed, p, torch.device("cpu")), p, native_library()
+        self.ends = torch.tensor(np.cumsum(lengths), dtype=torch.int64)
+        self.sq64 = torch.empty(len(lengths), dtype=torch.float64)
+
+    def run(self, flat, sq, sk):
+        i64, t = ctypes.c_int64, self.table
+        sk.zero_()
+        self.lib.sketch_norms(ctypes.c_void_p(flat.data_ptr()), i64(0), ctypes.c_void_p(t.values.data_ptr()), i64(t.page),
+                              ctypes.c_void_p(t.row_table.data_ptr()), i64(t.row_table.numel()), i64(self.p),
+                              ctypes.c_void_p(self.ends.data_ptr()), i64(self.ends.numel()), ctypes.c_void_p(sk.data_ptr()),
+                              ctypes.c_void_p(self.sq64.data_ptr()))
+        sq.copy_(self.sq64)
+
+    def persistent(self):
+        return 0.0, self.table.nbytes()
+
+
 class Compiled:
     """One Inductor graph per bucket layout: the sketch over rows of 16 p elements (no masked tail
     vectors) summed BLOCK rows at a time, a padded tail, and one reduction per parameter."""
@@ -193,8 +261,10 @@ def make(name, lengths, p, seed, compiled):
         opt = compiled[id(lengths)] = compiled.get(id(lengths)) or Compiled(lengths, p, seed)
         opt.key.fill_(s32(key_of(seed)))
         return opt
-    if name == "cached":
-        return Cached(lengths, p, seed)
+    if name == "shipped":
+        return Shipped(lengths, p, seed)
+    if name == "native":
+        return Native(lengths, p, seed)
     return Tables(lengths, p, seed) if name == "tables" else HashTorch(lengths, p, seed, torch.int64 if name == "hash64" else torch.int32)
 
 
@@ -229,7 +299,7 @@ def main():
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds (15; 5 with --quick)")
     parser.add_argument("--seeds", type=int, default=None, help="seeds of the statistics (50; 10 with --quick)")
-    parser.add_argument("--options", nargs="+", default=["cached", "hash64", "hash32", "compiled", "tables"])
+    parser.add_argument("--options", nargs="+", default=["shipped", "native", "hash64", "hash32", "compiled", "tables"])
     args = parser.parse_args()
     torch.set_num_threads(1)
     begin_all, p, compiled = time.perf_counter(), sketch_bins(256), {}
@@ -271,6 +341,8 @@ def main():
             for name in set(sketches) & {"hash32", "compiled"} if "hash64" in sketches else ():
                 # one flipped sign moves one bin by ~2|g_i|, ~1e-2 of the largest bin
                 res[name]["=hash64"] = f"{((sketches[name] - sketches['hash64']).abs().max() / sketches['hash64'].abs().max()).item():.0e}"
+            if {"native", "shipped"} <= set(sketches):  # the same signs, another summation order
+                res["native"]["=hash64"] = f"{((sketches['native'] - sketches['shipped']).abs().max() / sketches['shipped'].abs().max()).item():.0e} (=shipped)"
     n, key = 3_000_000, key_of(0)  # chunk invariance: signs of 3 M positions with chunks of 4 sizes
     expect = 1 - 2 * torch.from_numpy((fmix32_np((np.arange(n, dtype=np.uint64) * GOLDEN + key) & M32) >> 31).astype(np.float32))
     for name in set(args.options) & {"hash64", "hash32", "tables"}:
@@ -278,7 +350,7 @@ def main():
         for chunk in (CPU_CHUNK_ELEMS, 1 << 20, 1 << 22, 4099):
             o = Tables([n], p, 0, chunk) if name == "tables" else HashTorch([n], p, 0, torch.int64 if name == "hash64" else torch.int32, chunk)
             out, ones = torch.empty(n), torch.ones(n)
-            for c in o.plan.chunks:
+            for c in o.plan.chunks():
                 o.signed_chunk(ones[c.begin : c.end], c.begin, out[c.begin : c.end])
             got.append(out)
         res[name]["chunks"] = "same" if all(torch.equal(g, got[0]) for g in got) else "DIFFER"

@@ -104,6 +104,11 @@ def test_hook_cost_fields(tmp_path):
         for key in ("statistics_x_read", "reduced_x_read", "persistent_bytes_per_element", "transient_bytes_per_call"):
             assert r[key] >= 0
     assert results[1]["bins"] == 251 and "stats/read" in stdout
+    # The accelerator path of a one-chunk bucket: a few ops whatever its number of parameters;
+    # nothing kept per element but the plan's few integers per chunk; the sign tables are fixed.
+    assert 0 < results[1]["accelerator_ops"] == results[1]["accelerator_ops_64_params"] <= 8
+    assert results[1]["persistent_bytes_per_element"] < 0.05 and 16 * 2**20 < results[1]["persistent_fixed_bytes"] < 20 * 2**20
+    assert "135M" in stdout and "7B" in stdout
 
 
 def test_comm_accounting_fields(tmp_path):
