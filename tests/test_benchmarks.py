@@ -4,6 +4,7 @@ Speed is never asserted here: performance claims live in benchmarks/README.md.
 """
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,8 +12,9 @@ from pathlib import Path
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
-def _run(script: str, *args: str) -> str:
-    result = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True, timeout=600)
+def _run(script: str, *args: str, env: dict | None = None) -> str:
+    environment = {**os.environ, **env} if env else None
+    result = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True, timeout=600, env=environment)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 
@@ -109,6 +111,15 @@ def test_hook_cost_fields(tmp_path):
     assert 0 < results[1]["accelerator_ops"] == results[1]["accelerator_ops_64_params"] <= 8
     assert results[1]["persistent_bytes_per_element"] < 0.05 and 16 * 2**20 < results[1]["persistent_fixed_bytes"] < 20 * 2**20
     assert "135M" in stdout and "7B" in stdout
+
+
+def test_triton_sketch_agrees_with_the_kernel_under_the_interpreter():
+    # The script compares the Triton kernel with BucketStatsKernel (sketch and norms, four bucket
+    # layouts from 13 to 1021 bins) and fails on a disagreement; on the CPU, in Triton's interpreter.
+    stdout = _run("triton_sketch.py", env={"TRITON_INTERPRET": "1"})
+    rows = [line.split() for line in stdout.splitlines()[1:] if line.strip()]
+    assert [int(row[0]) for row in rows] == [61, 251, 1021, 13]
+    assert all(float(row[4]) < 1e-5 and float(row[5]) < 1e-5 for row in rows)
 
 
 def test_comm_accounting_fields(tmp_path):
