@@ -74,21 +74,23 @@ Each score feeds a one-sided CUSUM per (rank, signal): ``S <- max(0, S + z - dri
 raised when ``S > threshold``, after ``warmup`` steps. A signal suspicious either way keeps two, one
 for its rises and one for its falls: a gradient norm that dips on one step and spikes on the next
 is no lasting shift (on a healthy length-grouped run, one CUSUM of its size alerted on exactly
-that). With the defaults (drift 3, threshold 20) a
-lasting shift of 10 standard deviations alerts on its 3rd step, one of 6 on its 7th, and shifts
-under 3 never do. A step's score counts up to ``step_cap`` (16): a single outlier step, however
+that). The threshold is ``threshold * alert_level`` (25 at the defaults: 20 times 1.25). With
+drift 3 and threshold 20 (level 1) a lasting shift of 10 standard deviations alerts on its 3rd
+step, one of 6 on its 7th, and shifts under 3 never do; at the default level, on its 4th and 9th. A step's score counts up to ``step_cap`` (16): a single outlier step, however
 large, never alerts alone (one odd batch is not a rank that diverged); one signal alerts on the
 2nd step of a rank that stays off at the earliest. The combined CUSUM (drift 3, the same threshold)
-alerts on the 4th step of a rank 3 standard deviations off in three of its four signals; one
+alerts on the 4th step (5th at the default level) of a rank 3 standard deviations off in three of
+its four signals; one
 signal alone, capped at 4, adds at most 1 a step, what the same shift adds to its own
 CUSUM. The cross-rank ``cosine_previous`` CUSUM has its own settings (allowance 2, or 0.5 at
 W = 2, where the same rise scores about half as much and there is no loss term; the cosine's
-score capped at 5 a step, the loss fall's at 3; threshold 14): the cosine's score has light tails
+score capped at 5 a step, the loss fall's at 3; threshold 14, times the alert level): the
+cosine's score has light tails
 in healthy runs (Fisher's scale, a scale pooled over ranks), while a stuck rank's cosine to its
 previous step rises a few standard deviations on most steps but falls back on some (it overshoots
 on the batch it keeps seeing), so a small allowance lets the raised steps add up; the caps keep
 one wild step from alerting alone (6 at most a step at W >= 3: the 3rd raised step at the
-earliest, the 5th with the cosine alone). An alert names the rank, its strongest signal
+earliest, the 5th with the cosine alone; the 6th at the default level). An alert names the rank, its strongest signal
 (the CUSUM furthest up its own threshold), every signal over half its threshold, since
 which step the CUSUM has been rising, and the parameters that deviate most on that rank: per
 parameter, the evidence of its CUSUM, and where there is none, how far the rank's gradient
@@ -230,13 +232,15 @@ class DetectorConfig:
     threshold: float = 20.0
     """CUSUM level (in standard deviations summed over steps) at which an alert is raised."""
 
-    alert_level: float = 1.0
+    alert_level: float = 1.25
     """One knob for how much evidence an alert needs: every statistical CUSUM's alert level
     (``threshold``, ``repeat_threshold``) is multiplied by it. Higher: fewer false alarms, later
     alerts (each step of a lasting shift adds the same evidence, so the delay grows about in
-    proportion); the measured false-alarm rate and delays per level are in
-    ``benchmarks/detection.py --levels``. Replica, non-finite, duplicate-data and unsynchronised
-    alerts need no evidence to accumulate and do not depend on it."""
+    proportion). The default, 1.25, is the lowest level that raised no false alarm on the
+    experiment's healthy runs at W = 2, 4 and 8 (level 1 raised one, at W = 2); the measured
+    false-alarm rate and delays per level are in ``benchmarks/detection.py --levels``. Replica,
+    non-finite, duplicate-data and unsynchronised alerts need no evidence to accumulate and do
+    not depend on it."""
 
     drift: float = 3.0
     """Allowance subtracted from every step's score: shifts smaller than this never accumulate."""

@@ -1,5 +1,6 @@
 """The detector on synthetic record streams: planted faults are named, healthy streams stay silent."""
 
+import dataclasses
 import math
 import re
 import warnings
@@ -8,7 +9,17 @@ import numpy as np
 import pytest
 
 from ddphooks import detect
-from ddphooks.detect import Detector, DetectorConfig, Observation, detect_run
+from ddphooks.detect import Detector, DetectorConfig, Observation
+from ddphooks.detect import detect_run as _detect_run
+
+# These tests exercise the detector's mechanisms at alert level 1 (threshold 20), where their delays
+# and margins were designed; the default level is chosen on the experiment's runs instead
+# (benchmarks/detection.py --levels).
+LEVEL_ONE = 1.0
+
+
+def detect_run(records: list[dict], config: DetectorConfig | None = None) -> list[dict]:
+    return _detect_run(records, dataclasses.replace(config or DetectorConfig(), alert_level=LEVEL_ONE))
 
 NAMES = [f"model.layers.{i}.mlp.down_proj.weight" for i in range(6)]
 
