@@ -108,6 +108,15 @@ def measure(config: DetectorConfig) -> dict:
     return found
 
 
+def false_alarms_by_world(found: dict) -> dict[int, tuple[int, int]]:
+    """Alerts and steps over every healthy step (all healthy settings and the fault runs before
+    their fault), per world size."""
+    totals = defaultdict(lambda: (0, 0))
+    for (_, world), (count, steps) in found["false_alarms"].items():
+        totals[world] = (totals[world][0] + count, totals[world][1] + steps)
+    return dict(sorted(totals.items()))
+
+
 paths = sorted(p for folder in args.folders for p in Path(folder).rglob("run-*.jsonl"))
 result = measure(config)
 delays, false_alarms, wrong = result["delays"], result["false_alarms"], result["wrong"]
@@ -143,9 +152,7 @@ if args.levels:
         found = measure(dataclasses.replace(config, alert_level=level))
         print(f"\n{'level':>5} {'W':>2} {'healthy steps':>13} {'false alarms':>12} {'per 30,000':>10} {'ARL0':>8}")
         arl0 = {}
-        for world in sorted({w for _, w in found["false_alarms"]}):
-            count = sum(c for (_, w), (c, _) in found["false_alarms"].items() if w == world)
-            steps = sum(n for (_, w), (_, n) in found["false_alarms"].items() if w == world)
+        for world, (count, steps) in false_alarms_by_world(found).items():
             arl0[world] = (steps / count, "") if count else (steps, ">=")
             print(f"{level:>5g} {world:>2} {steps:>13} {count:>12} {30000 * count / max(steps, 1):>10.2f} {arl0[world][1] + format(arl0[world][0], '.0f'):>8}")
             levels.append({"level": level, "world": world, "steps": steps, "false_alarms": count})
@@ -167,9 +174,7 @@ if args.ablations:
     for name, overrides in ABLATIONS.items():
         found = measure(dataclasses.replace(DetectorConfig.from_overrides(overrides), alert_level=config.alert_level))
         cells = []
-        for world in sorted({w for _, w in found["false_alarms"]}):
-            count = sum(c for (_, w), (c, _) in found["false_alarms"].items() if w == world)
-            steps = sum(n for (_, w), (_, n) in found["false_alarms"].items() if w == world)
+        for world, (count, steps) in false_alarms_by_world(found).items():
             cells.append(f"W{world} {count}/{steps}")
             ablations.append({"ablation": name, "world": world, "false_alarms": count, "steps": steps})
         for (kind, world, fault_step), values in sorted(found["delays"].items()):

@@ -35,14 +35,13 @@ import numpy as np
 import torch
 import torch._dynamo.utils
 import torch._inductor.config
-from torch.profiler import ProfilerActivity, profile
 
 from ddphooks.sketch import CPU_CHUNK_ELEMS, BucketPlan, BucketStatsKernel, SignTable, sketch_bins
+from hook_cost import launches  # the op counter hook_cost.py reports with (this folder is on sys.path)
 
 M32, GOLDEN, C1, C2 = 0xFFFFFFFF, 0x9E3779B9, 0x85EBCA6B, 0xC2B2AE35
 MODULI = (1009, 1013, 1019)  # pairwise coprime and coprime with 251; product 1.04e9 elements
 BLOCK = 16  # compiled: rows of 16 p elements (whole AVX-512 vectors), reduced 16 rows at a time
-VIEWS = {"aten::slice", "aten::view", "aten::as_strided", "aten::select", "aten::alias", "aten::empty", "aten::split_with_sizes"}
 torch._inductor.config.cpp.enable_kernel_profile = True  # compiled kernels appear in the profiler
 
 
@@ -98,12 +97,13 @@ class Chunked:
     def __init__(self, lengths, p, chunk_elems=CPU_CHUNK_ELEMS):
         self.plan = plan = BucketPlan(lengths, 0, 0, torch.device("cpu"), chunk_elems // p * p)  # layout only
         self.p, self.prod, self.colsums = p, torch.empty(plan.chunk_elems), torch.empty(plan.n_chunks, p)
-        self.partials, self.steps, k = torch.empty(plan.n_segments), [], 0
-        for ci, c in enumerate(plan.chunks()):
-            prod = self.prod[: c.end - c.begin]
-            segs = [(prod[s.begin : s.end], self.partials[k + j]) for j, s in enumerate(c.segments)]
-            k += len(segs)
-            self.steps.append((c.begin, c.end, prod, prod[: prod.numel() // p * p].view(-1, p), self.colsums[ci], segs))
+        self.partials, self.steps = torch.empty(plan.n_segments), []
+        starts, seg_begin, seg_end = plan.segment_start.tolist(), plan.segment_begin.tolist(), plan.segment_end.tolist()
+        for ci in range(plan.n_chunks):
+            begin, end = ci * plan.chunk_elems, min((ci + 1) * plan.chunk_elems, plan.numel)
+            prod = self.prod[: end - begin]
+            segs = [(prod[seg_begin[k] : seg_end[k]], self.partials[k]) for k in range(starts[ci], starts[ci + 1])]
+            self.steps.append((begin, end, prod, prod[: prod.numel() // p * p].view(-1, p), self.colsums[ci], segs))
         self.last = plan.numel - (plan.n_chunks - 1) * plan.chunk_elems
 
     def run(self, flat, sq, sk):
@@ -268,20 +268,6 @@ def make(name, lengths, p, seed, compiled):
     return Tables(lengths, p, seed) if name == "tables" else HashTorch(lengths, p, seed, torch.int64 if name == "hash64" else torch.int32)
 
 
-def launches(fn):
-    """Dispatched aten ops not called by another aten op (views excluded) + compiled kernels."""
-    fn()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        fn()
-    count = 0
-    for e in prof.events():
-        parent = e.cpu_parent
-        while parent is not None and not parent.name.startswith("aten::"):
-            parent = parent.cpu_parent
-        count += (e.name.startswith("aten::") and e.name not in VIEWS and parent is None) or "cpp_fused" in e.name
-    return count
-
-
 def cosines(name, lengths, p, seeds, a, b, compiled, sq, sk):
     """Over seeds: mean+-std of the sketched cosine, and of <s_a, s_b> / <a, b>."""
     cos, ratio = [], []
@@ -350,8 +336,9 @@ def main():
         for chunk in (CPU_CHUNK_ELEMS, 1 << 20, 1 << 22, 4099):
             o = Tables([n], p, 0, chunk) if name == "tables" else HashTorch([n], p, 0, torch.int64 if name == "hash64" else torch.int32, chunk)
             out, ones = torch.empty(n), torch.ones(n)
-            for c in o.plan.chunks():
-                o.signed_chunk(ones[c.begin : c.end], c.begin, out[c.begin : c.end])
+            for begin in range(0, n, o.plan.chunk_elems):
+                end = min(begin + o.plan.chunk_elems, n)
+                o.signed_chunk(ones[begin:end], begin, out[begin:end])
             got.append(out)
         res[name]["chunks"] = "same" if all(torch.equal(g, got[0]) for g in got) else "DIFFER"
         res[name]["chunks"] += "" if name == "tables" else ", =numpy" if torch.equal(got[0], expect) else ", !=numpy"

@@ -76,8 +76,9 @@ for its rises and one for its falls: a gradient norm that dips on one step and s
 is no lasting shift (on a healthy length-grouped run, one CUSUM of its size alerted on exactly
 that). The threshold is ``threshold * alert_level`` (25 at the defaults: 20 times 1.25). With
 drift 3 and threshold 20 (level 1) a lasting shift of 10 standard deviations alerts on its 3rd
-step, one of 6 on its 7th, and shifts under 3 never do; at the default level, on its 4th and 9th. A step's score counts up to ``step_cap`` (16): a single outlier step, however
-large, never alerts alone (one odd batch is not a rank that diverged); one signal alerts on the
+step, one of 6 on its 7th, and shifts under 3 never do; at the default level, on its 4th and 9th.
+A step's score counts up to ``step_cap`` (16): a single outlier step, however large, never alerts
+alone (one odd batch is not a rank that diverged); one signal alerts on the
 2nd step of a rank that stays off at the earliest. The combined CUSUM (drift 3, the same threshold)
 alerts on the 4th step (5th at the default level) of a rank 3 standard deviations off in three of
 its four signals; one
@@ -90,8 +91,8 @@ in healthy runs (Fisher's scale, a scale pooled over ranks), while a stuck rank'
 previous step rises a few standard deviations on most steps but falls back on some (it overshoots
 on the batch it keeps seeing), so a small allowance lets the raised steps add up; the caps keep
 one wild step from alerting alone (6 at most a step at W >= 3: the 3rd raised step at the
-earliest, the 5th with the cosine alone; the 6th at the default level). An alert names the rank, its strongest signal
-(the CUSUM furthest up its own threshold), every signal over half its threshold, since
+earliest, the 5th with the cosine alone; the 6th at the default level). An alert names the rank,
+its strongest signal (the CUSUM furthest up its own threshold), every signal over half its threshold, since
 which step the CUSUM has been rising, and the parameters that deviate most on that rank: per
 parameter, the evidence of its CUSUM, and where there is none, how far the rank's gradient
 norm, against the median rank's, rose above its own recent level. One alert per episode: a rank's episode ends after

@@ -33,8 +33,6 @@ the gradient is read from memory once, and no bucket-sized temporary is allocate
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
@@ -136,14 +134,6 @@ class SignTable:
         self.row_table = random_signs(ROW_PERIOD, (seed, _ROW_WORD, bins), torch.device("cpu")).float().to(self.device)
         self._row_tiles = self.row_table  # v repeated, so that any run of rows is one slice
 
-    def pieces(self, begin: int, end: int) -> list[tuple[int, torch.Tensor]]:
-        """``T`` at positions ``[begin, end)`` as ``(offset from begin, int8 view)`` pieces of at
-        most ``M`` positions each (one piece for a range up to ``M`` long)."""
-        return [
-            (first - begin, self.values[first % self.page : first % self.page + min(end - first, self.page)])
-            for first in range(begin, end, self.page)
-        ]
-
     def row_signs(self, first_row: int, count: int) -> torch.Tensor:
         """``v`` of rows ``first_row, ..., first_row + count - 1``, one fp32 view."""
         start = first_row % ROW_PERIOD
@@ -161,22 +151,6 @@ class SignTable:
     def nbytes(self) -> int:
         """Bytes the tables keep on their device."""
         return self.values.numel() * self.values.element_size() + self._row_tiles.numel() * 4
-
-
-@dataclass(frozen=True, slots=True)
-class _ChunkSegment:
-    """The part of one parameter that falls into one chunk."""
-
-    param: int  # index of the parameter within the bucket
-    begin: int  # offset inside the chunk
-    end: int
-
-
-@dataclass(frozen=True, slots=True)
-class _Chunk:
-    begin: int  # offset inside the bucket
-    end: int
-    segments: tuple[_ChunkSegment, ...]
 
 
 class BucketPlan:
@@ -233,16 +207,6 @@ class BucketPlan:
         """The first position after this bucket where the next one may start (a multiple of ``bins``)."""
         step = self.bins or 1
         return -(-(self.base + self.numel) // step) * step
-
-    def chunks(self) -> list[_Chunk]:
-        """The chunks with their segments, as objects (built on each call: for tools and tests)."""
-        owner = self.segment_owner.tolist()
-        return [
-            _Chunk(c * self.chunk_elems, min((c + 1) * self.chunk_elems, self.numel), tuple(
-                _ChunkSegment(owner[k], int(self.segment_begin[k]), int(self.segment_end[k]))
-                for k in range(self.segment_start[c], self.segment_start[c + 1])))
-            for c in range(self.n_chunks)
-        ]  # fmt: skip
 
     def persistent_bytes(self) -> int:
         """Bytes this plan keeps alive between steps (its segment arrays)."""
