@@ -16,10 +16,17 @@ first bucket, summary(), the synchronisation watchdog's forward pre-hook and sen
 on the pipeline thread the online detector and (rank 0) the writer's
 submit; and on rank 0's writer thread the building and the writing of each record.
 
+With ``--fsdp`` the same rounds compare plain FSDP2 (``fully_shard`` on every decoder layer and
+the root) with ``ddphooks.attach`` on it: the default state with a JsonlSink and summary() every
+step, and every=10; the breakdown then covers the statistics pass inside each reduce-scatter and
+the end of backward (the slot all-reduce and SilentStats).
+
     python benchmarks/overhead.py --quick                            # CPU, spawns 2 gloo workers
+    python benchmarks/overhead.py --fsdp --steps 30                  # CPU, FSDP2 on 2 gloo workers
     python benchmarks/overhead.py --json results.json                # CPU, the full table
     torchrun --nproc-per-node 8 benchmarks/overhead.py --device cuda # 8 GPUs, NCCL
     torchrun --nproc-per-node 8 benchmarks/overhead.py --device npu  # 8 Ascend NPUs, HCCL
+    torchrun --nproc-per-node 8 benchmarks/overhead.py --device cuda --fsdp   # FSDP2 on 8 GPUs
 """
 
 import argparse
@@ -39,10 +46,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook, fp16_compress_hook
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddphooks.hook
-from ddphooks import JsonlSink, SilentState, silent_hook
+from ddphooks import JsonlSink, SilentState, attach, silent_hook
+from ddphooks.devices import set_device
 from ddphooks.launch import spawn
 from ddphooks.models import mlp, parameter_count, tiny_llama
 
@@ -53,6 +63,9 @@ MLP_BATCH = 64
 SILENT_SKETCH_DIMS, SILENT_EVERY = (0, 64, 256, 1024), (1, 10)
 SINK_CONFIG = ("silent_sink", 256, 1)  # SilentState's defaults, with a JsonlSink and summary() every step
 QUICK_CONFIGS = [("none", None, None), ("allreduce", None, None), ("norms_separate", None, None), ("silent", 256, 1), SINK_CONFIG, ("silent", 256, 10), ("silent", 0, 1)]
+
+
+FSDP_CONFIGS = [("fsdp", None, None), ("fsdp_silent_sink", 256, 1), ("fsdp_silent", 256, 10)]
 
 
 def all_configs():
@@ -103,9 +116,10 @@ def build(name, device):
 
 def make_batch(name, model, rank, device):
     generator = torch.Generator().manual_seed(rank)
+    module = getattr(model, "module", model)  # DDP wraps, FSDP2 does not
     if name in ("mlp", "tiny-mlp"):
-        return {"x": torch.randn(MLP_BATCH, model.module[0].in_features, generator=generator).to(device)}
-    vocab = model.module.config.vocab_size
+        return {"x": torch.randn(MLP_BATCH, module[0].in_features, generator=generator).to(device)}
+    vocab = module.config.vocab_size
     ids = torch.randint(0, vocab, (LLAMA_BATCH, LLAMA_TOKENS), generator=generator).to(device)
     return {"input_ids": ids, "labels": ids}
 
@@ -134,6 +148,18 @@ class HookTimer:
 
         timed_hook.__name__ = hook.__name__
         return timed_hook
+
+    def wrap_call(self, fn):
+        """Time any call on the training thread (the FSDP2 state's measurement and end of backward)."""
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        return timed
 
 
 class Breakdown:
@@ -173,6 +199,14 @@ class Breakdown:
         state._stats_buffer = self._start_packing(stats_buffer)
         state._pack_slot = self._end_packing(pack_slot)
         state._bucket_done = self._timed("publish: SilentStats", state._bucket_done)
+        watchdog = state._watchdog  # its hooks call these attributes
+        watchdog._forward = self._timed("sync watchdog: forward pre-hook + sentinel gradient hook", watchdog._forward)
+        watchdog._gradient_arrived = self._timed("sync watchdog: forward pre-hook + sentinel gradient hook", watchdog._gradient_arrived)
+        self._time_pipeline(state)
+        _time_reduced_norms()
+
+    def _time_pipeline(self, state):
+        """Time what follows a step, on every transport: hand-off, detector, writer, sink."""
         pipeline = state._pipeline
         pipeline.process = self._timed("processing: hand-off to the pipeline thread", pipeline.process)
         pipeline._detect = self._timed("detector", pipeline._detect)
@@ -181,10 +215,6 @@ class Breakdown:
             pipeline.writer.build = self._timed("record building", pipeline.writer.build)
             for sink in state.sinks:
                 sink.write = self._timed("writing (JsonlSink)", sink.write)
-        watchdog = state._watchdog  # its hooks call these attributes
-        watchdog._forward = self._timed("sync watchdog: forward pre-hook + sentinel gradient hook", watchdog._forward)
-        watchdog._gradient_arrived = self._timed("sync watchdog: forward pre-hook + sentinel gradient hook", watchdog._gradient_arrived)
-        _time_reduced_norms()
 
     def _add(self, part, seconds):
         with self.lock:
@@ -252,6 +282,28 @@ class Breakdown:
         return {part: {"thread": threads[part], "per": per[part], **spread(samples)} for part, samples in self.samples.items() if samples}
 
 
+class FsdpBreakdown(Breakdown):
+    """The same parts for ``attach`` on an FSDP2 model: the statistics pass runs inside each
+    reduce-scatter, the slot all-reduce and SilentStats at the end of backward."""
+
+    STEP_PARTS = (
+        ("statistics pass", "training"),  # BucketStatsKernel.run on each reduce-scatter input
+        ("end of backward: slot all-reduce + SilentStats", "training"),  # ShardedSilentState._gather
+        ("processing: hand-off to the pipeline thread", "training"),
+        ("summary()", "training"),
+    )
+
+    def __init__(self, state, device):
+        self.state = state
+        self.lock = threading.Lock()
+        self.current = {part: 0.0 for part, _ in self.STEP_PARTS}
+        self.samples = {part: [] for part, _ in self.STEP_PARTS + self.THREAD_PARTS + self.RECORD_PARTS}
+        kernel = state._kernel(device)
+        kernel.run = self._timed("statistics pass", kernel.run)
+        state._gather = self._timed("end of backward: slot all-reduce + SilentStats", state._gather)
+        self._time_pipeline(state)
+
+
 def spread(samples):
     """Median and interquartile range of a list of seconds."""
     quartiles = statistics.quantiles(samples, n=4, method="inclusive") if len(samples) >= 2 else [samples[0]] * 3
@@ -293,6 +345,14 @@ def register(model, config, group, timer, device):
         state = SilentState(model=model, sketch_dim=sketch_dim, every=every)
         model.register_comm_hook(state, timer.wrap(silent_hook))
         return None, None, state
+    elif hook in ("fsdp_silent", "fsdp_silent_sink"):
+        sinks = [JsonlSink(os.path.join(tempfile.mkdtemp(prefix="ddphooks-overhead-"), "stats.jsonl"))] if hook == "fsdp_silent_sink" else []
+        state = attach(model, sketch_dim=sketch_dim, every=every, sinks=sinks)
+        state._measure, state._finish_step = timer.wrap_call(state._measure), timer.wrap_call(state._finish_step)
+        if hook == "fsdp_silent":
+            return None, None, state
+        breakdown = FsdpBreakdown(state, device)
+        return breakdown.summary, breakdown, state
     elif hook == "silent_sink":
         # The defaults (sketch_dim=256, every=1), as a user creates the state; rank 0 writes the file.
         state = SilentState(model=model, sinks=[JsonlSink(os.path.join(tempfile.mkdtemp(prefix="ddphooks-overhead-"), "stats.jsonl"))])
@@ -309,9 +369,16 @@ def synchronize(device):
 
 def bench_model(rank, world, name, configs, args, device):
     models, optimizers, after_backward, timers, breakdowns, states = [], [], [], [], [], []
+    mesh = init_device_mesh(device.type, (world,)) if configs[0][0].startswith("fsdp") else None
     for config in configs:
         torch.manual_seed(0)
-        model = DDP(build(name, device), device_ids=None if device.type == "cpu" else [device])
+        model = build(name, device)
+        if mesh is None:
+            model = DDP(model, device_ids=None if device.type == "cpu" else [device])
+        else:
+            for layer in getattr(getattr(model, "model", None), "layers", None) or list(model.children()):
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
         timers.append(HookTimer())
         after, breakdown, state = register(model, config, None, timers[-1], device)
         after_backward.append(after)
@@ -353,7 +420,7 @@ def bench_model(rank, world, name, configs, args, device):
     hooks = torch.tensor(hook_times, dtype=torch.float64, device=device)
     dist.all_reduce(hooks, op=dist.ReduceOp.MAX)
     hooks = hooks.cpu().tolist()
-    params = parameter_count(models[0].module)
+    params = parameter_count(getattr(models[0], "module", models[0]))
     del models, optimizers
     sink_results = {}
     for i, breakdown in enumerate(breakdowns):
@@ -388,9 +455,9 @@ def bench_model(rank, world, name, configs, args, device):
         )
     # Overheads are medians of per-round ratios: each round pairs every configuration with the
     # baseline measured seconds apart, which cancels the machine's slow drift.
-    baselines = {hook: slowest[i] for i, (hook, _, _) in enumerate(configs) if hook in ("allreduce", "none")}
+    baselines = {hook: slowest[i] for i, (hook, _, _) in enumerate(configs) if hook in ("allreduce", "none", "fsdp")}
     for r, samples in zip(results, slowest):
-        for hook in ("allreduce", "none"):
+        for hook in ("allreduce", "none", "fsdp"):
             base = baselines.get(hook)
             ratios = sorted(t / b - 1 for t, b in zip(samples, base)) if base else None
             r[f"overhead_vs_{hook}"] = statistics.median(ratios) if base else None
@@ -405,8 +472,8 @@ def run(rank, world, args):
     if args.device == "npu":
         import torch_npu  # noqa: F401  (registers the npu device; only imported when asked for)
     if device.type != "cpu":
-        getattr(torch, device.type).set_device(device)
-    configs = QUICK_CONFIGS if args.quick else all_configs()
+        set_device(device)
+    configs = FSDP_CONFIGS if args.fsdp else QUICK_CONFIGS if args.quick else all_configs()
     if args.configs:
         configs = [c for c in configs if c[0] in args.configs]
     results = []
@@ -417,8 +484,10 @@ def run(rank, world, args):
 
 def label(config):
     hook, sketch_dim, every = config["hook"], config["sketch_dim"], config["every"]
-    if hook == "silent_sink":
-        return "silent + JsonlSink + summary()"
+    if hook.endswith("silent_sink"):
+        return f"{'fsdp2 + ' if hook.startswith('fsdp') else ''}silent + JsonlSink + summary()"
+    if hook == "fsdp_silent":
+        return f"fsdp2 + silent k={sketch_dim} every={every}"
     return f"silent k={sketch_dim} every={every}" if hook == "silent" else hook
 
 
@@ -435,6 +504,7 @@ def main():
     parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first")
     parser.add_argument("--quick", action="store_true", help="a subset in under 3 minutes on a 2-core CPU")
     parser.add_argument("--configs", nargs="+", default=None, help="only these hooks (none, allreduce, fp16_compress, noop, norms_separate, silent, silent_sink)")
+    parser.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard) instead of DDP: plain against attach")
     parser.add_argument("--json", default=None, help="write the results to this file")
     args = parser.parse_args()
     args.models = args.models or (["tiny-llama"] if args.quick else ["tiny-llama", "mlp"])
@@ -455,13 +525,14 @@ def main():
 
     print(f"\nddphooks overhead, {date.today()}, torch {torch.__version__}, {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} cores, {results[0]['world_size']} x {args.device}, {args.steps} timed steps after {args.warmup} warm-up rounds\n")
-    print(f"{'model':<12} {'configuration':<30} {'median ms':>10} {'min-max ms':>12} {'vs allreduce':>13} {'(IQR)':>17} {'vs none':>9} {'in hook ms':>11}")
+    plain = "fsdp" if args.fsdp else "allreduce"  # the baseline a user compares with
+    print(f"{'model':<12} {'configuration':<36} {'median ms':>10} {'min-max ms':>12} {'vs ' + plain:>13} {'(IQR)':>17} {'vs none':>9} {'in hook ms':>11}")
     for r in results:
         spread = f"{1e3 * r['min_step_s']:.0f}-{1e3 * r['max_step_s']:.0f}"
-        iqr = r.get("overhead_vs_allreduce_iqr")
+        iqr = r.get(f"overhead_vs_{plain}_iqr")
         iqr = f"[{percent(iqr[0]).strip()}, {percent(iqr[1]).strip()}]" if iqr else ""
-        print(f"{r['model']:<12} {label(r['config']):<30} {1e3 * r['median_step_s']:10.1f} {spread:>12} "
-              f"{percent(r['overhead_vs_allreduce']):>13} {iqr:>17} {percent(r['overhead_vs_none']):>9} {1e3 * r['hook_s_per_step']:11.1f}")
+        print(f"{r['model']:<12} {label(r['config']):<36} {1e3 * r['median_step_s']:10.1f} {spread:>12} "
+              f"{percent(r[f'overhead_vs_{plain}']):>13} {iqr:>17} {percent(r['overhead_vs_none']):>9} {1e3 * r['hook_s_per_step']:11.1f}")
     for r in results:
         if "breakdown" in r:
             print(f"\n{r['model']}, {label(r['config'])}: where the time goes (slowest rank; submit and writer thread on rank 0), "

@@ -1,4 +1,4 @@
-"""``attach``: one call that turns ddphooks on for a DDP model, loss included.
+"""``attach``: one call that turns ddphooks on for a DDP or FSDP2 model, loss included.
 
 The integrations (``ddphooks.integrations``) are thin adapters over this function.
 """
@@ -13,6 +13,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddphooks.hook import PYTHON_REDUCER, SilentState, python_reducer, silent_hook
 from ddphooks.loss import loss_of
+
+#: Settings of ``SilentState`` that only DDP's hook has.
+DDP_ONLY_SETTINGS = {"transport", "piggyback_limit_mb", "comm_hook", "comm_state", "watch_sync"}
 
 #: ``loss_from(module, args, kwargs, output)``: the rank's scalar loss of one forward, or None.
 LossFrom = Callable[[torch.nn.Module, tuple, dict, object], "torch.Tensor | None"]
@@ -33,14 +36,40 @@ def ddp_module(model: torch.nn.Module) -> DistributedDataParallel:
     inner = getattr(model, "_orig_mod", model)  # torch.compile(ddp) keeps the DDP module here
     if not isinstance(inner, DistributedDataParallel):
         raise TypeError(
-            f"attach needs the DistributedDataParallel module, got {type(model).__name__}: wrap the model first "
-            "(DistributedDataParallel(model), or the object accelerator.prepare(model) returns in a distributed run)"
+            f"attach needs a DistributedDataParallel module or an FSDP2 (fully_shard) root, got {type(model).__name__}"
+            f"{_unsupported(inner)}: wrap the model first (DistributedDataParallel(model), fully_shard(model), or the "
+            "object accelerator.prepare(model) returns in a distributed run)"
         )
     return inner
 
 
+def _unsupported(model: torch.nn.Module) -> str:
+    """Why a known wrapper is not measured (empty for anything else)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if isinstance(model, FullyShardedDataParallel):
+        return " (FSDP1, FullyShardedDataParallel, is not supported: use FSDP2's fully_shard)"
+    if type(model).__name__ == "DeepSpeedEngine":
+        return " (DeepSpeed has no communication hook ddphooks could measure on: use DDP or FSDP2)"
+    return ""
+
+
+def sharded_root(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The FSDP2 (``fully_shard``) root behind ``model`` (unwrapping ``torch.compile``), or None."""
+    from torch.distributed.fsdp import FSDPModule
+
+    inner = getattr(model, "_orig_mod", model)
+    return inner if isinstance(inner, FSDPModule) else None
+
+
 def attach(model: torch.nn.Module, *, state: SilentState | None = None, loss_from: LossFrom | None = None, **settings) -> SilentState:
-    """Register ``silent_hook`` on a DDP model and record each rank's loss from its forward output.
+    """Register ``silent_hook`` on a DDP model (or measure an FSDP2 model's reduce-scatters) and
+    record each rank's loss from its forward output.
+
+    An FSDP2 or HSDP root (a module ``fully_shard`` was applied to, or ``torch.compile`` of one)
+    gets a ``ddphooks.fsdp.ShardedSilentState`` instead (same API and records; see
+    ``docs/integrations/fsdp2.md``): steps 2 and 4 below apply, the DDP-only settings do not.
+    For a DDP model:
 
     1. Check ``model``: a ``DistributedDataParallel`` module (or ``torch.compile`` of one) with no
        other communication hook (DDP takes one; to combine, pass it as
@@ -59,14 +88,14 @@ def attach(model: torch.nn.Module, *, state: SilentState | None = None, loss_fro
        reported once and ignored.
 
     Args:
-        model: the DDP-wrapped model (what ``DistributedDataParallel(...)`` or
-            ``accelerator.prepare`` returns).
+        model: the DDP-wrapped model or the FSDP2 root (what ``DistributedDataParallel(...)``,
+            ``fully_shard`` or ``accelerator.prepare`` returns).
         state: an existing ``SilentState`` (created before the process group, say); else one is
             made from ``settings``.
         loss_from: how to find the rank's loss in a forward call (see above).
         **settings: ``SilentState`` keyword arguments (``sketch_dim``, ``every``, ``sinks`` ...).
 
-    Returns the bound ``SilentState``.
+    Returns the bound ``SilentState`` (``ShardedSilentState`` for FSDP2).
 
     Example::
         >>> model = DistributedDataParallel(model)
@@ -74,6 +103,8 @@ def attach(model: torch.nn.Module, *, state: SilentState | None = None, loss_fro
         >>> model(**batch).loss.backward()          # the loss is recorded, statistics computed
         >>> state.latest.summary()["loss_std"]
     """
+    if sharded_root(model) is not None:
+        return _attach_sharded(sharded_root(model), state, loss_from, settings)
     ddp = ddp_module(model)
     if state is not None and settings:
         raise TypeError(f"attach takes either state= or SilentState settings, not both (got state and {sorted(settings)})")
@@ -95,6 +126,26 @@ def attach(model: torch.nn.Module, *, state: SilentState | None = None, loss_fro
         ddp.register_comm_hook(state, silent_hook)
     ddp.register_forward_hook(partial(_capture_loss, state, loss_from or _default_loss_from, set()), with_kwargs=True)
     ddp._ddphooks_state = state
+    return state
+
+
+def _attach_sharded(root: torch.nn.Module, state, loss_from: LossFrom | None, settings: dict):
+    """``attach`` for an FSDP2 root: a ``ShardedSilentState`` measuring its reduce-scatters."""
+    from ddphooks.fsdp import ShardedSilentState
+
+    if state is not None and settings:
+        raise TypeError(f"attach takes either state= or settings, not both (got state and {sorted(settings)})")
+    if state is not None and not isinstance(state, ShardedSilentState):
+        raise TypeError(f"state must be a ddphooks.fsdp.ShardedSilentState for an FSDP2 model, got {type(state).__name__}")
+    ddp_only = sorted(set(settings) & DDP_ONLY_SETTINGS)
+    if ddp_only:
+        raise TypeError(f"{', '.join(ddp_only)} appl{'ies' if len(ddp_only) == 1 else 'y'} to DDP only; under FSDP2 the statistics travel in one all-reduce per step: drop {'it' if len(ddp_only) == 1 else 'them'}")
+    if getattr(root, "_ddphooks_state", None) is not None:
+        raise RuntimeError("ddphooks is already attached to this model; attach once per model and reuse the returned state")
+    state = state if state is not None else ShardedSilentState(**settings)
+    state.bind(root)
+    root.register_forward_hook(partial(_capture_loss, state, loss_from or _default_loss_from, set()), with_kwargs=True)
+    root._ddphooks_state = state
     return state
 
 

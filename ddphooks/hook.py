@@ -6,10 +6,8 @@ This is the only module that talks to ``torch.distributed``; the numerical work 
 
 # No `from __future__ import annotations` here: DDP checks the hook's annotations at runtime
 # (bucket must be dist.GradBucket, the return torch.futures.Future[torch.Tensor]).
-import logging
 import sys
 import threading
-import weakref
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable
@@ -19,28 +17,12 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from ddphooks.config import SilentConfig
-from ddphooks.detect import Detector, DetectorConfig
-from ddphooks.loss import LossTracker
-from ddphooks.pipeline import StepPipeline
-from ddphooks.records import RecordBuilder
+from ddphooks.detect import DetectorConfig
 from ddphooks.sinks import Sink
-from ddphooks.sketch import (
-    ACCELERATOR_CHUNK_ELEMS,
-    CPU_CHUNK_ELEMS,
-    BucketPlan,
-    BucketStatsKernel,
-    SignTable,
-    sketch_bins,
-    squared_norms,
-)
+from ddphooks.sketch import ACCELERATOR_CHUNK_ELEMS, CPU_CHUNK_ELEMS, BucketPlan, squared_norms
+from ddphooks.state import BaseSilentState, agree_across_ranks
 from ddphooks.stats import BucketLayout, SilentStats, slot_size
 from ddphooks.watchdog import SyncWatchdog
-from ddphooks.writer import RecordWriter
-
-logger = logging.getLogger("ddphooks")
-
-#: Seconds ``flush`` / ``close`` (and the exit handler) wait for the sinks before giving up.
-CLOSE_TIMEOUT_S = 30.0
 
 CommHook = Callable[[object, dist.GradBucket], torch.futures.Future]
 
@@ -93,7 +75,7 @@ class _Step:
         self.lock = threading.Lock()
 
 
-class SilentState:
+class SilentState(BaseSilentState):
     r"""State of :func:`silent_hook`: settings, per-bucket plans, and the latest statistics.
 
     Construct it on every rank with the same arguments. It may be created before
@@ -172,45 +154,21 @@ class SilentState:
         on_alert: Callable[[dict], object] | None = None,
         watch_sync: bool = True,
     ) -> None:
-        self._settings = dict(
+        settings = dict(
             sketch_dim=sketch_dim, every=every, seed=seed, transport=transport, piggyback_limit_mb=piggyback_limit_mb,
             log_rank=log_rank, chunk_elems=chunk_elems, detail_every=detail_every, detail_max_world=detail_max_world,
             max_pending_records=max_pending_records, detect=detect, check_replicas_every=check_replicas_every,
             watch_sync=watch_sync,
         )  # fmt: skip
-        initialized = dist.is_available() and dist.is_initialized()
-        problem = None
-        try:
-            self.config = SilentConfig(**self._settings)
-        except (TypeError, ValueError) as error:
-            if not initialized:
-                raise  # no group to tell yet: every rank runs this line with the same values
-            problem = f"{type(error).__name__}: {error}"
+        super().__init__(settings, sinks=sinks, on_alert=on_alert)
         # -- user knobs ------------------------------------------------------------------------
         self.process_group = process_group
         self.comm_hook = comm_hook
         self.comm_state = comm_state
-        if on_alert is not None and not callable(on_alert):
-            raise TypeError(f"on_alert must be a function taking the alert dict, got {type(on_alert).__name__}")
-        self.on_alert = on_alert
-        self.sinks = [sinks] if isinstance(sinks, Sink) else list(sinks)
-        for sink in self.sinks:
-            if not isinstance(sink, Sink):
-                raise TypeError(f"sinks must be ddphooks.Sink instances, got {type(sink).__name__}")
-        # -- across steps ----------------------------------------------------------------------
-        self.step = 0
-        """Synchronised steps seen so far (advances on the last bucket of every step)."""
-        self._losses = LossTracker()
-        self._bound = False
-        if initialized:
-            self._bind(model, problem)
+        if dist.is_available() and dist.is_initialized():
+            self._bind(model, self._problem)
 
     # -- binding -------------------------------------------------------------------------------
-    @property
-    def bound(self) -> bool:
-        """Whether the state knows its process group (after ``bind`` or the first hook call)."""
-        return self._bound
-
     def bind(self, model: torch.nn.Module | None = None) -> "SilentState":
         """Bind to the process group (and the DDP ``model``, for parameter names and checks).
 
@@ -247,44 +205,18 @@ class SilentState:
         settings = dict(self._settings, comm_hook=None if self.comm_hook is None else getattr(self.comm_hook, "__qualname__", repr(self.comm_hook)))
         # Exchange over a group every rank derives the same way, even where its own checks failed.
         exchange_group = self.process_group if self.process_group is not None else getattr(model, "process_group", None)
-        _agree_across_ranks(exchange_group, settings, problem)
+        agree_across_ranks(exchange_group, settings, problem)
 
-        self.process_group = group if group is not None else dist.group.WORLD
-        self.rank = dist.get_rank(self.process_group)
-        self.world_size = dist.get_world_size(self.process_group)
-        self.bins = sketch_bins(self.config.sketch_dim)
+        self._bind_common(group if group is not None else dist.group.WORLD)
         self._model = model
         self._names = {} if model is None else {id(p): name for name, p in model.module.named_parameters()}
         self._buckets: dict[int, _BucketEntry] = {}
-        self._kernels: dict[torch.device, BucketStatsKernel] = {}
-        self._sketch: torch.Tensor | None = None  # this step's sketch accumulator (fp32, bins)
-        self._loss_pair: torch.Tensor | None = None  # [loss_sum, loss_count] packed into the slot
         self._piggyback: torch.Tensor | None = None  # last bucket / W followed by W slots
         self._separate: torch.Tensor | None = None  # W slots, for the separate transport
         self._current: _Step | None = None
-        self._latest: SilentStats | BaseException | None = None
-        self._latest_lock = threading.Lock()
-        self._previous_stats: SilentStats | None = None  # for the next step's cosine_previous
         self._replica_tensors = self._fingerprinted_tensors(model)
         self._replica_warned = False
-        writer = None
-        writes = self.config.log_rank is None or self.config.log_rank == self.rank
-        if writes and self.sinks:  # no sinks: no writer thread, no records built
-            for sink in self.sinks:
-                bind_rank = getattr(sink, "bind_rank", None)
-                if bind_rank is not None:
-                    bind_rank(self.rank)
-            self._records = RecordBuilder(self.config.every, self.config.detail_every, self.config.detail_max_world)
-            if getattr(self, "_restored_records", None):
-                self._records.load_state_dict(self._restored_records)
-            records = self._records  # the writer thread must not hold the state itself
-            writer = RecordWriter(self.sinks, lambda item: records.build(*item), self.config.max_pending_records)
-        detector = Detector(self.config.detect if isinstance(self.config.detect, DetectorConfig) else None) if self.config.detect else None
-        self._pipeline = StepPipeline(detector, writer, self.on_alert, warns=writes)
         self._watchdog = self._watch(model)
-        # At interpreter exit, write what is still queued (bounded: a stuck sink cannot hang the
-        # exit); on_alert is not called then, there is no training left to stop.
-        self._finalizer = weakref.finalize(self, self._pipeline.close, CLOSE_TIMEOUT_S, False)
         self._bound = True
 
     def _watch(self, model: torch.nn.Module | None) -> SyncWatchdog | None:
@@ -299,112 +231,11 @@ class SilentState:
             return []
         return [*model.module.named_parameters(), *model.module.named_buffers()]
 
-    def __getstate__(self) -> dict:
-        if self._bound:
-            raise TypeError(
-                "a bound SilentState holds a process group, buffers and a writer thread and cannot be pickled; "
-                "pickle it before it is bound (as Lightning does with its strategy) or create one in each process"
-            )
-        return self.__dict__.copy()
-
-    # -- public API ----------------------------------------------------------------------------
-    def observe_loss(self, loss: torch.Tensor) -> None:
-        """Record this rank's loss for the current step, without synchronising the device.
-
-        Call it before ``backward()``. With gradient accumulation (``no_sync()`` micro-steps),
-        the rank's loss of a step is the mean of the losses observed since the previous
-        synchronised step. Losses given here win over those ``attach`` captures from the
-        forward output. On steps that are not instrumented it does nothing.
-        """
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise ValueError(f"observe_loss expects the scalar loss tensor you call backward() on, got {shape}; pass loss.mean()")
-        if self._instrumented(self.step):
-            self._losses.observe(loss, explicit=True)
-
-    @property
-    def latest(self) -> SilentStats | None:
-        """Statistics of the most recent instrumented step (None before the first one).
-
-        Complete as soon as ``backward()`` returns on an instrumented step, and identical on
-        every rank. Its values are computed when first read (``summary()`` is cheap; the
-        per-parameter ``to_dict()`` is not meant for every step).
-        """
-        if not self._bound:
-            return None
-        latest = self._latest
-        if isinstance(latest, BaseException):
-            raise RuntimeError(f"ddphooks could not compute the statistics of the latest instrumented step: {latest!r}") from latest
-        return latest
-
-    @property
-    def dropped_records(self) -> dict[str, int]:
-        """Records a sink did not get, per sink label (``"queue"``: dropped before any sink,
-        because the sinks were slower than training); ``{}`` while everything is written."""
-        writer = self._pipeline.writer if self._bound else None
-        return {} if writer is None else writer.dropped
-
-    @property
-    def alerts(self) -> list[dict]:
-        """Alerts so far (``step``, ``rank``, ``kind``, ``since``, ``score``, ``signals``,
-        ``parameters``, ``message``), the same on every rank. A step's alerts appear when the
-        step after next starts (the detector runs on a background thread in between), or on
-        ``flush``/``close``: that is where every rank checks them."""
-        return [] if not self._bound else list(self._pipeline.alerts)
-
-    def flush(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
-        """Process the completed steps (alerts, ``on_alert``) and wait (at most ``timeout``
-        seconds) until their records are written and the sinks flushed."""
-        if self._bound and self._watchdog is not None:
+    def _before_flush(self) -> None:
+        if self._watchdog is not None:
             self._watchdog.check()  # the last backward, if nothing came after it
-        if self._bound and not self._pipeline.flush(timeout):
-            # Queued, not logged here: the handler that is busy may be the one this would wait for.
-            self._warn("ddphooks: flush() gave up after %.0f s: a sink or a logging handler is still busy", timeout)
-
-    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
-        """Process the completed steps, write what is queued, flush and close the sinks (at
-        most ``timeout`` seconds)."""
-        if self._bound:
-            self._finalizer.detach()
-            if self._watchdog is not None:
-                self._watchdog.check()
-            self._pipeline.close(timeout)
-
-    def state_dict(self) -> dict:
-        """What a resumed run needs to continue: the step count (so numbering and the ``every``
-        phase go on) and the smoothed noise scale."""
-        state = {"format": 1, "step": self.step, "every": self.config.every}
-        records = getattr(self, "_records", None) if self._bound else None
-        if records is not None:
-            state["records"] = records.state_dict()
-        return state
-
-    def load_state_dict(self, state: dict) -> None:
-        """Continue from ``state_dict()`` of a checkpoint; call it before the first resumed step."""
-        if not isinstance(state, dict) or not isinstance(state.get("step"), int) or isinstance(state.get("step"), bool) or state["step"] < 0:
-            raise ValueError(f"not a SilentState state_dict (needs a non-negative integer 'step'): {state!r}")
-        if getattr(self, "_current", None) is not None:
-            raise RuntimeError("load_state_dict was called in the middle of a step; call it before the first backward of the resumed run")
-        if state.get("every", self.config.every) != self.config.every:
-            logger.warning(
-                "ddphooks: the checkpoint was taken with every=%s, this state has every=%s; steps are renumbered from %d",
-                state.get("every"), self.config.every, state["step"],
-            )  # fmt: skip
-        self.step = state["step"]
-        self._restored_records = state.get("records")
-        if self._bound and self._restored_records and getattr(self, "_records", None) is not None:
-            self._records.load_state_dict(self._restored_records)
 
     # -- helpers used by silent_hook -----------------------------------------------------------
-    def _warn(self, message: str, *args) -> None:
-        """A ``logging`` warning (logger ``"ddphooks"``) queued to the pipeline's warnings thread:
-        it is called inside forward and backward, where a logging handler that blocks must not
-        hold up training (see ``ddphooks.pipeline``). A bound state only."""
-        self._pipeline.warn(message, *args)
-
-    def _instrumented(self, step: int) -> bool:
-        return step % self.config.every == 0
-
     def _replica_check(self, step: int) -> bool:
         every = self.config.check_replicas_every
         resumed = self._watchdog is not None and self._watchdog.replica_check_due
@@ -455,19 +286,9 @@ class SilentState:
         self._buckets[index] = entry
         return entry
 
-    def _kernel(self, device: torch.device) -> BucketStatsKernel:
-        if device not in self._kernels:
-            signs = SignTable(self.config.seed, self.bins, device) if self.bins else None
-            self._kernels[device] = BucketStatsKernel(self.bins, device, signs)
-        return self._kernels[device]
-
     def _open_step(self, device: torch.device) -> _Step:
         self._current = _Step(self.step, device)
-        if self.bins:
-            if self._sketch is None or self._sketch.device != device:
-                self._sketch = torch.zeros(self.bins, dtype=torch.float32, device=device)
-            else:
-                self._sketch.zero_()
+        self._reset_sketch(device)
         return self._current
 
     def _end_step(self, last_index: int) -> None:
@@ -478,26 +299,6 @@ class SilentState:
         for index in [i for i in self._buckets if i > last_index]:
             stale = self._buckets.pop(index)
             self._kernel(stale.plan.device).forget(stale.plan)
-
-    def _pack_slot(self, record: _Step, slot: torch.Tensor) -> None:
-        """Write [loss_sum, loss_count, |g_p|^2 ..., sketch] of this rank into ``slot``."""
-        if self._loss_pair is None or self._loss_pair.device != slot.device:
-            self._loss_pair = torch.zeros(2, dtype=torch.float32, device=slot.device)
-        self._losses.pack(self._loss_pair)
-        parts = [self._loss_pair, *record.local_sq]
-        if self.bins:
-            parts.append(self._sketch)
-        if record.fingerprint is not None:
-            parts.append(record.fingerprint)
-        torch.cat(parts, out=slot)
-
-    def _stats_buffer(self, attribute: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A persistent communication buffer, reallocated only when its size changes."""
-        buffer = getattr(self, attribute)
-        if buffer is None or buffer.numel() != numel or buffer.dtype != dtype or buffer.device != device:
-            buffer = torch.empty(numel, dtype=dtype, device=device)
-            setattr(self, attribute, buffer)
-        return buffer
 
     def _bucket_done(self, record: _Step) -> None:
         """Count a reported bucket; the last one to report publishes the step's statistics."""
@@ -523,13 +324,7 @@ class SilentState:
                 result = error
         else:
             result = record.error
-        with self._latest_lock:
-            self._latest = result
-        if isinstance(result, SilentStats):
-            self._previous_stats = result
-            self._pipeline.complete(result)  # handed to the pipeline thread when the next step starts
-        if isinstance(result, BaseException):
-            self._warn("ddphooks: statistics of step %d failed: %r", record.step, result)
+        self._publish(record.step, result)
 
 
 def _resolve_group(
@@ -558,19 +353,6 @@ def _resolve_group(
                 f"{sorted(str(d) for d in dtypes)}; use transport='auto' or 'separate'"
             )
     return model.process_group
-
-
-def _agree_across_ranks(group: dist.ProcessGroup | None, settings: dict, problem: str | None) -> None:
-    """Gather every rank's settings and local problem; raise the same error on every rank."""
-    world = dist.get_world_size(group)
-    gathered: list = [None] * world
-    dist.all_gather_object(gathered, (settings, problem), group=group)
-    problems = [f"rank {rank}: {p}" for rank, (_, p) in enumerate(gathered) if p is not None]
-    if problems:
-        raise ValueError("invalid SilentState arguments on " + "; ".join(problems))
-    if any(s != gathered[0][0] for s, _ in gathered):
-        described = "; ".join(f"rank {rank} has {s}" for rank, (s, _) in enumerate(gathered))
-        raise ValueError(f"SilentState settings differ across ranks ({described}); create it with the same arguments on every rank")
 
 
 def silent_hook(state: SilentState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -640,12 +422,7 @@ def silent_hook(state: SilentState, bucket: dist.GradBucket) -> torch.futures.Fu
     # The last bucket: every other bucket's statistics are known, pack this rank's slot.
     world = state.world_size
     if state._losses.first_missing():
-        state._warn(
-            "ddphooks: no loss was recorded for step %d on rank %d, so its records hold no loss (null) and the detector "
-            "has no loss signal: the forward output is not a scalar loss and has no .loss or ['loss'] (a model that "
-            "returns logits). Pass attach(model, loss_from=lambda module, args, kwargs, output: <the loss>), or call "
-            "state.observe_loss(loss) before backward(). Said once.", record.step, state.rank,
-        )  # fmt: skip
+        state._warn_no_loss(record.step)
     if state._replica_check(record.step):
         record.fingerprinted = [name for name, _ in state._replica_tensors]
         record.fingerprint = replica_fingerprint([tensor for _, tensor in state._replica_tensors])
@@ -667,14 +444,14 @@ def silent_hook(state: SilentState, bucket: dist.GradBucket) -> torch.futures.Fu
         torch.div(buffer, world, out=combined[:numel])
         slots = combined[numel:]
         slots.zero_()
-        state._pack_slot(record, slots[state.rank * slot : (state.rank + 1) * slot])
+        state._pack_slot(record.local_sq, record.fingerprint, slots[state.rank * slot : (state.rank + 1) * slot])
         future = dist.all_reduce(combined, group=state.process_group, async_op=True).get_future()
         future = future.then(partial(_reduced_piggyback, state, record, position, numel, slot))
     else:
         gradient_future = state._communicate(bucket)
         slots = state._stats_buffer("_separate", world * slot, torch.float32, buffer.device)
         slots.zero_()
-        state._pack_slot(record, slots[state.rank * slot : (state.rank + 1) * slot])
+        state._pack_slot(record.local_sq, record.fingerprint, slots[state.rank * slot : (state.rank + 1) * slot])
         slots_future = dist.all_reduce(slots, group=state.process_group, async_op=True).get_future()
         both = torch.futures.collect_all([gradient_future, slots_future])
         future = both.then(partial(_reduced_separate, state, record, position, slot))

@@ -42,6 +42,8 @@ from functools import cached_property
 import numpy as np
 import torch
 
+from ddphooks.devices import recorded_event
+
 LOSS_SUM = 0
 LOSS_COUNT = 1
 PARAMS_BEGIN = 2
@@ -87,12 +89,10 @@ class PendingHost:
         if not self.asynchronous:
             self._host = list(tensors)
             return
-        backend = getattr(torch, device.type)  # torch.cuda, or torch.npu once torch_npu is imported
         self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
         for host, tensor in zip(self._host, tensors):
             host.copy_(tensor, non_blocking=True)
-        self._event = backend.Event()
-        self._event.record()
+        self._event = recorded_event(device)
 
     def arrays(self) -> list[np.ndarray]:
         """The tensors as float64 numpy arrays (waits for the copy on an accelerator)."""
@@ -274,6 +274,8 @@ class SilentStats:
             replica-check steps; empty otherwise).
         previous: the statistics of the previous instrumented step, for ``cosine_previous``
             (only its gathered slots are kept, and only where its sketch used the same signs).
+        replica_groups: the groups of ranks whose fingerprints must agree (HSDP: the replicas of
+            each shard); None: all ranks.
 
     Example::
         >>> stats = state.latest
@@ -291,8 +293,10 @@ class SilentStats:
         transport: str,
         fingerprinted: list[str] | None = None,
         previous: "SilentStats | None" = None,
+        replica_groups: list[list[int]] | None = None,
     ) -> None:
         self.fingerprinted = fingerprinted or []
+        self.replica_groups = replica_groups
         self.step = step
         self.world_size = world_size
         self.buckets = list(buckets)
@@ -430,7 +434,17 @@ class SilentStats:
         gathered, _ = self._arrays
         begin = gathered.shape[1] - FINGERPRINT_WIDTH * len(self.fingerprinted)
         fingerprints = gathered[:, begin:].reshape(self.world_size, len(self.fingerprinted), FINGERPRINT_WIDTH)
-        return replica_differences(fingerprints, self.fingerprinted)
+        if self.replica_groups is None:
+            return replica_differences(fingerprints, self.fingerprinted)
+        merged: dict = {"ranks": set(), "tensors": 0, "parameters": []}
+        for group in self.replica_groups:  # compare within each group, name the ranks globally
+            found = replica_differences(fingerprints[group], self.fingerprinted)
+            merged["ranks"].update(group[r] for r in found["ranks"])
+            merged["tensors"] += found["tensors"]
+            merged["parameters"] += [dict(d, ranks=[group[r] for r in d["ranks"]]) for d in found["parameters"]]
+        merged["parameters"].sort(key=lambda d: -(d["relative_difference"] or 0.0))
+        merged["parameters"] = merged["parameters"][:MAX_REPLICA_DIFFERENCES]
+        return dict(merged, ranks=sorted(merged["ranks"]))
 
     @property
     def mean_cosine(self) -> float:

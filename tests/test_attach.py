@@ -166,7 +166,7 @@ def _check_attach_errors(rank: int, world: int) -> list[str]:
 def test_attach_errors_name_the_problem_and_the_fix():
     messages = spawn(_check_attach_errors, 2, timeout=TIMEOUT)[0]
     expected = [
-        r"TypeError: attach needs the DistributedDataParallel module, got _Net: wrap the model first",
+        r"TypeError: attach needs a DistributedDataParallel module or an FSDP2 \(fully_shard\) root, got _Net: wrap the model first",
         r"RuntimeError: ddphooks is already attached to this model",
         r"RuntimeError: the model already has a communication hook \(allreduce_hook\).*attach\(model, comm_hook=your_hook",
         r"TypeError: attach takes either state= or SilentState settings, not both",

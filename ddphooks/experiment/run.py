@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddphooks
+from ddphooks.devices import set_device
 from ddphooks.experiment.data import EMBEDDED, collate, encode, load_rows
 from ddphooks.experiment.settings import FAULT_KINDS, SETTINGS, RankFault, rank_batches, sdc_parameter, seeds_for, shuffled_outputs
 from ddphooks.hook import SilentState, silent_hook
@@ -195,7 +196,7 @@ def train_rank(rank: int, world: int, config: ExperimentConfig) -> dict:
     if config.device == "npu":
         import torch_npu  # noqa: F401  (only imported when the npu device is asked for)
     if device.type != "cpu":
-        getattr(torch, device.type).set_device(device)
+        set_device(device)
     seeds = seeds_for(config.setting, config.seed, rank)
     rows = load_rows(config.data, config.limit)
     tokenizer = load_tokenizer(config)
@@ -342,7 +343,7 @@ def main(args: argparse.Namespace) -> int:
         if args.device != "cpu":
             if args.device == "npu":
                 import torch_npu  # noqa: F401  (only imported when the npu device is asked for)
-            getattr(torch, args.device).set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            set_device(torch.device(args.device, int(os.environ.get("LOCAL_RANK", 0))))
         dist.init_process_group(BACKENDS[args.device])
     world = dist.get_world_size() if under_torchrun else args.nproc
     if world < 2:

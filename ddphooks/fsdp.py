@@ -1,0 +1,374 @@
+"""The statistics under FSDP2 and HSDP (``torch.distributed.fsdp.fully_shard``).
+
+Every rank still computes its own local gradient before FSDP2 reduce-scatters it, so the same
+statistics as under DDP exist; only how they are carried differs. ddphooks replaces each
+``FSDPModule``'s reduce-scatter by one that first measures its input (this rank's unreduced
+gradient of the module's parameter group) with the same kernel as the DDP hook, then runs the
+default reduce-scatter unchanged. At the end of the backward pass one small all-reduce gathers
+every rank's slot over the whole data-parallel mesh (the shard group under FSDP2; replicas and
+shards under HSDP, whose reduce-scatter spans the shard group only).
+
+Why a separate all-reduce rather than riding on the reduce-scatter: a reduce-scatter hands each
+rank 1/W of its input, so carrying every rank's slot to every rank would need ``W`` slot copies
+in each row of the last group's ``(W, C)`` buffer (a copy of the buffer, and W^2 slots), and
+under HSDP the reduce-scatter does not reach the other replicas at all. One all-reduce of ``W``
+slots per step (a few KB) costs no copy of any gradient.
+
+Example::
+    >>> fully_shard(layer) for layer in model.layers; fully_shard(model)
+    >>> state = ddphooks.attach(model, sinks=[JsonlSink("runs/stats.jsonl")])
+    >>> model(**batch).loss.backward()
+    >>> state.latest.summary()["mean_cosine"]
+"""
+
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+from ddphooks.detect import DetectorConfig
+from ddphooks.hook import replica_fingerprint
+from ddphooks.sinks import Sink
+from ddphooks.sketch import ACCELERATOR_CHUNK_ELEMS, CPU_CHUNK_ELEMS, BucketPlan, squared_norms
+from ddphooks.state import BaseSilentState, agree_across_ranks
+from ddphooks.stats import BucketLayout, SilentStats, slot_size
+
+
+@dataclass
+class _GroupEntry:
+    """The plan of one FSDPModule's reduce-scatter input: ``(S, C)`` rows, each holding every
+    parameter's padded shard one after the other (``S`` the shard group size)."""
+
+    key: tuple
+    plan: BucketPlan
+    layout: BucketLayout
+    shard_lengths: list[int]  # padded shard of each parameter: its columns in a row, its part of the output
+    sq_rows: torch.Tensor  # fp32, S x parameters: |g|^2 of each parameter's columns in each row
+
+
+@dataclass
+class _ShardedStep:
+    """One synchronised backward: what each reduce-scatter measured, in call order."""
+
+    step: int
+    layouts: list[BucketLayout] = field(default_factory=list)
+    local_sq: list[torch.Tensor] = field(default_factory=list)
+    outputs: list[tuple[torch.Tensor, list[int]]] = field(default_factory=list)  # reduced shard, its lengths
+    streams: list[object] = field(default_factory=list)  # where the measurements ran (accelerators)
+    error: BaseException | None = None
+
+
+class _MeasuredReduceScatter(ReduceScatter):
+    """FSDP2's default reduce-scatter, after measuring its input for ``state``."""
+
+    def __init__(self, state: "ShardedSilentState", module: FSDPModule, base: int) -> None:
+        self.state = state
+        self.module = module
+        self.base = base  # position of this group's first element in the model (sign table)
+        self._default = DefaultReduceScatter()
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self._default.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        self.state._measure(self, output_tensor, input_tensor)
+        return self._default(output_tensor, input_tensor, group, op, async_op)
+
+
+class ShardedSilentState(BaseSilentState):
+    r"""``SilentState`` for an FSDP2 (or HSDP) model: the same statistics, records, detector,
+    alerts and sinks as under DDP, carried beside FSDP2's reduce-scatter.
+
+    ``ddphooks.attach(model)`` creates it for a ``fully_shard`` root; the arguments are those of
+    :class:`ddphooks.SilentState` without the DDP-only ones (``transport``,
+    ``piggyback_limit_mb``, ``comm_hook``, ``comm_state``, ``watch_sync``).
+
+    On a synchronised backward (FSDP2 skips the reduce-scatter inside
+    ``set_requires_gradient_sync(False)``, which is how it accumulates gradients):
+
+    1. Each FSDPModule's reduce-scatter input is this rank's local gradient of its parameters,
+       laid out as ``S`` rows (one per shard rank), each row holding every parameter's padded
+       shard. One chunked pass gives ``|g_p|^2`` of every parameter (summed over the rows) and
+       adds the flat buffer into the step's sketch with signs taken at fixed positions of the
+       model (each module's group at a base computed once, so every rank uses the same signs).
+    2. The reduce-scatter runs unchanged; its output becomes this rank's shard of the averaged
+       gradient (after HSDP's all-reduce over the replicas and FSDP's post-divide).
+    3. At the end of backward (an autograd final callback, after FSDP2's own): each rank packs
+       ``[loss_sum, loss_count, |g_p|^2, sketch, fingerprints | |gbar_p shard|^2]`` into its row
+       of a ``W x slot`` buffer, zeros elsewhere, and one all-reduce (SUM) over the data-parallel
+       mesh gathers them. ``|gbar_p|^2`` is the sum of the shards' squares over one replica.
+    4. ``state.latest`` becomes the step's ``SilentStats``, before ``backward()`` returns.
+
+    Gradients are never modified; nothing of the statistics raises into backward. The replica
+    check compares fingerprints where two ranks should hold the same bits: under HSDP each
+    parameter shard across its replicas (and the buffers); under plain FSDP2, where no two ranks
+    hold the same shard, the buffers only.
+
+    Example::
+        >>> state = ShardedSilentState(model=fsdp_root, sinks=[JsonlSink("stats.jsonl")])
+        >>> loss = fsdp_root(x).loss
+        >>> state.observe_loss(loss)
+        >>> loss.backward()
+        >>> state.latest.summary()["mean_cosine"]
+    """
+
+    def __init__(
+        self,
+        *,
+        model: torch.nn.Module | None = None,
+        sketch_dim: int = 256,
+        every: int = 1,
+        seed: int = 0,
+        sinks: Sink | list[Sink] | tuple[Sink, ...] = (),
+        log_rank: int | None = 0,
+        chunk_elems: int | None = None,
+        detail_every: int = 100,
+        detail_max_world: int = 64,
+        max_pending_records: int = 1024,
+        detect: bool | DetectorConfig = True,
+        check_replicas_every: int = 100,
+        on_alert: Callable[[dict], object] | None = None,
+    ) -> None:
+        settings = dict(
+            sketch_dim=sketch_dim, every=every, seed=seed, log_rank=log_rank, chunk_elems=chunk_elems,
+            detail_every=detail_every, detail_max_world=detail_max_world, max_pending_records=max_pending_records,
+            detect=detect, check_replicas_every=check_replicas_every, watch_sync=False,
+        )  # fmt: skip
+        super().__init__(settings, sinks=sinks, on_alert=on_alert)
+        self._model = None
+        if model is not None and dist.is_available() and dist.is_initialized():
+            self.bind(model)
+
+    def bind(self, model: torch.nn.Module) -> "ShardedSilentState":
+        """Bind to the FSDP2 root ``model`` and measure its reduce-scatters.
+
+        A collective over the data-parallel mesh: call it on every rank after ``fully_shard``.
+        Binding twice is a no-op for the same model and an error for another one.
+        """
+        if self._bound:
+            if model is self._model:
+                return self
+            raise RuntimeError("this SilentState is already bound to another FSDP2 model: create one state per model")
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("torch.distributed is not initialized: call init_process_group(...) and fully_shard the model first")
+        modules, mesh_info = _fsdp_modules(model)
+        group = _data_parallel_group(mesh_info)
+        agree_across_ranks(group, self._settings, self._problem)
+        self._bind_common(group)
+        self._model = model
+        self._shards = mesh_info.shard_mesh_size
+        self._replicas = self.world_size // self._shards
+        self._current: _ShardedStep | None = None
+        self._entries: dict[int, _GroupEntry] = {}
+        self._slots: torch.Tensor | None = None
+        self._lock = threading.Lock()  # reduce-scatters of one backward may come from autograd's device threads
+        self._said: set[str] = set()
+        self._partial_reduce = False  # a micro-step reduce-scattered without the HSDP all-reduce
+        # Replica check: under HSDP the parameter shards (flat rank r * S + s holds shard s), and the buffers.
+        sharded = self._replicas > 1
+        self._replica_groups = [[r * self._shards + s for r in range(self._replicas)] for s in range(self._shards)] if sharded else None
+        self._replica_tensors = [] if not self.config.check_replicas_every else [
+            *((name, p.to_local() if hasattr(p, "to_local") else p) for name, p in model.named_parameters() if sharded),
+            *model.named_buffers(),
+        ]  # fmt: skip
+        base = 0
+        for module in modules:  # fixed positions, whatever order the reduce-scatters come in
+            comm = _MeasuredReduceScatter(self, module, base)
+            module.set_custom_reduce_scatter(comm)
+            params = _param_group(module).fsdp_params
+            numel = self._shards * sum(p.padded_sharded_param_size.numel() for p in params)
+            base = BucketPlan([numel], self.bins, base, torch.device("cpu"), 1 << 20).end
+        self._bound = True
+        return self
+
+    # -- one reduce-scatter -----------------------------------------------------------------------
+    def _measure(self, comm: _MeasuredReduceScatter, output: torch.Tensor, flat: torch.Tensor) -> None:
+        """Measure one group's reduce-scatter input; opens the step at its first group."""
+        group = _param_group(comm.module)
+        if not group.all_reduce_grads:  # HSDP accumulating reduce-scattered shards without all-reduce
+            self._partial_reduce = True
+            return
+        with self._lock:
+            record = self._current
+            if record is None:
+                self._pipeline.process()  # the previous step to the background thread; may raise from on_alert
+                record = self._current = _ShardedStep(self.step)
+                self._reset_sketch(flat.device)
+                torch.autograd.Variable._execution_engine.queue_callback(self._finish_step)
+            if not self._instrumented(record.step):
+                return
+            entry = self._entry(comm, group, flat)
+            record.layouts.append(entry.layout)
+            sq = torch.full((len(entry.shard_lengths),), float("nan"), dtype=torch.float32, device=flat.device)
+            record.local_sq.append(sq)
+            record.outputs.append((output, entry.shard_lengths))
+            try:
+                self._kernel(flat.device).run(flat, entry.plan, self._sketch if self.bins else None, entry.sq_rows.view(-1))
+                torch.sum(entry.sq_rows, dim=0, out=sq)
+                if flat.device.type != "cpu":
+                    record.streams.append(torch.accelerator.current_stream(flat.device))
+            except Exception as error:  # never raise a statistics bug into backward
+                record.error = error
+
+    def _entry(self, comm: _MeasuredReduceScatter, group, flat: torch.Tensor) -> _GroupEntry:
+        """The plan of this group's layout; rebuilt when the parameters that got a gradient change."""
+        params = [p for p in group.fsdp_params if p.sharded_param.requires_grad]
+        lengths = [p.padded_sharded_param_size.numel() for p in params]
+        if self._shards * sum(lengths) != flat.numel():
+            params = list(group.fsdp_params)
+            lengths = [p.padded_sharded_param_size.numel() for p in params]
+        key = (flat.numel(), flat.dtype, flat.device, comm.base)
+        entry = self._entries.get(id(comm))
+        if entry is not None and entry.key == key:
+            return entry
+        if self._shards * sum(lengths) == flat.numel():
+            names = tuple(p._param_fqn or f"param{j}" for j, p in enumerate(params))
+            numels = tuple(p._orig_size.numel() for p in params)
+        else:
+            # Some parameters got no gradient this step: FSDP2 leaves them out of the layout and
+            # nothing says which. Measure the group as one unit (norms, sketch and cosine stay
+            # exact) and say so once.
+            fqn = getattr(group, "_module_fqn", "") or "model"
+            lengths, names, numels = [flat.numel() // self._shards], (f"{fqn}.(parameters with gradients)",), (flat.numel(),)
+            self._say_once(
+                "unused",
+                "ddphooks: some parameters of FSDP module %r got no gradient, so its per-parameter norms are recorded as "
+                "one entry %r; FSDPModule.set_reduce_scatter_unused_params(True) keeps the layout fixed", fqn, names[0],
+            )  # fmt: skip
+        kernel = self._kernel(flat.device)
+        if entry is not None:
+            kernel.forget(entry.plan)
+        chunk = self.config.chunk_elems or (CPU_CHUNK_ELEMS if flat.device.type == "cpu" else ACCELERATOR_CHUNK_ELEMS)
+        plan = BucketPlan(lengths * self._shards, self.bins, comm.base, flat.device, chunk)
+        sq_rows = torch.empty(self._shards, len(lengths), dtype=torch.float32, device=flat.device)
+        entry = _GroupEntry(key, plan, BucketLayout(len(self._entries), names, numels), lengths, sq_rows)
+        self._entries[id(comm)] = entry
+        return entry
+
+    # -- the end of a synchronised backward -----------------------------------------------------
+    def _finish_step(self) -> None:
+        """Gather every rank's slot over the data-parallel mesh and publish the step."""
+        with self._lock:
+            record, self._current = self._current, None
+        self.step += 1
+        try:
+            if record is None or not self._instrumented(record.step):
+                return
+            if self._partial_reduce:
+                self._partial_reduce = False
+                self._say_once(
+                    "partial",
+                    "ddphooks: this HSDP run accumulates reduce-scattered gradients without the all-reduce "
+                    "(set_requires_all_reduce(False)); such steps are not measured. Accumulate with "
+                    "set_requires_gradient_sync(False) to have every step measured",
+                )  # fmt: skip
+                return
+            self._publish(record.step, self._gather(record))
+        finally:
+            self._losses.reset()
+
+    def _gather(self, record: _ShardedStep) -> SilentStats | BaseException:
+        device = record.local_sq[0].device
+        for stream in record.streams:  # the measurements ran on FSDP2's reduce-scatter stream
+            torch.accelerator.current_stream(device).wait_stream(stream)
+        if self._losses.first_missing():
+            self._warn_no_loss(record.step)
+        n_params = sum(len(layout.names) for layout in record.layouts)
+        fingerprinted, fingerprint = [], None
+        if self._replica_tensors and (record.step // self.config.every) % self.config.check_replicas_every == 0:
+            fingerprinted = [name for name, _ in self._replica_tensors]
+            fingerprint = replica_fingerprint([tensor for _, tensor in self._replica_tensors])
+        slot = slot_size(n_params, self.bins, len(fingerprinted))
+        slots = self._stats_buffer("_slots", self.world_size * (slot + n_params), torch.float32, device)
+        rows = slots.view(self.world_size, slot + n_params)
+        slots.zero_()
+        mine = rows[self.rank]
+        try:
+            self._pack_slot(record.local_sq, fingerprint, mine[:slot])
+            offset = slot
+            for output, lengths in record.outputs:  # this rank's shard of the averaged gradient
+                squared_norms(output, lengths, mine[offset : offset + len(lengths)], fused=device.type != "cpu")
+                offset += len(lengths)
+        except Exception as error:  # still join the all-reduce: every rank waits in it
+            record.error = record.error or error
+            mine.fill_(float("nan"))
+        dist.all_reduce(slots, group=self.process_group)
+        if record.error is not None:
+            return record.error
+        try:
+            reduced = rows[:, slot:].sum(dim=0).div_(self._replicas)  # every replica holds the same shards
+            return SilentStats(
+                record.step, self.world_size, record.layouts, rows[:, :slot].clone(), reduced, self.bins, "separate",
+                fingerprinted, previous=self._previous_stats, replica_groups=self._replica_groups,
+            )  # fmt: skip
+        except Exception as error:
+            return error
+
+    def _say_once(self, key: str, message: str, *args) -> None:
+        if key not in self._said:
+            self._said.add(key)
+            self._warn(message, *args)
+
+
+def _param_group(module: FSDPModule):
+    """The one parameter group of an FSDPModule (ddphooks refuses modules with several)."""
+    return module._get_fsdp_state()._fsdp_param_group
+
+
+def _fsdp_modules(model: torch.nn.Module) -> tuple[list[FSDPModule], object]:
+    """The FSDPModules under ``model`` that hold parameters, and their common mesh; raises
+    ``TypeError`` / ``ValueError`` naming what ddphooks cannot measure."""
+    if not isinstance(model, FSDPModule):
+        raise TypeError(f"ShardedSilentState needs the fully_shard root module, got {type(model).__name__}")
+    modules, mesh_info = [], None
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        state = module._get_fsdp_state()
+        if len(state._fsdp_param_groups) > 1:
+            raise ValueError(
+                f"FSDP module {type(module).__name__} has {len(state._fsdp_param_groups)} parameter groups (a per-parameter mesh "
+                "from shard_placement_fn); ddphooks measures modules with one group: fully_shard them with one mesh"
+            )
+        group = state._fsdp_param_group
+        if group is None:
+            continue
+        comm = group._reduce_scatter_comm
+        if isinstance(comm, _MeasuredReduceScatter):
+            raise RuntimeError("ddphooks is already attached to this FSDP2 model; attach once and reuse the returned state")
+        if type(comm) is not DefaultReduceScatter:
+            raise ValueError(
+                f"FSDP module {type(module).__name__} already uses a custom reduce-scatter ({type(comm).__name__}: a custom comm, "
+                "set_allocate_memory_from_process_group_for_comm or symmetric memory); ddphooks replaces the default one only"
+            )
+        info = group.mesh_info
+        if getattr(info, "is_spmd_mesh", False):
+            raise ValueError("ddphooks does not measure fully_shard on an SPMD mesh with dp_mesh_dims yet; use a data-parallel mesh")
+        if not hasattr(info, "shard_process_group"):
+            raise ValueError("ddphooks measures FSDP2 and HSDP (a sharding mesh dimension); replicate() alone is DDP: use DistributedDataParallel")
+        if mesh_info is not None and info.mesh != mesh_info.mesh:
+            raise ValueError("the FSDP modules of this model use different meshes; ddphooks needs one data-parallel mesh")
+        mesh_info = info
+        modules.append(module)
+    if not modules:
+        raise ValueError("the FSDP2 model has no parameters to measure")
+    if mesh_info.shard_mesh_size == 1:
+        raise ValueError("the FSDP2 mesh shards over 1 rank, so FSDP2 skips the reduce-scatter ddphooks measures; use DistributedDataParallel")
+    return modules, mesh_info
+
+
+def _data_parallel_group(mesh_info) -> dist.ProcessGroup:
+    """The process group over the whole data-parallel mesh (shards, and replicas under HSDP)."""
+    mesh = mesh_info.mesh
+    if mesh.ndim == 1:
+        return mesh.get_group()
+    if mesh.size() == dist.get_world_size():
+        return dist.group.WORLD
+    return mesh._flatten().get_group()
+
+

@@ -1,0 +1,273 @@
+"""What every ddphooks state has, whatever carries its statistics between the ranks.
+
+Two transports share it: ``ddphooks.hook`` (DDP, on the gradient allreduce) and ``ddphooks.fsdp``
+(FSDP2 and HSDP, beside the gradient reduce-scatter). Both measure with the same kernel
+(``ddphooks.sketch``), pack the same per-rank slot, build the same ``SilentStats`` and hand it to
+the same pipeline (detector, alerts, records); only how the slots travel differs.
+"""
+
+import logging
+import threading
+import weakref
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from ddphooks.config import SilentConfig
+from ddphooks.detect import Detector, DetectorConfig
+from ddphooks.loss import LossTracker
+from ddphooks.pipeline import StepPipeline
+from ddphooks.records import RecordBuilder
+from ddphooks.sinks import Sink
+from ddphooks.sketch import BucketStatsKernel, SignTable, sketch_bins
+from ddphooks.stats import SilentStats
+from ddphooks.writer import RecordWriter
+
+logger = logging.getLogger("ddphooks")
+
+#: Seconds ``flush`` / ``close`` (and the exit handler) wait for the sinks before giving up.
+CLOSE_TIMEOUT_S = 30.0
+
+
+class BaseSilentState:
+    """Settings, loss, step counter, sinks and the public API shared by every transport.
+
+    Subclasses bind to their process group and model, run the statistics pass in their hook and
+    call ``_publish`` with each step's statistics. See :class:`ddphooks.SilentState` (DDP) and
+    :class:`ddphooks.fsdp.ShardedSilentState` (FSDP2) for the arguments.
+    """
+
+    def __init__(self, settings: dict, *, sinks: Sink | list[Sink] | tuple[Sink, ...], on_alert: Callable[[dict], object] | None) -> None:
+        self._settings = settings
+        self._problem = None  # an invalid setting, raised on every rank when binding
+        try:
+            self.config = SilentConfig(**settings)
+        except (TypeError, ValueError) as error:
+            if not (dist.is_available() and dist.is_initialized()):
+                raise  # no group to tell yet: every rank runs this line with the same values
+            self._problem = f"{type(error).__name__}: {error}"
+        if on_alert is not None and not callable(on_alert):
+            raise TypeError(f"on_alert must be a function taking the alert dict, got {type(on_alert).__name__}")
+        self.on_alert = on_alert
+        self.sinks = [sinks] if isinstance(sinks, Sink) else list(sinks)
+        for sink in self.sinks:
+            if not isinstance(sink, Sink):
+                raise TypeError(f"sinks must be ddphooks.Sink instances, got {type(sink).__name__}")
+        self.step = 0
+        """Synchronised steps seen so far (advances at the end of every synchronised backward)."""
+        self._losses = LossTracker()
+        self._bound = False
+
+    @property
+    def bound(self) -> bool:
+        """Whether the state knows its process group (after ``bind`` or the first hook call)."""
+        return self._bound
+
+    def _bind_common(self, group: dist.ProcessGroup) -> None:
+        """Everything a bound state holds whatever its transport: rank, world, kernels, the
+        pipeline (detector, writer thread) and the exit handler. ``group`` spans the ranks whose
+        statistics are compared (the data-parallel group)."""
+        self.process_group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.bins = sketch_bins(self.config.sketch_dim)
+        self._kernels: dict[torch.device, BucketStatsKernel] = {}
+        self._sketch: torch.Tensor | None = None  # this step's sketch accumulator (fp32, bins)
+        self._loss_pair: torch.Tensor | None = None  # [loss_sum, loss_count] packed into the slot
+        self._latest: SilentStats | BaseException | None = None
+        self._latest_lock = threading.Lock()
+        self._previous_stats: SilentStats | None = None  # for the next step's cosine_previous
+        writer = None
+        writes = self.config.log_rank is None or self.config.log_rank == self.rank
+        if writes and self.sinks:  # no sinks: no writer thread, no records built
+            for sink in self.sinks:
+                bind_rank = getattr(sink, "bind_rank", None)
+                if bind_rank is not None:
+                    bind_rank(self.rank)
+            self._records = RecordBuilder(self.config.every, self.config.detail_every, self.config.detail_max_world)
+            if getattr(self, "_restored_records", None):
+                self._records.load_state_dict(self._restored_records)
+            records = self._records  # the writer thread must not hold the state itself
+            writer = RecordWriter(self.sinks, lambda item: records.build(*item), self.config.max_pending_records)
+        detector = Detector(self.config.detect if isinstance(self.config.detect, DetectorConfig) else None) if self.config.detect else None
+        self._pipeline = StepPipeline(detector, writer, self.on_alert, warns=writes)
+        # At interpreter exit, write what is still queued (bounded: a stuck sink cannot hang the
+        # exit); on_alert is not called then, there is no training left to stop.
+        self._finalizer = weakref.finalize(self, self._pipeline.close, CLOSE_TIMEOUT_S, False)
+
+    def __getstate__(self) -> dict:
+        if self._bound:
+            raise TypeError(
+                "a bound SilentState holds a process group, buffers and a writer thread and cannot be pickled; "
+                "pickle it before it is bound (as Lightning does with its strategy) or create one in each process"
+            )
+        return self.__dict__.copy()
+
+    # -- public API ----------------------------------------------------------------------------
+    def observe_loss(self, loss: torch.Tensor) -> None:
+        """Record this rank's loss for the current step, without synchronising the device.
+
+        Call it before ``backward()``. With gradient accumulation (``no_sync()`` micro-steps,
+        or ``set_requires_gradient_sync(False)`` under FSDP2), the rank's loss of a step is the
+        mean of the losses observed since the previous synchronised step. Losses given here win
+        over those ``attach`` captures from the forward output. On steps that are not
+        instrumented it does nothing.
+        """
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError(f"observe_loss expects the scalar loss tensor you call backward() on, got {shape}; pass loss.mean()")
+        if self._instrumented(self.step):
+            self._losses.observe(loss, explicit=True)
+
+    @property
+    def latest(self) -> SilentStats | None:
+        """Statistics of the most recent instrumented step (None before the first one).
+
+        Complete as soon as ``backward()`` returns on an instrumented step, and identical on
+        every rank. Its values are computed when first read (``summary()`` is cheap; the
+        per-parameter ``to_dict()`` is not meant for every step).
+        """
+        if not self._bound:
+            return None
+        latest = self._latest
+        if isinstance(latest, BaseException):
+            raise RuntimeError(f"ddphooks could not compute the statistics of the latest instrumented step: {latest!r}") from latest
+        return latest
+
+    @property
+    def dropped_records(self) -> dict[str, int]:
+        """Records a sink did not get, per sink label (``"queue"``: dropped before any sink,
+        because the sinks were slower than training); ``{}`` while everything is written."""
+        writer = self._pipeline.writer if self._bound else None
+        return {} if writer is None else writer.dropped
+
+    @property
+    def alerts(self) -> list[dict]:
+        """Alerts so far (``step``, ``rank``, ``kind``, ``since``, ``score``, ``signals``,
+        ``parameters``, ``message``), the same on every rank. A step's alerts appear when the
+        step after next starts (the detector runs on a background thread in between), or on
+        ``flush``/``close``: that is where every rank checks them."""
+        return [] if not self._bound else list(self._pipeline.alerts)
+
+    def flush(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Process the completed steps (alerts, ``on_alert``) and wait (at most ``timeout``
+        seconds) until their records are written and the sinks flushed."""
+        if self._bound:
+            self._before_flush()
+        if self._bound and not self._pipeline.flush(timeout):
+            # Queued, not logged here: the handler that is busy may be the one this would wait for.
+            self._warn("ddphooks: flush() gave up after %.0f s: a sink or a logging handler is still busy", timeout)
+
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Process the completed steps, write what is queued, flush and close the sinks (at
+        most ``timeout`` seconds)."""
+        if self._bound:
+            self._finalizer.detach()
+            self._before_flush()
+            self._pipeline.close(timeout)
+
+    def state_dict(self) -> dict:
+        """What a resumed run needs to continue: the step count (so numbering and the ``every``
+        phase go on) and the smoothed noise scale."""
+        state = {"format": 1, "step": self.step, "every": self.config.every}
+        records = getattr(self, "_records", None) if self._bound else None
+        if records is not None:
+            state["records"] = records.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state_dict()`` of a checkpoint; call it before the first resumed step."""
+        if not isinstance(state, dict) or not isinstance(state.get("step"), int) or isinstance(state.get("step"), bool) or state["step"] < 0:
+            raise ValueError(f"not a SilentState state_dict (needs a non-negative integer 'step'): {state!r}")
+        if getattr(self, "_current", None) is not None:
+            raise RuntimeError("load_state_dict was called in the middle of a step; call it before the first backward of the resumed run")
+        if state.get("every", self.config.every) != self.config.every:
+            logger.warning(
+                "ddphooks: the checkpoint was taken with every=%s, this state has every=%s; steps are renumbered from %d",
+                state.get("every"), self.config.every, state["step"],
+            )  # fmt: skip
+        self.step = state["step"]
+        self._restored_records = state.get("records")
+        if self._bound and self._restored_records and getattr(self, "_records", None) is not None:
+            self._records.load_state_dict(self._restored_records)
+
+    # -- helpers of the transports ---------------------------------------------------------------
+    def _before_flush(self) -> None:
+        """What a transport checks before ``flush`` and ``close`` (DDP: its watchdog)."""
+
+    def _warn(self, message: str, *args) -> None:
+        """A ``logging`` warning (logger ``"ddphooks"``) queued to the pipeline's warnings thread:
+        it is called inside forward and backward, where a logging handler that blocks must not
+        hold up training (see ``ddphooks.pipeline``). A bound state only."""
+        self._pipeline.warn(message, *args)
+
+    def _warn_no_loss(self, step: int) -> None:
+        self._warn(
+            "ddphooks: no loss was recorded for step %d on rank %d, so its records hold no loss (null) and the detector "
+            "has no loss signal: the forward output is not a scalar loss and has no .loss or ['loss'] (a model that "
+            "returns logits). Pass attach(model, loss_from=lambda module, args, kwargs, output: <the loss>), or call "
+            "state.observe_loss(loss) before backward(). Said once.", step, self.rank,
+        )  # fmt: skip
+
+    def _instrumented(self, step: int) -> bool:
+        return step % self.config.every == 0
+
+    def _kernel(self, device: torch.device) -> BucketStatsKernel:
+        """The statistics kernel of ``device`` (one sign table per device, shared by all plans)."""
+        if device not in self._kernels:
+            signs = SignTable(self.config.seed, self.bins, device) if self.bins else None
+            self._kernels[device] = BucketStatsKernel(self.bins, device, signs)
+        return self._kernels[device]
+
+    def _reset_sketch(self, device: torch.device) -> None:
+        """Zero this step's sketch accumulator (allocated once per device)."""
+        if self.bins:
+            if self._sketch is None or self._sketch.device != device:
+                self._sketch = torch.zeros(self.bins, dtype=torch.float32, device=device)
+            else:
+                self._sketch.zero_()
+
+    def _pack_slot(self, local_sq: list[torch.Tensor], fingerprint: torch.Tensor | None, slot: torch.Tensor) -> None:
+        """Write ``[loss_sum, loss_count, |g_p|^2 ..., sketch, fingerprints]`` of this rank into ``slot``."""
+        if self._loss_pair is None or self._loss_pair.device != slot.device:
+            self._loss_pair = torch.zeros(2, dtype=torch.float32, device=slot.device)
+        self._losses.pack(self._loss_pair)
+        parts = [self._loss_pair, *local_sq]
+        if self.bins:
+            parts.append(self._sketch)
+        if fingerprint is not None:
+            parts.append(fingerprint)
+        torch.cat(parts, out=slot)
+
+    def _stats_buffer(self, attribute: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A persistent communication buffer, reallocated only when its size changes."""
+        buffer = getattr(self, attribute)
+        if buffer is None or buffer.numel() != numel or buffer.dtype != dtype or buffer.device != device:
+            buffer = torch.empty(numel, dtype=dtype, device=device)
+            setattr(self, attribute, buffer)
+        return buffer
+
+    def _publish(self, step: int, result: SilentStats | BaseException) -> None:
+        """Make ``result`` the latest statistics (or the error that stopped them) and hand it to
+        the pipeline (detector, alerts, records)."""
+        with self._latest_lock:
+            self._latest = result
+        if isinstance(result, SilentStats):
+            self._previous_stats = result
+            self._pipeline.complete(result)  # handed to the pipeline thread when the next step starts
+        else:
+            self._warn("ddphooks: statistics of step %d failed: %r", step, result)
+
+
+def agree_across_ranks(group: dist.ProcessGroup | None, settings: dict, problem: str | None) -> None:
+    """Gather every rank's settings and local problem; raise the same error on every rank."""
+    world = dist.get_world_size(group)
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, (settings, problem), group=group)
+    problems = [f"rank {rank}: {p}" for rank, (_, p) in enumerate(gathered) if p is not None]
+    if problems:
+        raise ValueError("invalid SilentState arguments on " + "; ".join(problems))
+    if any(s != gathered[0][0] for s, _ in gathered):
+        described = "; ".join(f"rank {rank} has {s}" for rank, (s, _) in enumerate(gathered))
+        raise ValueError(f"SilentState settings differ across ranks ({described}); create it with the same arguments on every rank")

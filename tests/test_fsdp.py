@@ -1,0 +1,192 @@
+"""ddphooks under FSDP2 and HSDP (``fully_shard``) on gloo, against the slow obvious reference.
+
+The reference is ``test_hook._reference``: an unsharded copy of the model holding the same full
+parameters (``full_tensor()``) computes every rank's local gradient on the same batch, the
+gradients are all-gathered and every statistic is computed from them in float64.
+"""
+
+import copy
+import json
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+import ddphooks
+from ddphooks.launch import spawn
+from test_hook import TIMEOUT, _batch, _compare, _loss, _Net, _reference
+
+
+def _sharded(mesh_shape: tuple, seed: int = 0, **fsdp_kwargs) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The small MLP fully_shard-ed per layer and at the root, and an unsharded copy of it."""
+    torch.manual_seed(seed)
+    model = _Net()
+    reference = copy.deepcopy(model)
+    names = ("replicate", "shard") if len(mesh_shape) == 2 else ("shard",)
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    for layer in (model.inp, model.hidden):
+        fully_shard(layer, mesh=mesh, **fsdp_kwargs)
+    fully_shard(model, mesh=mesh, **fsdp_kwargs)
+    return model, reference
+
+
+def _sync_reference(model: torch.nn.Module, reference: torch.nn.Module) -> None:
+    """Give the reference the sharded model's current full parameters (a collective)."""
+    with torch.no_grad():
+        for (name, param), (_, ref) in zip(model.named_parameters(), reference.named_parameters()):
+            ref.copy_(param.full_tensor())
+
+
+def _check_reference(rank: int, world: int, mesh_shape: tuple, micro: int, mixed: bool) -> list[dict]:
+    """Every step's record matches the reference; a replica check runs on the last step."""
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
+    model, reference = _sharded(mesh_shape, mp_policy=policy)
+    state = ddphooks.attach(model, sketch_dim=256, check_replicas_every=2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    records = []
+    for step in range(3):
+        _sync_reference(model, reference)
+        batches = [_batch(rank, step, m) for m in range(micro)]
+        ref = _reference(reference.to(torch.bfloat16) if mixed else reference, [(x.to(torch.bfloat16), y.to(torch.bfloat16)) if mixed else (x, y) for x, y in batches])
+        reference.float()
+        for m, (x, y) in enumerate(batches):
+            model.set_requires_gradient_sync(m == micro - 1)  # accumulate the micro-batches, reduce once
+            loss = _loss(model, x, y)
+            state.observe_loss(loss)
+            loss.backward()
+        state.flush()
+        record = state.latest.to_dict()
+        json.dumps(record, allow_nan=False)
+        assert record["step"] == step and record["world_size"] == world and state.step == step + 1
+        if mixed:  # the same bf16 gradients, summed in another order: bf16 resolution
+            torch.testing.assert_close(torch.tensor(record["grad_norms"]), torch.tensor(ref["grad_norms"], dtype=torch.float32), rtol=1e-2, atol=0)
+        else:
+            _compare(record, ref, 256)
+        optimizer.step()
+        optimizer.zero_grad()
+        records.append(record)
+    state.close()
+    return records
+
+
+def _train(rank: int, world: int, attach: bool, reshard: bool) -> list[torch.Tensor]:
+    model, _ = _sharded((world,), reshard_after_forward=reshard)
+    if attach:
+        ddphooks.attach(model).close()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(4):
+        _loss(model, *_batch(rank, step)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return [p.full_tensor() for p in model.parameters()]
+
+
+def _check_errors(rank: int, world: int) -> dict:
+    model, _ = _sharded((world,))
+    errors = {}
+    try:
+        ddphooks.attach(model, transport="separate")
+    except TypeError as error:
+        errors["ddp_only"] = str(error)
+    ddphooks.attach(model).close()
+    try:
+        ddphooks.attach(model)
+    except RuntimeError as error:
+        errors["twice"] = str(error)
+    return errors
+
+
+def _check_two_ranks(rank: int, world: int) -> dict:
+    """Plain FSDP2 on 2 ranks: the reference in fp32 and with bf16 parameters, training
+    unchanged with reshard_after_forward either way, the error messages."""
+    return {
+        "fp32": _check_reference(rank, world, (world,), 1, False),
+        "bf16": _check_reference(rank, world, (world,), 1, True),
+        "unchanged": [
+            all(torch.equal(a, b) for a, b in zip(_train(rank, world, False, reshard), _train(rank, world, True, reshard)))
+            for reshard in (True, False)
+        ],
+        "errors": _check_errors(rank, world),
+    }
+
+
+def _check_replica_divergence(rank: int, world: int) -> dict:
+    """HSDP: a replica whose parameter shard drifted is named."""
+    model, _ = _sharded((2, 2))
+    state = ddphooks.attach(model, check_replicas_every=1)
+    if rank == 3:  # replica 1 of shard 1
+        with torch.no_grad():
+            model.hidden.weight.to_local().add_(1e-3)
+    _loss(model, *_batch(rank, 0)).backward()
+    state.close()
+    return state.latest.to_dict()["replicas"]
+
+
+def _check_hsdp(rank: int, world: int) -> dict:
+    """HSDP on a 2 x 2 mesh: the reference with two accumulated micro-batches, the replica check."""
+    return {"accumulation": _check_reference(rank, world, (2, 2), 2, False), "drifted": _check_replica_divergence(rank, world)}
+
+
+# One process group per mesh for the whole module: starting ranks costs more than the checks.
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    return spawn(_check_two_ranks, 2, timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def hsdp() -> list[dict]:
+    return spawn(_check_hsdp, 4, timeout=TIMEOUT)
+
+
+def _same_on_every_rank_and_linked(records: list[list[dict]], hsdp: bool) -> None:
+    assert records[0] == records[-1]  # the same statistics on every rank
+    first, second, third = records[0]
+    # Steps 0 and 2 check replicas: the parameter shards' replicas under HSDP; under plain FSDP2
+    # only buffers are held by several ranks, and this model has none.
+    agree = {"ranks": [], "tensors": 0, "parameters": []} if hsdp else None
+    assert first["replicas"] == third["replicas"] == agree and second["replicas"] is None
+    assert third["cosine_previous"] is not None  # the signs stay at the same positions from step to step
+
+
+def test_fsdp2_statistics_match_an_unsharded_reference(two_ranks):
+    _same_on_every_rank_and_linked([r["fp32"] for r in two_ranks], hsdp=False)
+
+
+def test_fsdp2_with_bf16_parameters_and_fp32_reduction(two_ranks):
+    _same_on_every_rank_and_linked([r["bf16"] for r in two_ranks], hsdp=False)
+
+
+def test_hsdp_statistics_span_the_whole_mesh_with_accumulation(hsdp):
+    records = [r["accumulation"] for r in hsdp]
+    _same_on_every_rank_and_linked(records, hsdp=True)
+    assert all(len(record["losses"]) == 4 for record in records[0])
+
+
+def test_training_is_bitwise_unchanged(two_ranks):
+    assert [r["unchanged"] for r in two_ranks] == [[True, True]] * 2
+
+
+def test_hsdp_replica_check_names_the_drifted_replica(hsdp):
+    replicas = hsdp[0]["drifted"]
+    assert replicas["ranks"] == [1, 3]  # two replicas of one shard: no majority, both named
+    assert [p["name"] for p in replicas["parameters"]] == ["hidden.weight"]
+
+
+def test_errors_name_the_setting_and_the_fix(two_ranks):
+    errors = two_ranks[0]["errors"]
+    assert "transport applies to DDP only" in errors["ddp_only"]
+    assert "already attached" in errors["twice"]
+
+
+def test_unsupported_wrappers_are_named():
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    fsdp1 = FullyShardedDataParallel.__new__(FullyShardedDataParallel)  # FSDP1 refuses the CPU: never constructed here
+    torch.nn.Module.__init__(fsdp1)
+    fsdp1._fsdp_wrapped_module = torch.nn.Linear(1, 1)  # where FSDP1 looks up unknown attributes
+    with pytest.raises(TypeError, match="FSDP1, FullyShardedDataParallel, is not supported: use FSDP2's fully_shard"):
+        ddphooks.attach(fsdp1)
+    engine = type("DeepSpeedEngine", (torch.nn.Module,), {})()
+    with pytest.raises(TypeError, match="DeepSpeed has no communication hook"):
+        ddphooks.attach(engine)
