@@ -202,7 +202,11 @@ class ShardedSilentState(BaseSilentState):
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish_step)
             if not self._instrumented(record.step):
                 return
-            entry = self._entry(comm, group, flat)
+            try:  # the layout is the same on every rank, so a failure here fails alike everywhere
+                entry = self._entry(comm, group, flat)
+            except Exception as error:
+                record.error = error
+                return
             record.layouts.append(entry.layout)
             sq = torch.full((len(entry.shard_lengths),), float("nan"), dtype=torch.float32, device=flat.device)
             record.local_sq.append(sq)

@@ -70,13 +70,18 @@ def _check_reference(rank: int, world: int, mesh_shape: tuple, micro: int, mixed
     return records
 
 
-def _train(rank: int, world: int, attach: bool, reshard: bool) -> list[torch.Tensor]:
-    model, _ = _sharded((world,), reshard_after_forward=reshard)
+def _train(rank: int, world: int, attach: bool, reshard: bool, mixed: bool = False) -> list[torch.Tensor]:
+    """Four AdamW steps; with ``mixed``, bf16 parameters, fp32 reduction and two micro-batches a step."""
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
+    model, _ = _sharded((world,), reshard_after_forward=reshard, mp_policy=policy)
     if attach:
         ddphooks.attach(model).close()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    micro = 2 if mixed else 1
     for step in range(4):
-        _loss(model, *_batch(rank, step)).backward()
+        for m in range(micro):
+            model.set_requires_gradient_sync(m == micro - 1)
+            _loss(model, *_batch(rank, step, m)).backward()
         optimizer.step()
         optimizer.zero_grad()
     return [p.full_tensor() for p in model.parameters()]
@@ -97,6 +102,23 @@ def _check_errors(rank: int, world: int) -> dict:
     return errors
 
 
+def _check_root_only_every(rank: int, world: int) -> list:
+    """fully_shard on the root alone (its reduce-scatter runs inside FSDP2's own end-of-backward
+    callback) with every=2: steps 0, 2 and 4 are measured, the step counter follows every step."""
+    torch.manual_seed(0)
+    model = _Net()
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    state = ddphooks.attach(model, every=2)
+    measured = []
+    for step in range(5):
+        loss = _loss(model, *_batch(rank, step))
+        state.observe_loss(loss)
+        loss.backward()
+        measured.append((state.step, state.latest.step, len(state.latest.to_dict()["parameters"])))
+    state.close()
+    return measured
+
+
 def _check_two_ranks(rank: int, world: int) -> dict:
     """Plain FSDP2 on 2 ranks: the reference in fp32 and with bf16 parameters, training
     unchanged with reshard_after_forward either way, the error messages."""
@@ -104,10 +126,11 @@ def _check_two_ranks(rank: int, world: int) -> dict:
         "fp32": _check_reference(rank, world, (world,), 1, False),
         "bf16": _check_reference(rank, world, (world,), 1, True),
         "unchanged": [
-            all(torch.equal(a, b) for a, b in zip(_train(rank, world, False, reshard), _train(rank, world, True, reshard)))
-            for reshard in (True, False)
+            all(torch.equal(a, b) for a, b in zip(_train(rank, world, False, *case), _train(rank, world, True, *case)))
+            for case in ((True, False), (False, False), (True, True))
         ],
         "errors": _check_errors(rank, world),
+        "root_only_every_2": _check_root_only_every(rank, world),
     }
 
 
@@ -164,13 +187,19 @@ def test_hsdp_statistics_span_the_whole_mesh_with_accumulation(hsdp):
 
 
 def test_training_is_bitwise_unchanged(two_ranks):
-    assert [r["unchanged"] for r in two_ranks] == [[True, True]] * 2
+    # reshard_after_forward True and False in fp32; bf16 parameters with accumulation
+    assert [r["unchanged"] for r in two_ranks] == [[True, True, True]] * 2
 
 
 def test_hsdp_replica_check_names_the_drifted_replica(hsdp):
     replicas = hsdp[0]["drifted"]
     assert replicas["ranks"] == [1, 3]  # two replicas of one shard: no majority, both named
     assert [p["name"] for p in replicas["parameters"]] == ["hidden.weight"]
+
+
+def test_root_only_sharding_and_every(two_ranks):
+    # (steps seen, step of the latest statistics, parameters in it) after each backward
+    assert two_ranks[0]["root_only_every_2"] == [(1, 0, 6), (2, 0, 6), (3, 2, 6), (4, 2, 6), (5, 4, 6)]
 
 
 def test_errors_name_the_setting_and_the_fix(two_ranks):
