@@ -37,13 +37,13 @@ def ddp_module(model: torch.nn.Module) -> DistributedDataParallel:
     if not isinstance(inner, DistributedDataParallel):
         raise TypeError(
             f"attach needs a DistributedDataParallel module or an FSDP2 (fully_shard) root, got {type(model).__name__}"
-            f"{_unsupported(inner)}: wrap the model first (DistributedDataParallel(model), fully_shard(model), or the "
+            f"{unsupported_wrapper(inner)}: wrap the model first (DistributedDataParallel(model), fully_shard(model), or the "
             "object accelerator.prepare(model) returns in a distributed run)"
         )
     return inner
 
 
-def _unsupported(model: torch.nn.Module) -> str:
+def unsupported_wrapper(model: torch.nn.Module) -> str:
     """Why a known wrapper is not measured (empty for anything else)."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 

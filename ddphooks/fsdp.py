@@ -161,6 +161,7 @@ class ShardedSilentState(BaseSilentState):
         agree_across_ranks(group, self._settings, self._problem)
         self._bind_common(group)
         self._model = model
+        self._module_names = {id(module): name for name, module in model.named_modules()}
         self._shards = mesh_info.shard_mesh_size
         self._replicas = self.world_size // self._shards
         self._current: _ShardedStep | None = None
@@ -231,7 +232,7 @@ class ShardedSilentState(BaseSilentState):
         if entry is not None and entry.key == key:
             return entry
         if self._shards * sum(lengths) == flat.numel():
-            names = tuple(p._param_fqn or f"param{j}" for j, p in enumerate(params))
+            names = tuple(self._param_name(p, j) for j, p in enumerate(params))
             numels = tuple(p._orig_size.numel() for p in params)
         else:
             # Some parameters got no gradient this step: FSDP2 leaves them out of the layout and
@@ -253,6 +254,16 @@ class ShardedSilentState(BaseSilentState):
         entry = _GroupEntry(key, plan, BucketLayout(len(self._entries), names, numels), lengths, sq_rows)
         self._entries[id(comm)] = entry
         return entry
+
+    def _param_name(self, fsdp_param, index: int) -> str:
+        """The parameter's name in the model. FSDP2's ``_param_fqn`` is unset where the module's
+        parameters were replaced after ``fully_shard`` (transformers' sharding at load time), so
+        the name comes from the module that holds it."""
+        info = fsdp_param._module_info
+        module = self._module_names.get(id(info.module))
+        if module is not None:
+            return f"{module}.{info.param_name}" if module else info.param_name
+        return fsdp_param._param_fqn or f"param{index}"
 
     # -- the end of a synchronised backward -----------------------------------------------------
     def _finish_step(self) -> None:
@@ -329,11 +340,14 @@ def _fsdp_modules(model: torch.nn.Module) -> tuple[list[FSDPModule], object]:
     ``TypeError`` / ``ValueError`` naming what ddphooks cannot measure."""
     if not isinstance(model, FSDPModule):
         raise TypeError(f"ShardedSilentState needs the fully_shard root module, got {type(model).__name__}")
-    modules, mesh_info = [], None
+    modules, mesh_info, seen = [], None, set()
     for module in model.modules():
         if not isinstance(module, FSDPModule):
             continue
         state = module._get_fsdp_state()
+        if id(state) in seen:  # fully_shard([norm, lm_head]): one unit, one reduce-scatter
+            continue
+        seen.add(id(state))
         if len(state._fsdp_param_groups) > 1:
             raise ValueError(
                 f"FSDP module {type(module).__name__} has {len(state._fsdp_param_groups)} parameter groups (a per-parameter mesh "

@@ -2,6 +2,8 @@
 eager DDP (the reference: the same model, seed and batches without compile); compiled DDP's python
 reducer, which calls hooks per parameter, is refused with one clear message."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from test_hook import TIMEOUT, _batch, _loss, _Net
@@ -73,15 +75,19 @@ def python_reducer():
     torch._dynamo.config.optimize_ddp = True
 
 
-def test_the_integrations_warn_and_stay_off_under_the_python_reducer(python_reducer):
+def test_the_integrations_warn_and_stay_off_under_the_python_reducer(python_reducer, monkeypatch):
     """Monitoring never stops training: where it cannot measure, a callback says so and does nothing."""
+    from ddphooks.integrations import transformers as transformers_integration
     from ddphooks.integrations.lightning import SilentCallback as LightningCallback
     from ddphooks.integrations.transformers import SilentCallback as TrainerCallback
 
+    # A model that is no FSDP2 root (the python reducer concerns DDP only) in place of a real run.
+    model = torch.nn.Linear(1, 1)
+    monkeypatch.setattr(transformers_integration, "_calling_trainer", lambda: (SimpleNamespace(model_wrapped=model), None))
     trainer_callback = TrainerCallback()
     with pytest.warns(RuntimeWarning, match=r"SilentCallback does nothing for this run; training is unchanged: compiled DDP with"):
-        trainer_callback.on_train_begin(None, None, None)  # returns before looking at the Trainer
+        trainer_callback.on_train_begin(None, None, None)
     lightning_callback = LightningCallback()
     with pytest.warns(UserWarning, match=r"SilentCallback: ddphooks is off for this run, training is unchanged: compiled DDP with"):
-        lightning_callback.on_fit_start(None, None)
+        lightning_callback.on_fit_start(SimpleNamespace(strategy=SimpleNamespace(model=model)), None)
     assert not lightning_callback._active

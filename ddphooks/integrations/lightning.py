@@ -2,7 +2,9 @@
 
 Needs ``lightning`` (``import lightning.pytorch as L``, 2.x; the legacy ``pytorch_lightning``
 package is not supported). Works with ``DDPStrategy`` (``strategy="ddp"``, ``"ddp_spawn"``, any
-accelerator); other strategies (FSDP, DeepSpeed, single device) get one warning and no hook.
+accelerator) and with ``ModelParallelStrategy`` when ``configure_model`` applies FSDP2
+(``fully_shard``); other strategies (``FSDPStrategy``, which is FSDP1, DeepSpeed, single device)
+get one warning and no hook.
 
 How it plugs in (facts of Lightning 2.x this relies on):
 
@@ -22,6 +24,20 @@ How it plugs in (facts of Lightning 2.x this relies on):
   only binds it and adds the loss capture; on the CPU (and every other accelerator) the callback
   registers it. Another hook in ``ddp_comm_hook`` cannot coexist (DDP takes one): give it to
   the state instead, ``SilentState(comm_hook=..., comm_state=...)``.
+
+Under ``ModelParallelStrategy`` (experimental in Lightning; runs on the CPU with gloo):
+
+- ``trainer.strategy.model`` is the ``LightningModule`` itself, unwrapped; ``configure_model``
+  (before ``on_fit_start``) applies ``fully_shard`` to its layers and to the module holding them.
+  The callback attaches (``ShardedSilentState``) to that FSDP2 root: the ``LightningModule`` if it
+  is one, else the one outermost ``fully_shard`` module inside it (with several, it warns and
+  stays off: ``fully_shard`` the module that holds them).
+- ``training_step`` is not a forward of that root, so the rank's loss is taken in
+  ``on_before_backward``: the loss Lightning calls backward on, times ``accumulate_grad_batches``
+  (Lightning divides by it), i.e. ``training_step``'s loss. ``loss_from`` replaces this.
+- Lightning's ``block_backward_sync`` only knows DDP, so with ``accumulate_grad_batches`` FSDP2
+  reduce-scatters every micro-batch: each micro-batch is a synchronised step of its own and gets
+  its own record (``ddphooks/step`` then counts micro-batches, not optimizer steps).
 """
 
 from __future__ import annotations
@@ -35,13 +51,16 @@ try:
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("ddphooks.integrations.lightning needs Lightning 2.x: pip install 'ddphooks[lightning]'") from error
 
+import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from ddphooks.attach import LossFrom, attach
+from ddphooks.attach import DDP_ONLY_SETTINGS, LossFrom, attach, sharded_root
+from ddphooks.attach import unsupported_wrapper
 from ddphooks.hook import PYTHON_REDUCER, SilentState, python_reducer
 from ddphooks.sinks import JsonlSink
 from ddphooks.sinks.jsonl import drop_records_from
+from ddphooks.state import BaseSilentState
 
 #: Prefix of everything the callback logs through the LightningModule.
 LOG_PREFIX = "ddphooks/"
@@ -75,12 +94,15 @@ class SilentCallback(pl.Callback):
     continues the step numbering, and the default JSONL file, if it is the same file, keeps the
     records before the checkpoint and drops those an interrupted run wrote after it.
 
-    Without a ``DistributedDataParallel`` model (one device, FSDP, DeepSpeed) the callback warns
-    once and does nothing.
+    Under ``ModelParallelStrategy`` with FSDP2 it attaches to the FSDP2 root instead (see the
+    module's notes: the loss comes from ``on_before_backward``, every micro-batch is a step).
+    Without a ``DistributedDataParallel`` model or an FSDP2 root (one device, ``FSDPStrategy``
+    which is FSDP1, DeepSpeed) the callback warns once and does nothing.
 
     Args:
         state: a ``ddphooks.SilentState`` created beforehand (unbound; the same object may be
-            given to ``DDPStrategy(ddp_comm_state=state, ddp_comm_hook=silent_hook)``). Its
+            given to ``DDPStrategy(ddp_comm_state=state, ddp_comm_hook=silent_hook)``), or a
+            ``ddphooks.fsdp.ShardedSilentState`` under ``ModelParallelStrategy``. Its
             sinks are used as they are. It binds to one DDP module, so it serves one ``fit``;
             pass settings instead to call ``fit`` more than once on the same callback.
         log_metrics: log the summary through ``pl_module.log_dict`` (default True).
@@ -105,12 +127,14 @@ class SilentCallback(pl.Callback):
     """
 
     def __init__(
-        self, state: SilentState | None = None, *, log_metrics: bool = True, stop_on_alert: bool = False, loss_from: LossFrom | None = None, **settings
+        self, state: BaseSilentState | None = None, *, log_metrics: bool = True, stop_on_alert: bool = False, loss_from: LossFrom | None = None, **settings
     ) -> None:
         if state is not None and settings:
             raise TypeError(f"SilentCallback takes either state= or SilentState settings, not both (got state and {sorted(settings)})")
-        if state is not None and not isinstance(state, SilentState):
-            raise TypeError(f"state must be a ddphooks.SilentState, got {type(state).__name__}")
+        if state is not None and not isinstance(state, BaseSilentState):
+            raise TypeError(
+                f"state must be a ddphooks.SilentState (DDP) or ddphooks.fsdp.ShardedSilentState (FSDP2), got {type(state).__name__}"
+            )
         self._state = state
         self._owns_state = state is None
         self.settings = settings
@@ -120,10 +144,11 @@ class SilentCallback(pl.Callback):
         self.loss_from = loss_from
         self._restored: dict | None = None  # a checkpoint's state, loaded before the state exists
         self._active = False
+        self._loss_before_backward = False  # FSDP2: the loss is taken in on_before_backward
         self._warned: set[str] = set()
 
     @property
-    def state(self) -> SilentState | None:
+    def state(self) -> BaseSilentState | None:
         """The ``SilentState`` of the current run (None before ``on_fit_start``, or when off)."""
         return self._state
 
@@ -134,37 +159,68 @@ class SilentCallback(pl.Callback):
 
     # -- attaching -------------------------------------------------------------------------------
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        mode = python_reducer()
-        if mode is not None:
-            self._warn_once("python-reducer", f"SilentCallback: ddphooks is off for this run, training is unchanged: {PYTHON_REDUCER.format(mode=mode)}")
-            return
         model = trainer.strategy.model
-        if not (dist.is_available() and dist.is_initialized()) or not isinstance(getattr(model, "_orig_mod", model), DistributedDataParallel):
+        distributed = dist.is_available() and dist.is_initialized()
+        roots = _fsdp2_roots(model) if distributed else []
+        if len(roots) > 1:
             self._warn_once(
-                "not-ddp",
-                f"SilentCallback: the {type(trainer.strategy).__name__} strategy gives no DistributedDataParallel model; "
-                "ddphooks is off for this run (use strategy='ddp' or DDPStrategy with 2+ processes)",
+                "fsdp2-roots",
+                f"SilentCallback: the model has several FSDP2 roots ({', '.join(name or 'the LightningModule' for name, _ in roots)}); "
+                "ddphooks measures one fully_shard root and is off for this run: apply fully_shard to the module holding them too",
             )
             return
+        root = roots[0][1] if roots else None
+        if root is None:
+            mode = python_reducer()
+            if mode is not None:
+                message = f"SilentCallback: ddphooks is off for this run, training is unchanged: {PYTHON_REDUCER.format(mode=mode)}"
+                self._warn_once("python-reducer", message)
+                return
+            if not distributed or not isinstance(getattr(model, "_orig_mod", model), DistributedDataParallel):
+                self._warn_once(
+                    "not-ddp",
+                    f"SilentCallback: the {type(trainer.strategy).__name__} strategy gives no DistributedDataParallel model "
+                    f"and no FSDP2 (fully_shard) root{unsupported_wrapper(getattr(model, '_orig_mod', model))}; ddphooks is off "
+                    "for this run (use strategy='ddp' or DDPStrategy with 2+ processes, or ModelParallelStrategy with "
+                    "fully_shard in configure_model; FSDPStrategy (FSDP1) and DeepSpeed are not supported)",
+                )
+                return
+        target = model if root is None else root
         if self._owns_state and (self._state is None or self._state.bound):
-            self._state = self._build_state(trainer, model)  # a second fit wraps a new DDP module: a new state
+            self._state = self._build_state(trainer, target, sharded=root is not None)  # a second fit: a new state
         if self._restored is not None:
             self._state.load_state_dict(self._restored)
             self._restored = None
-        attach(model, state=self._state, loss_from=self.loss_from)
+        attach(target, state=self._state, loss_from=self.loss_from)
+        self._loss_before_backward = root is not None and self.loss_from is None
         self._alerts_seen = len(self._state.alerts)
         self._active = True
 
-    def _build_state(self, trainer: pl.Trainer, model: DistributedDataParallel) -> SilentState:
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss) -> None:
+        if self._active and self._loss_before_backward:
+            # Automatic optimization divides training_step's loss by accumulate_grad_batches
+            # before backward; manual optimization allows no accumulation (the factor is 1).
+            scale = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
+            self._state.observe_loss(loss.detach() * scale)
+
+    def _build_state(self, trainer: pl.Trainer, model, sharded: bool = False) -> BaseSilentState:
         carried = self._state.state_dict() if self._state is not None else None  # a second fit continues
         if self._state is not None:
             self._state.close()
         settings = dict(self.settings)
+        ddp_only = sorted(set(settings) & DDP_ONLY_SETTINGS) if sharded else []
+        if ddp_only:
+            raise TypeError(f"SilentCallback: {', '.join(ddp_only)} apply to DDP only, and this run's model is an FSDP2 root: drop them")
         if settings.get("sinks") is None:
             settings["sinks"] = [self._default_sink(trainer, settings.get("log_rank", 0), self._restored or carried)]
         # The process group exists, so the state binds as it is built: given the model, it
-        # takes the parameter names from it.
-        state = SilentState(model=getattr(model, "_orig_mod", model), **settings)
+        # takes the parameter names from it. attach binds the FSDP2 one.
+        if sharded:
+            from ddphooks.fsdp import ShardedSilentState
+
+            state = ShardedSilentState(**settings)
+        else:
+            state = SilentState(model=getattr(model, "_orig_mod", model), **settings)
         if carried is not None:
             state.load_state_dict(carried)
         return state
@@ -235,3 +291,18 @@ class SilentCallback(pl.Callback):
             self._state.load_state_dict(restored)
         else:
             self._restored = restored  # applied at on_fit_start, to the state built or bound there
+
+
+def _fsdp2_roots(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The outermost FSDP2 (``fully_shard``) modules of ``model`` with their names: ``model``
+    itself if it is one (``""``), else those not inside another; empty without FSDP2."""
+    root = sharded_root(model)
+    if root is not None:
+        return [("", root)]
+    from torch.distributed.fsdp import FSDPModule
+
+    outermost: list[tuple[str, torch.nn.Module]] = []
+    for name, module in model.named_modules():  # parents come before their children
+        if isinstance(module, FSDPModule) and not any(name.startswith(top + ".") for top, _ in outermost):
+            outermost.append((name, module))
+    return outermost

@@ -4,12 +4,19 @@ Add the callback and nothing else changes::
 
     trainer = Trainer(model, args, train_dataset=data, callbacks=[SilentCallback()])
 
-At ``on_train_begin`` it attaches ``silent_hook`` to the Trainer's DDP-wrapped model
-(``ddphooks.attach``), records each rank's own mean token loss of every training micro-batch,
+At ``on_train_begin`` it attaches ddphooks (``ddphooks.attach``) to the Trainer's wrapped model, a
+DDP module or an FSDP2 (``fully_shard``) root, records each rank's own mean token loss of every training micro-batch,
 writes one record per optimizer step to ``<output_dir>/ddphooks/stats.jsonl``, adds the step's
 summary (``ddphooks/loss_std``, ``ddphooks/mean_cosine`` ...) to the Trainer's logs (so every
 ``report_to`` integration and ``trainer.state.log_history`` get it), saves its state with each
 checkpoint and restores it on ``trainer.train(resume_from_checkpoint=...)``.
+
+FSDP2 in the Trainer (transformers 5.x): ``fsdp=True, fsdp_config={"version": 2}`` goes through
+Accelerate's FSDP plugin, which Accelerate only enables on accelerators (on the CPU its
+``AcceleratorState`` keeps ``MULTI_CPU`` and ``accelerator.prepare`` wraps the model in DDP, which
+the callback then measures); a model loaded with ``from_pretrained(...,
+distributed_config=DistributedConfig(fsdp_size=N))`` is sharded by transformers itself, on any
+device. Either way ``trainer.model_wrapped`` is the FSDP2 root at ``on_train_begin``.
 
 This module imports transformers; ``import ddphooks`` does not import this module.
 """
@@ -28,11 +35,13 @@ from transformers import Trainer, TrainerCallback
 from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ddphooks.attach import LossFrom, attach, ddp_module
-from ddphooks.hook import PYTHON_REDUCER, SilentState, python_reducer
+from ddphooks.attach import LossFrom, attach, ddp_module, sharded_root
+from ddphooks.attach import unsupported_wrapper
+from ddphooks.hook import PYTHON_REDUCER, python_reducer
 from ddphooks.loss import loss_of
 from ddphooks.sinks import JsonlSink
 from ddphooks.sinks.jsonl import drop_records_from
+from ddphooks.state import BaseSilentState
 
 logger = logging.getLogger("ddphooks")
 
@@ -130,14 +139,15 @@ class SilentCallback(TrainerCallback):
 
     What it does, by Trainer event:
 
-    - ``on_train_begin``: finds the Trainer and its DDP-wrapped model (``trainer.model_wrapped``),
-      creates the ``SilentState`` (unless ``state`` is given) and ``ddphooks.attach``-es it, with
+    - ``on_train_begin``: finds the Trainer and its wrapped model (``trainer.model_wrapped``: DDP
+      or an FSDP2 root), ``ddphooks.attach``-es the given ``state`` or one built from the
+      settings (a ``SilentState`` for DDP, a ``ddphooks.fsdp.ShardedSilentState`` for FSDP2), with
       a loss capture that records each rank's own mean token loss of every training micro-batch
       (:func:`rank_mean_token_loss`; evaluation forwards never count). It then moves itself to the
       front of the Trainer's callbacks so that its ``on_log`` runs before the reporting
       integrations'. On a resumed run it restores the state saved in the checkpoint, so step
-      numbering continues. Without DDP (one process, FSDP, DeepSpeed) it warns once and does
-      nothing else: training is unchanged.
+      numbering continues. Without DDP or FSDP2 (one process, FSDP1, DeepSpeed) it warns once
+      and does nothing else: training is unchanged.
     - ``on_step_end``: when the detector has found new alerts (``state.alerts``, the same on
       every rank at this point), asks the Trainer to log at this step, so the alert count reaches
       the logs when it happens; with ``stop_on_alert``, also to save a checkpoint and stop
@@ -165,17 +175,18 @@ class SilentCallback(TrainerCallback):
     unaffected); a MoE auxiliary loss inside ``output.loss`` is rescaled with the token loss.
 
     Args:
-        state: a ``SilentState`` to attach (created beforehand, possibly before the process
-            group); None: one is created at ``on_train_begin`` from ``settings``.
+        state: a ``SilentState`` (DDP) or ``ShardedSilentState`` (FSDP2) to attach (created
+            beforehand); None: one is created at ``on_train_begin`` from ``settings``.
         output_dir: folder of the default ``stats.jsonl`` (default: ``<args.output_dir>/ddphooks``);
             not with ``state`` or ``sinks``, which bring their own.
         stop_on_alert: save a checkpoint and stop training at the first step that brings new
             alerts (default False: training goes on, the alerts are logged).
         **settings: ``SilentState`` keyword arguments (``sketch_dim``, ``every``, ``sinks``,
-            ``log_rank`` ...); not together with ``state``.
+            ``log_rank`` ...; under FSDP2 not the DDP-only ones, ``attach`` says which); not
+            together with ``state``.
 
     Attributes:
-        state: the attached ``SilentState`` (None before training starts, or without DDP).
+        state: the attached state (None before training starts, or without DDP or FSDP2).
 
     Example::
         >>> from ddphooks.integrations.transformers import SilentCallback
@@ -184,61 +195,67 @@ class SilentCallback(TrainerCallback):
         >>> trainer.state.log_history[-2].get("ddphooks/loss_std")
     """
 
-    def __init__(self, state: SilentState | None = None, output_dir: str | os.PathLike | None = None, stop_on_alert: bool = False, **settings) -> None:
+    def __init__(self, state: BaseSilentState | None = None, output_dir: str | os.PathLike | None = None, stop_on_alert: bool = False, **settings) -> None:
         if state is not None and settings:
             raise TypeError(f"SilentCallback takes either state= or SilentState settings, not both (got state and {sorted(settings)})")
         if output_dir is not None and (state is not None or "sinks" in settings):
             raise TypeError("output_dir sets where the default JsonlSink writes; with state= or sinks= there is none, drop output_dir")
-        if state is not None and not isinstance(state, SilentState):
-            raise TypeError(f"state must be a ddphooks.SilentState, got {type(state).__name__}")
+        if state is not None and not isinstance(state, BaseSilentState):
+            raise TypeError(
+                f"state must be a ddphooks.SilentState (DDP) or ddphooks.fsdp.ShardedSilentState (FSDP2), got {type(state).__name__}"
+            )
         self._given_state = state
         self.output_dir = output_dir
         self.settings = settings
         self.stop_on_alert = stop_on_alert
-        self.state: SilentState | None = None
+        self.state: BaseSilentState | None = None
         self._warned_latest = False
         self._alerts_seen = 0
 
     # -- Trainer events ----------------------------------------------------------------------
     def on_train_begin(self, args, trainer_state, control, **kwargs):
-        mode = python_reducer()
-        if mode is not None:
-            warnings.warn(f"ddphooks SilentCallback does nothing for this run; training is unchanged: {PYTHON_REDUCER.format(mode=mode)}", RuntimeWarning, stacklevel=2)
-            return
         trainer, resume_dir = _calling_trainer()
         if trainer is None:
             warnings.warn(
                 "ddphooks SilentCallback found no transformers.Trainer running it (on_train_begin called outside "
-                "Trainer.train); it does nothing. Outside a Trainer, call ddphooks.attach(ddp_model) yourself.",
+                "Trainer.train); it does nothing. Outside a Trainer, call ddphooks.attach(model) yourself.",
                 RuntimeWarning,
                 stacklevel=2,
             )
             return
         wrapped = trainer.model_wrapped
-        try:
-            ddp_module(wrapped)
-        except TypeError:
-            warnings.warn(
-                f"ddphooks SilentCallback: the Trainer's model is a {type(wrapped).__name__}, not DistributedDataParallel "
-                f"(world size {args.world_size}), so there is nothing to measure and it does nothing; training is "
-                "unchanged. It measures DDP runs (torchrun --nproc-per-node N ...); FSDP and DeepSpeed are not supported.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            return
+        if sharded_root(wrapped) is None:  # FSDP2 needs no check here: attach measures any fully_shard root
+            mode = python_reducer()
+            if mode is not None:
+                warnings.warn(f"ddphooks SilentCallback does nothing for this run; training is unchanged: {PYTHON_REDUCER.format(mode=mode)}", RuntimeWarning, stacklevel=2)
+                return
+            try:
+                ddp_module(wrapped)
+            except TypeError:
+                warnings.warn(
+                    f"ddphooks SilentCallback: the Trainer's model is a {type(wrapped).__name__}, not DistributedDataParallel "
+                    f"or an FSDP2 (fully_shard) root{unsupported_wrapper(getattr(wrapped, '_orig_mod', wrapped))} (world size "
+                    f"{args.world_size}), so it does nothing; training is unchanged. It measures DDP and FSDP2 runs of 2+ "
+                    "processes (torchrun --nproc-per-node N ...); FSDP1 and DeepSpeed are not supported.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                return
         if resume_dir is None and trainer_state.global_step > 0:
             # A subclass loop without the `resume_from_checkpoint` local: the Trainer's own folder naming.
             resume_dir = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{trainer_state.global_step}")
-        state, default_sink = self._given_state, None
-        if state is None:
+        default_sink = None
+        if self._given_state is not None:
+            settings = {"state": self._given_state}
+        else:
             settings = dict(self.settings)
             if "sinks" not in settings:
                 folder = Path(self.output_dir) if self.output_dir is not None else Path(args.output_dir) / "ddphooks"
                 name = "stats-rank{rank}.jsonl" if settings.get("log_rank", 0) is None else "stats.jsonl"
                 default_sink = JsonlSink(folder / name, append=resume_dir is not None)
                 settings["sinks"] = [default_sink]
-            state = SilentState(**settings)
-        self.state = attach(wrapped, state=state, loss_from=rank_mean_token_loss(loss_shifts_labels(trainer.model)))
+        # attach builds the state the model needs: SilentState (DDP) or ShardedSilentState (FSDP2).
+        self.state = attach(wrapped, loss_from=rank_mean_token_loss(loss_shifts_labels(trainer.model)), **settings)
         self._alerts_seen = 0
         if resume_dir is not None:
             self._restore(Path(resume_dir), trainer_state.global_step)
