@@ -5,6 +5,8 @@ runs one step of every configuration in turn (A B C, then B C A, ...), so machin
 alike, and overheads are medians of the per-round ratios to the baseline of the same round.
 "in hook ms" is the time spent inside the hook's calls on the training thread per step (median,
 slowest rank): a far less noisy view of the hook's own work than step times on a shared machine.
+"kept MB" is what the state keeps on its device between steps (sign tables, scratch, plans,
+norms and slot buffers), rank 0.
 
 "silent + JsonlSink + summary()" is what a user runs: a default SilentState writing records to a
 JSONL file (a temporary one here), the loop recording each step's loss (``observe_loss``) and reading ``state.latest.summary()["mean_cosine"]``
@@ -304,6 +306,23 @@ class FsdpBreakdown(Breakdown):
         self._time_pipeline(state)
 
 
+def persistent_bytes(state):
+    """What the state keeps between steps on its device: sign tables and scratch, the plans (a
+    few integers per chunk), the norms buffers and the communication buffers of its slots."""
+    if state is None:
+        return None
+    total = sum(kernel.persistent_bytes() for kernel in state._kernels.values())
+    entries = getattr(state, "_entries", None) or getattr(state, "_buckets", {})
+    for entry in entries.values():
+        norms = getattr(entry, "sq_rows", None) if hasattr(entry, "sq_rows") else entry.sq_norms
+        total += entry.plan.persistent_bytes() + norms.numel() * 4
+    for name in ("_slots", "_piggyback", "_separate", "_sketch"):
+        buffer = getattr(state, name, None)
+        if buffer is not None:
+            total += buffer.numel() * buffer.element_size()
+    return total
+
+
 def spread(samples):
     """Median and interquartile range of a list of seconds."""
     quartiles = statistics.quantiles(samples, n=4, method="inclusive") if len(samples) >= 2 else [samples[0]] * 3
@@ -421,6 +440,7 @@ def bench_model(rank, world, name, configs, args, device):
     dist.all_reduce(hooks, op=dist.ReduceOp.MAX)
     hooks = hooks.cpu().tolist()
     params = parameter_count(getattr(models[0], "module", models[0]))
+    kept = [persistent_bytes(state) for state in states]
     del models, optimizers
     sink_results = {}
     for i, breakdown in enumerate(breakdowns):
@@ -442,6 +462,7 @@ def bench_model(rank, world, name, configs, args, device):
             {
                 **sink_results.get(i, {}),
                 "hook_s_per_step": statistics.median(hook_samples),
+                "persistent_bytes": kept[i],
                 "config": {"hook": hook, "sketch_dim": sketch_dim, "every": every},
                 "world_size": world,
                 "model": name,
@@ -526,13 +547,14 @@ def main():
     print(f"\nddphooks overhead, {date.today()}, torch {torch.__version__}, {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} cores, {results[0]['world_size']} x {args.device}, {args.steps} timed steps after {args.warmup} warm-up rounds\n")
     plain = "fsdp" if args.fsdp else "allreduce"  # the baseline a user compares with
-    print(f"{'model':<12} {'configuration':<36} {'median ms':>10} {'min-max ms':>12} {'vs ' + plain:>13} {'(IQR)':>17} {'vs none':>9} {'in hook ms':>11}")
+    print(f"{'model':<12} {'configuration':<36} {'median ms':>10} {'min-max ms':>12} {'vs ' + plain:>13} {'(IQR)':>17} {'vs none':>9} {'in hook ms':>11} {'kept MB':>8}")
     for r in results:
         spread = f"{1e3 * r['min_step_s']:.0f}-{1e3 * r['max_step_s']:.0f}"
         iqr = r.get(f"overhead_vs_{plain}_iqr")
         iqr = f"[{percent(iqr[0]).strip()}, {percent(iqr[1]).strip()}]" if iqr else ""
         print(f"{r['model']:<12} {label(r['config']):<36} {1e3 * r['median_step_s']:10.1f} {spread:>12} "
-              f"{percent(r[f'overhead_vs_{plain}']):>13} {iqr:>17} {percent(r['overhead_vs_none']):>9} {1e3 * r['hook_s_per_step']:11.1f}")
+              f"{percent(r[f'overhead_vs_{plain}']):>13} {iqr:>17} {percent(r['overhead_vs_none']):>9} {1e3 * r['hook_s_per_step']:11.1f} "
+              f"{'-' if r['persistent_bytes'] is None else format(r['persistent_bytes'] / 2**20, '.1f'):>8}")
     for r in results:
         if "breakdown" in r:
             print(f"\n{r['model']}, {label(r['config'])}: where the time goes (slowest rank; submit and writer thread on rank 0), "

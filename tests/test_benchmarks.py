@@ -70,6 +70,21 @@ def test_overhead_quick_has_the_users_configuration(tmp_path):
     assert "silent + JsonlSink + summary()" in stdout
 
 
+def test_overhead_fsdp_rows(tmp_path):
+    out = tmp_path / "fsdp.json"
+    stdout = _run("overhead.py", "--fsdp", "--models", "tiny-mlp", "--steps", "2", "--warmup", "1", "--json", str(out))
+    results = {r["config"]["hook"]: r for r in json.loads(out.read_text())}
+    assert set(results) == {"fsdp", "fsdp_silent_sink", "fsdp_silent"}
+    assert results["fsdp"]["persistent_bytes"] is None and results["fsdp"]["hook_s_per_step"] == 0
+    for hook in ("fsdp_silent_sink", "fsdp_silent"):
+        assert results[hook]["hook_s_per_step"] > 0 and isinstance(results[hook]["overhead_vs_fsdp"], float)
+        assert 16 * 2**20 < results[hook]["persistent_bytes"] < 64 * 2**20  # the sign tables, nothing per element
+    parts = results["fsdp_silent_sink"]["breakdown"]
+    assert {"statistics pass", "end of backward: slot all-reduce + SilentStats", "detector"} <= set(parts)
+    assert results["fsdp_silent_sink"]["records_written"] == 1 + 2
+    assert "vs fsdp" in stdout and "fsdp2 + silent + JsonlSink + summary()" in stdout
+
+
 def test_records_quick_fields_and_size_goals(tmp_path):
     out = tmp_path / "records.json"
     stdout = _run("records.py", "--quick", "--json", str(out))
