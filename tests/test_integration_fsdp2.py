@@ -51,7 +51,7 @@ def _records(path: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def out(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("fsdp2")
-    scenarios = ["accelerate-plugin", "accelerate-sharded", "trainer-config", "trainer-native"] + (["lightning"] if HAS_LIGHTNING else [])
+    scenarios = ["accelerate-plugin", "accelerate-plugin-forced", "accelerate-sharded", "trainer-config", "trainer-native"] + (["lightning"] if HAS_LIGHTNING else [])
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SCRIPT), str(out), *scenarios]
     result = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
@@ -113,6 +113,19 @@ def test_accelerate_fsdp_plugin_on_the_cpu_runs_ddp_and_is_measured(out):
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     for rank, result in enumerate(results):
         np.testing.assert_allclose([r["losses"][rank] for r in records], _per_step(result["losses"]), rtol=1e-6)
+    _assert_same_statistics(_run(out, "accelerate-sharded")[1], records, by_parameter=True)
+
+
+def test_accelerate_fsdp_plugin_preparation_is_measured(out):
+    """Accelerate's own FSDP2 preparation and accumulation, with its device gate opened (see the script)."""
+    results, records = _run(out, "accelerate-plugin-forced")
+    got = [(r["wrapped"], r["distributed_type"], r["is_fsdp2"]) for r in results]
+    assert got == [("FSDPBigramLM", "DistributedType.FSDP", True)] * 2
+    assert [r["step"] for r in records] == [0, 1, 2, 3]  # accumulate() skipped the reduce-scatter of every first micro-batch
+    for rank, result in enumerate(results):
+        assert result["syncs"] == [False, True] * 4 and result["state_step"] == 4
+        np.testing.assert_allclose([r["losses"][rank] for r in records], _per_step(result["losses"]), rtol=1e-6)
+        np.testing.assert_allclose([r["reduced_grad_norm"] for r in records], result["grad_norms"], rtol=1e-5)
     _assert_same_statistics(_run(out, "accelerate-sharded")[1], records, by_parameter=True)
 
 

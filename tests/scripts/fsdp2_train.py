@@ -9,6 +9,10 @@ scenarios run in order in one process group (gloo, CPU):
   ``accelerator.accumulate``, 4 optimizer steps. On the CPU Accelerate drops the FSDP plugin
   (``AcceleratorState`` enables FSDP for accelerator device types only) and ``prepare`` returns
   DDP: the scenario records what it got.
+- ``accelerate-plugin-forced``: the same with Accelerate's state set to FSDP after the
+  ``Accelerator`` is made, as Accelerate itself sets it on accelerator devices: ``prepare``
+  then shards with Accelerate's own FSDP2 preparation and ``accumulate`` skips the
+  reduce-scatter on the micro-batches.
 - ``accelerate-sharded``: the same loop with the model ``fully_shard``-ed by the script (Accelerate
   would wrap a sharded model in DDP on the CPU, which fails) and the optimizer and data loader
   prepared by Accelerate; accumulation with ``accelerator.accumulate`` and
@@ -77,7 +81,18 @@ def accelerate_loop(scenario: str) -> None:
     from accelerate_loop import BigramLM
 
     sharded = scenario == "accelerate-sharded"
-    accelerator = Accelerator(gradient_accumulation_steps=MICRO, cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    accelerator = Accelerator(gradient_accumulation_steps=MICRO, cpu=True, fsdp_plugin=plugin)
+    if scenario == "accelerate-plugin-forced":
+        # What AcceleratorState sets on accelerator devices, where its gate (state.py: FSDP for the
+        # MULTI_GPU/NPU/... types only) lets the plugin through; the rest is Accelerate's own code:
+        # prepare() shards with fsdp2_prepare_model, accumulate() calls set_requires_gradient_sync.
+        from accelerate.state import AcceleratorState, PartialState
+        from accelerate.utils import DistributedType
+
+        process_type = PartialState._shared_state["distributed_type"]  # restored below: the process group outlives the scenario
+        PartialState._shared_state["distributed_type"] = AcceleratorState._shared_state["distributed_type"] = DistributedType.FSDP
+        AcceleratorState._shared_state["fsdp_plugin"] = plugin
     torch.manual_seed(0)
     model = BigramLM()
     if sharded:
@@ -107,8 +122,11 @@ def accelerate_loop(scenario: str) -> None:
             optimizer.zero_grad()
             syncs.append(accelerator.sync_gradients)
     state.close()
+    kind, is_fsdp2 = str(accelerator.distributed_type), accelerator.is_fsdp2
+    if scenario == "accelerate-plugin-forced":
+        PartialState._shared_state["distributed_type"] = process_type
     dump(scenario, {
-        "wrapped": wrapped, "distributed_type": str(accelerator.distributed_type), "is_fsdp2": accelerator.is_fsdp2,
+        "wrapped": wrapped, "distributed_type": kind, "is_fsdp2": is_fsdp2,
         "losses": losses, "syncs": syncs, "grad_norms": norms, "state_step": state.step, "alerts": [a["kind"] for a in state.alerts],
     })  # fmt: skip
 
