@@ -85,6 +85,12 @@ def test_overhead_fsdp_rows(tmp_path):
     assert "vs fsdp" in stdout and "fsdp2 + silent + JsonlSink + summary()" in stdout
 
 
+def test_fsdp_transport_prints_both_ways(tmp_path):
+    stdout = _run("fsdp_transport.py", "--rounds", "3")
+    for line in ("plain reduce-scatter", "separate: all-reduce of W slots", "piggyback: copy + wider reduce-scatter", "extra per step"):
+        assert line in stdout
+
+
 def test_records_quick_fields_and_size_goals(tmp_path):
     out = tmp_path / "records.json"
     stdout = _run("records.py", "--quick", "--json", str(out))
