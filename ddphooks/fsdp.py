@@ -289,8 +289,12 @@ class ShardedSilentState(BaseSilentState):
 
     def _gather(self, record: _ShardedStep) -> SilentStats | BaseException:
         device = record.local_sq[0].device
-        for stream in record.streams:  # the measurements ran on FSDP2's reduce-scatter stream
-            torch.accelerator.current_stream(device).wait_stream(stream)
+        if record.streams:  # accelerators: the measurements ran on FSDP2's reduce-scatter stream
+            current = torch.accelerator.current_stream(device)
+            for stream in record.streams:
+                current.wait_stream(stream)
+            for output, _ in record.outputs:  # allocated there, read here: not reused before that
+                output.record_stream(current)
         if self._losses.first_missing():
             self._warn_no_loss(record.step)
         n_params = sum(len(layout.names) for layout in record.layouts)
