@@ -55,8 +55,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from ddphooks.attach import DDP_ONLY_SETTINGS, LossFrom, attach, sharded_root
-from ddphooks.attach import unsupported_wrapper
+from ddphooks.attach import DDP_ONLY_SETTINGS, LossFrom, attach, sharded_root, unsupported_wrapper
 from ddphooks.hook import PYTHON_REDUCER, SilentState, python_reducer
 from ddphooks.sinks import JsonlSink
 from ddphooks.sinks.jsonl import drop_records_from

@@ -35,8 +35,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ddphooks.attach import LossFrom, attach, ddp_module, sharded_root
-from ddphooks.attach import unsupported_wrapper
+from ddphooks.attach import LossFrom, attach, ddp_module, sharded_root, unsupported_wrapper
 from ddphooks.hook import PYTHON_REDUCER, python_reducer
 from ddphooks.loss import loss_of
 from ddphooks.sinks import JsonlSink
