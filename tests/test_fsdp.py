@@ -7,6 +7,7 @@ gradients are all-gathered and every statistic is computed from them in float64.
 
 import copy
 import json
+import logging
 
 import pytest
 import torch
@@ -124,6 +125,47 @@ def _check_root_only_every(rank: int, world: int) -> list:
     return measured
 
 
+class _Messages(logging.Handler):
+    """The warnings on the "ddphooks" logger."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+        logging.getLogger("ddphooks").addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _check_unused_parameters(rank: int, world: int) -> dict:
+    """A parameter without a gradient leaves FSDP2's reduce-scatter layout unknown: the module's
+    parameters are one entry for the step, with the exact norm, and a warning says so once."""
+    torch.manual_seed(0)
+    model = _Net(unused_branch=True)  # the root's group holds out.* and the unused branch
+    reference = copy.deepcopy(model)
+    fully_shard(model.inp)
+    fully_shard(model)
+    log = _Messages()
+    state = ddphooks.attach(model)
+    for step in range(2):
+        _sync_reference(model, reference)
+        x, y = _batch(rank, step)
+        ref = _reference(reference, [(x, y)])
+        loss = _loss(model, x, y)
+        state.observe_loss(loss)
+        loss.backward()
+        model.zero_grad()
+    state.close()
+    record = state.latest.to_dict()
+    joined = torch.cat([ref["param_gradients"][name] for name in ("hidden.weight", "hidden.bias", "out.weight", "out.bias")], dim=1)
+    return {
+        "names": [p["name"] for p in record["parameters"]],
+        "joined": [p["grad_norms"] for p in record["parameters"] if p["name"].endswith("(parameters with gradients)")][0],
+        "expected": joined.norm(dim=1).tolist(),
+        "warnings": [m for m in log.messages if "got no gradient" in m],
+    }
+
+
 def _check_two_ranks(rank: int, world: int) -> dict:
     """Plain FSDP2 on 2 ranks: the reference in fp32 and with bf16 parameters, training
     unchanged with reshard_after_forward either way, the error messages."""
@@ -136,6 +178,7 @@ def _check_two_ranks(rank: int, world: int) -> dict:
         ],
         "errors": _check_errors(rank, world),
         "root_only_every_2": _check_root_only_every(rank, world),
+        "unused": _check_unused_parameters(rank, world),
     }
 
 
@@ -151,9 +194,28 @@ def _check_replica_divergence(rank: int, world: int) -> dict:
     return state.latest.to_dict()["replicas"]
 
 
+def _check_partial_all_reduce(rank: int, world: int) -> dict:
+    """HSDP accumulating reduce-scattered shards without the all-reduce: such steps are not
+    measured (their local gradient is spread over several reduce-scatters), and said once."""
+    model, _ = _sharded((2, 2))
+    log = _Messages()
+    state = ddphooks.attach(model)
+    for step in range(2):
+        for micro in range(2):
+            model.set_requires_all_reduce(micro == 1)
+            _loss(model, *_batch(rank, step, micro)).backward()
+    state.close()
+    return {"step": state.step, "latest": state.latest, "warnings": [m for m in log.messages if "set_requires_all_reduce(False)" in m]}
+
+
 def _check_hsdp(rank: int, world: int) -> dict:
-    """HSDP on a 2 x 2 mesh: the reference with two accumulated micro-batches, the replica check."""
-    return {"accumulation": _check_reference(rank, world, (2, 2), 2, False), "drifted": _check_replica_divergence(rank, world)}
+    """HSDP on a 2 x 2 mesh: the reference with two accumulated micro-batches, the replica check,
+    accumulation without the all-reduce."""
+    return {
+        "accumulation": _check_reference(rank, world, (2, 2), 2, False),
+        "drifted": _check_replica_divergence(rank, world),
+        "partial": _check_partial_all_reduce(rank, world),
+    }
 
 
 # One process group per mesh for the whole module: starting ranks costs more than the checks.
@@ -205,6 +267,19 @@ def test_hsdp_replica_check_names_the_drifted_replica(hsdp):
 def test_root_only_sharding_and_every(two_ranks):
     # (steps seen, step of the latest statistics, parameters in it) after each backward
     assert two_ranks[0]["root_only_every_2"] == [(1, 0, 6), (2, 0, 6), (3, 2, 6), (4, 2, 6), (5, 4, 6)]
+
+
+def test_parameters_without_gradient_make_one_exact_entry(two_ranks):
+    unused = two_ranks[0]["unused"]
+    assert sorted(unused["names"]) == ["inp.bias", "inp.weight", "model.(parameters with gradients)"]
+    torch.testing.assert_close(torch.tensor(unused["joined"]), torch.tensor(unused["expected"], dtype=torch.float32), rtol=1e-5, atol=0)
+    assert [len(r["unused"]["warnings"]) for r in two_ranks] == [1, 1]  # once in two steps, on each rank
+
+
+def test_hsdp_accumulation_without_all_reduce_is_not_measured_and_said_once(hsdp):
+    partial = hsdp[0]["partial"]
+    assert partial["step"] == 2 and partial["latest"] is None  # two steps counted, none measured
+    assert [len(r["partial"]["warnings"]) for r in hsdp] == [1, 1, 1, 1]  # once, on each rank
 
 
 def test_errors_name_the_setting_and_the_fix(two_ranks):
