@@ -314,8 +314,8 @@ def persistent_bytes(state):
     total = sum(kernel.persistent_bytes() for kernel in state._kernels.values())
     entries = getattr(state, "_entries", None) or getattr(state, "_buckets", {})
     for entry in entries.values():
-        norms = getattr(entry, "sq_rows", None) if hasattr(entry, "sq_rows") else entry.sq_norms
-        total += entry.plan.persistent_bytes() + norms.numel() * 4
+        rows = getattr(entry, "sq_rows", None)  # FSDP2 entries also keep the norms of each row
+        total += entry.plan.persistent_bytes() + 4 * (entry.sq_norms.numel() + (0 if rows is None else rows.numel()))
     for name in ("_slots", "_piggyback", "_separate", "_sketch"):
         buffer = getattr(state, name, None)
         if buffer is not None:

@@ -49,6 +49,7 @@ class _GroupEntry:
     layout: BucketLayout
     shard_lengths: list[int]  # padded shard of each parameter: its columns in a row, its part of the output
     sq_rows: torch.Tensor  # fp32, S x parameters: |g|^2 of each parameter's columns in each row
+    sq_norms: torch.Tensor  # fp32, one per parameter (summed over the rows), rewritten on every instrumented step
 
 
 @dataclass
@@ -209,28 +210,29 @@ class ShardedSilentState(BaseSilentState):
                 record.error = error
                 return
             record.layouts.append(entry.layout)
-            sq = torch.full((len(entry.shard_lengths),), float("nan"), dtype=torch.float32, device=flat.device)
-            record.local_sq.append(sq)
+            record.local_sq.append(entry.sq_norms)
             record.outputs.append((output, entry.shard_lengths))
             try:
                 self._kernel(flat.device).run(flat, entry.plan, self._sketch if self.bins else None, entry.sq_rows.view(-1))
-                torch.sum(entry.sq_rows, dim=0, out=sq)
+                torch.sum(entry.sq_rows, dim=0, out=entry.sq_norms)
                 if flat.device.type != "cpu":
                     record.streams.append(torch.accelerator.current_stream(flat.device))
             except Exception as error:  # never raise a statistics bug into backward
+                entry.sq_norms.fill_(float("nan"))
                 record.error = error
 
     def _entry(self, comm: _MeasuredReduceScatter, group, flat: torch.Tensor) -> _GroupEntry:
         """The plan of this group's layout; rebuilt when the parameters that got a gradient change."""
+        # The group's size fixes its layout: look the plan up before walking the parameters.
+        key = (flat.numel(), flat.dtype, flat.device, comm.base)
+        entry = self._entries.get(id(comm))
+        if entry is not None and entry.key == key:
+            return entry
         params = [p for p in group.fsdp_params if p.sharded_param.requires_grad]
         lengths = [p.padded_sharded_param_size.numel() for p in params]
         if self._shards * sum(lengths) != flat.numel():
             params = list(group.fsdp_params)
             lengths = [p.padded_sharded_param_size.numel() for p in params]
-        key = (flat.numel(), flat.dtype, flat.device, comm.base)
-        entry = self._entries.get(id(comm))
-        if entry is not None and entry.key == key:
-            return entry
         if self._shards * sum(lengths) == flat.numel():
             names = tuple(self._param_name(p, j) for j, p in enumerate(params))
             numels = tuple(p._orig_size.numel() for p in params)
@@ -251,7 +253,8 @@ class ShardedSilentState(BaseSilentState):
         chunk = self.config.chunk_elems or (CPU_CHUNK_ELEMS if flat.device.type == "cpu" else ACCELERATOR_CHUNK_ELEMS)
         plan = BucketPlan(lengths * self._shards, self.bins, comm.base, flat.device, chunk)
         sq_rows = torch.empty(self._shards, len(lengths), dtype=torch.float32, device=flat.device)
-        entry = _GroupEntry(key, plan, BucketLayout(len(self._entries), names, numels), lengths, sq_rows)
+        sq_norms = torch.empty(len(lengths), dtype=torch.float32, device=flat.device)
+        entry = _GroupEntry(key, plan, BucketLayout(len(self._entries), names, numels), lengths, sq_rows, sq_norms)
         self._entries[id(comm)] = entry
         return entry
 
