@@ -11,14 +11,28 @@ Measured for correctness only, on the CPU under Triton's interpreter (TRITON_INT
 triton is imported); its speed waits for a GPU:
 
     TRITON_INTERPRET=1 python benchmarks/triton_sketch.py      # compares with BucketStatsKernel
+    python benchmarks/triton_sketch.py --time                   # on a GPU: the comparison, then one table
+
+With ``--time`` (on a GPU; under the interpreter only to exercise the code) it also times, per bucket
+size, dtype and number of parameters, interleaved round by round and bracketed by device
+synchronisations: one read pass (``torch.dot``), the shipped torch path (``BucketStatsKernel``, fused
+norms, 8 M-element chunks) and this kernel, as medians of per-round ratios to the read pass with
+their IQR, and the kernels each launches per bucket (the profiler's device kernels; on the CPU, its
+dispatched ops).
 """
+
+import argparse
+import statistics
+import time
 
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from ddphooks.sketch import ROW_PERIOD, BucketPlan, BucketStatsKernel, SignTable
+from torch.profiler import ProfilerActivity, profile
+
+from ddphooks.sketch import ACCELERATOR_CHUNK_ELEMS, ROW_PERIOD, BucketPlan, BucketStatsKernel, SignTable, sketch_bins
 
 TILE = 8192  # elements per work item's block (rows x the next power of two >= p)
 
@@ -66,7 +80,8 @@ def bucket_stats(flat: torch.Tensor, plan: BucketPlan, table: SignTable, items: 
                                           plan.base // plan.bins, table.page, ROW_PERIOD, plan.bins, ROWS=rows_per_item(plan.bins), PB=block)  # fmt: skip
 
 
-def main() -> None:
+def compare() -> None:
+    """The Triton kernel against BucketStatsKernel on four layouts (CPU, or the interpreter)."""
     cpu = torch.device("cpu")
     generator = torch.Generator().manual_seed(0)
     print(f"{'bins':>5} {'elements':>9} {'params':>6} {'work items':>10} {'max sketch diff':>15} {'max norm diff':>13}")
@@ -84,6 +99,88 @@ def main() -> None:
         sq_diff = ((sq - expected_sq).abs() / expected_sq).max().item()
         print(f"{bins:>5} {plan.numel:>9} {len(lengths):>6} {items.numel() // 4:>10} {sketch_diff:15.1e} {sq_diff:13.1e}")
         assert sketch_diff < 1e-5 and sq_diff < 1e-5, "the Triton kernel disagrees with BucketStatsKernel"
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type != "cpu":
+        getattr(torch, device.type).synchronize()
+
+
+def kernels_launched(fn, device: torch.device) -> int:
+    """Device kernels one call launches (after a warm-up call); on the CPU, the top-level ops."""
+    fn()
+    synchronize(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        fn()
+        synchronize(device)
+    if device.type == "cuda":
+        return sum(1 for event in prof.events() if event.device_type.name == "CUDA" and "memcpy" not in event.name.lower())
+    return sum(1 for event in prof.events() if event.cpu_parent is None and not event.name.startswith("ProfilerStep"))
+
+
+def time_kernels(device: torch.device, sizes_mb: list[float], rounds: int, sketch_dim: int) -> None:
+    """One table: the read pass, the shipped torch path and this kernel, per bucket layout."""
+    bins = sketch_bins(sketch_dim)
+    table = SignTable(0, bins, device)
+    print(f"\n{device}, sketch_dim {sketch_dim} ({bins} bins), {rounds} rounds; ratios to one read pass, median [IQR]")
+    if device.type == "cpu":
+        print("(on the CPU the kernel runs in Triton's interpreter: these times and counts only exercise the code)")
+    print(f"{'MB':>6} {'dtype':>8} {'params':>6} {'read us':>8} {'torch path':>18} {'triton':>18} {'launches torch / triton':>23}")
+    for size_mb in sizes_mb:
+        for dtype in (torch.float32, torch.bfloat16):
+            for n_params in (8, 160):
+                numel = int(size_mb * 2**20) // torch.tensor([], dtype=dtype).element_size()
+                lengths = [numel // n_params] * (n_params - 1)
+                lengths.append(numel - sum(lengths))
+                plan = BucketPlan(lengths, bins, 0, device, ACCELERATOR_CHUNK_ELEMS)
+                flat = torch.randn(numel, device=device).to(dtype)
+                kernel = BucketStatsKernel(bins, device, table, fused=True)
+                items = work_items(plan, device)
+                sketch, sq = torch.zeros(bins, device=device), torch.empty(n_params, device=device)
+
+                def shipped():
+                    sketch.zero_()
+                    kernel.run(flat, plan, sketch, sq)
+
+                def fused():
+                    sketch.zero_()
+                    bucket_stats(flat, plan, table, items, sketch, sq)
+
+                work = {"read": lambda: torch.dot(flat, flat), "torch": shipped, "triton": fused}
+                ratios, reads = {"torch": [], "triton": []}, []
+                for round_index in range(3 + rounds):
+                    elapsed = {}
+                    for name, fn in work.items():
+                        synchronize(device)
+                        start = time.perf_counter()
+                        fn()
+                        synchronize(device)
+                        elapsed[name] = time.perf_counter() - start
+                    if round_index >= 3:
+                        reads.append(elapsed["read"])
+                        for name in ratios:
+                            ratios[name].append(elapsed[name] / elapsed["read"])
+                cells = []
+                for name in ("torch", "triton"):
+                    q = statistics.quantiles(ratios[name], n=4) if len(ratios[name]) > 1 else ratios[name] * 3
+                    cells.append(f"{q[1]:6.2f} [{q[0]:.2f}-{q[2]:.2f}]")
+                counts = f"{kernels_launched(shipped, device)} / {kernels_launched(fused, device)}"
+                name = str(dtype).removeprefix("torch.")
+                print(f"{size_mb:>6g} {name:>8} {n_params:>6} {1e6 * statistics.median(reads):>8.0f} {cells[0]:>18} {cells[1]:>18} {counts:>23}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--time", action="store_true", help="also time both paths against a read pass (meaningful on a GPU only)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--buckets-mb", nargs="+", type=float, default=[25, 100], help="bucket sizes in MB for --time")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--sketch-dim", type=int, default=256)
+    args = parser.parse_args()
+    compare()
+    if args.time:
+        time_kernels(torch.device(args.device), args.buckets_mb, args.rounds, args.sketch_dim)
 
 
 if __name__ == "__main__":

@@ -137,10 +137,15 @@ def test_hook_cost_fields(tmp_path):
 def test_triton_sketch_agrees_with_the_kernel_under_the_interpreter():
     # The script compares the Triton kernel with BucketStatsKernel (sketch and norms, four bucket
     # layouts from 13 to 1021 bins) and fails on a disagreement; on the CPU, in Triton's interpreter.
-    stdout = _run("triton_sketch.py", env={"TRITON_INTERPRET": "1"})
-    rows = [line.split() for line in stdout.splitlines()[1:] if line.strip()]
+    # --time runs the timing table's code on a tiny bucket (its figures mean something on a GPU only).
+    stdout = _run("triton_sketch.py", "--time", "--device", "cpu", "--buckets-mb", "0.02", "--rounds", "2", env={"TRITON_INTERPRET": "1"})
+    lines = stdout.splitlines()
+    rows = [line.split() for line in lines[1 : lines.index("")]]
     assert [int(row[0]) for row in rows] == [61, 251, 1021, 13]
     assert all(float(row[4]) < 1e-5 and float(row[5]) < 1e-5 for row in rows)
+    timed = [line.split() for line in lines if line.startswith("  0.02")]
+    assert [(row[1], row[2]) for row in timed] == [("float32", "8"), ("float32", "160"), ("bfloat16", "8"), ("bfloat16", "160")]
+    assert all(float(row[4]) > 0 and float(row[6]) > 0 and int(row[-3]) > 0 and int(row[-1]) > 0 for row in timed), timed
 
 
 def test_comm_accounting_fields(tmp_path):
