@@ -5,9 +5,12 @@ Speed is never asserted here: performance claims live in benchmarks/README.md.
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -146,6 +149,24 @@ def test_triton_sketch_agrees_with_the_kernel_under_the_interpreter():
     timed = [line.split() for line in lines if line.startswith("  0.02")]
     assert [(row[1], row[2]) for row in timed] == [("float32", "8"), ("float32", "160"), ("bfloat16", "8"), ("bfloat16", "160")]
     assert all(float(row[4]) > 0 and float(row[6]) > 0 and int(row[-3]) > 0 and int(row[-1]) > 0 for row in timed), timed
+
+
+def _gcc_and_avx512() -> bool:
+    cpuinfo = Path("/proc/cpuinfo")
+    return shutil.which("gcc") is not None and cpuinfo.exists() and "avx512bw" in cpuinfo.read_text(errors="ignore")
+
+
+@pytest.mark.skipif(not _gcc_and_avx512(), reason="the native option needs gcc and an x86-64 CPU with AVX-512")
+def test_sign_options_native_loop_computes_the_shipped_statistics():
+    # The AVX-512 loop against the shipped torch path on ragged parameters (masked first and last
+    # vectors): the same sketch to rounding, the same norms, the same cosines over 10 seeds.
+    stdout = _run("sign_options.py", "--quick", "--options", "shipped", "native")
+    rows = {line.split()[0]: line.split() for line in stdout.splitlines()[2:4]}
+    assert set(rows) == {"shipped", "native"}, stdout
+    assert float(rows["native"][-3]) < 1e-4 and rows["native"][-2] == "(=shipped)", rows["native"]
+    assert float(rows["native"][-4]) < 1e-5  # squared norms against float64
+    assert rows["native"][7:10] == rows["shipped"][7:10]  # cosines of the random and constant pairs, <s_a,s_b>/<a,b>
+    assert rows["native"][3] == "2"  # one call into the loop (and a copy of the norms), whatever the bucket
 
 
 def test_comm_accounting_fields(tmp_path):
