@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import asdict, dataclass
 
 from ddphooks.detect import DetectorConfig
 from ddphooks.sketch import MAX_SKETCH_DIM, MIN_SKETCH_DIM, SIGN_PAGE
 
 TRANSPORTS = ("auto", "piggyback", "separate")
+STATS_KERNELS = ("torch", "triton")
 
 
 def _check_int(name: str, value: object) -> None:
@@ -43,6 +45,13 @@ class SilentConfig:
     chunk_elems: int | None = None
     """Elements per chunk of the statistics pass (None: 131072 on the CPU, 8M on accelerators); at most
     the sign table's 8M entries."""
+
+    stats_kernel: str = "torch"
+    """How the statistics pass runs: "torch" (torch ops in chunks, every device, the default) or
+    "triton" (one Triton kernel per bucket, two launches whatever the bucket's size; CUDA only,
+    needs the ``triton`` package and a sketch). Both compute the same norms and sketch, to fp32
+    rounding; see ``ddphooks.triton_stats``. The Triton kernel's speed has not been measured on a
+    GPU yet (``benchmarks/triton_sketch.py --time``)."""
 
     detail_every: int = 100
     """Every ``detail_every``-th instrumented step (and the first) writes a *detail* record with
@@ -105,6 +114,12 @@ class SilentConfig:
             _check_int("chunk_elems", self.chunk_elems)
             if not 1024 <= self.chunk_elems <= SIGN_PAGE:
                 raise ValueError(f"chunk_elems={self.chunk_elems} must be between 1024 and {SIGN_PAGE} (the sign table's entries), or None for the default")
+        if self.stats_kernel not in STATS_KERNELS:
+            raise ValueError(f"stats_kernel={self.stats_kernel!r} is not one of {', '.join(map(repr, STATS_KERNELS))}")
+        if self.stats_kernel == "triton" and self.sketch_dim == 0:
+            raise ValueError("stats_kernel='triton' computes the norms with the sketch; with sketch_dim=0 use stats_kernel='torch'")
+        if self.stats_kernel == "triton" and importlib.util.find_spec("triton") is None:
+            raise ValueError("stats_kernel='triton' needs the triton package (pip install triton; torch's CUDA wheels bring it), or stats_kernel='torch'")
         _check_int("detail_every", self.detail_every)
         if self.detail_every < 0:
             raise ValueError(f"detail_every={self.detail_every} must be >= 0 (0: no detail records, 1: every record, 100: default)")

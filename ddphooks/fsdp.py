@@ -35,7 +35,7 @@ from ddphooks.detect import DetectorConfig
 from ddphooks.hook import replica_fingerprint
 from ddphooks.sinks import Sink
 from ddphooks.sketch import ACCELERATOR_CHUNK_ELEMS, CPU_CHUNK_ELEMS, BucketPlan, squared_norms
-from ddphooks.state import BaseSilentState, agree_across_ranks
+from ddphooks.state import BaseSilentState, agree_across_ranks, stats_kernel_problem
 from ddphooks.stats import BucketLayout, SilentStats, slot_size
 
 
@@ -128,6 +128,7 @@ class ShardedSilentState(BaseSilentState):
         sinks: Sink | list[Sink] | tuple[Sink, ...] = (),
         log_rank: int | None = 0,
         chunk_elems: int | None = None,
+        stats_kernel: str = "torch",
         detail_every: int = 100,
         detail_max_world: int = 64,
         max_pending_records: int = 1024,
@@ -136,7 +137,7 @@ class ShardedSilentState(BaseSilentState):
         on_alert: Callable[[dict], object] | None = None,
     ) -> None:
         settings = dict(
-            sketch_dim=sketch_dim, every=every, seed=seed, log_rank=log_rank, chunk_elems=chunk_elems,
+            sketch_dim=sketch_dim, every=every, seed=seed, log_rank=log_rank, chunk_elems=chunk_elems, stats_kernel=stats_kernel,
             detail_every=detail_every, detail_max_world=detail_max_world, max_pending_records=max_pending_records,
             detect=detect, check_replicas_every=check_replicas_every, watch_sync=False,
         )  # fmt: skip
@@ -159,7 +160,7 @@ class ShardedSilentState(BaseSilentState):
             raise RuntimeError("torch.distributed is not initialized: call init_process_group(...) and fully_shard the model first")
         modules, mesh_info = _fsdp_modules(model)
         group = _data_parallel_group(mesh_info)
-        agree_across_ranks(group, self._settings, self._problem)
+        agree_across_ranks(group, self._settings, self._problem or stats_kernel_problem(self.config, model))
         self._bind_common(group)
         self._model = model
         self._module_names = {id(module): name for name, module in model.named_modules()}

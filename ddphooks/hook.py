@@ -20,7 +20,7 @@ from ddphooks.config import SilentConfig
 from ddphooks.detect import DetectorConfig
 from ddphooks.sinks import Sink
 from ddphooks.sketch import ACCELERATOR_CHUNK_ELEMS, CPU_CHUNK_ELEMS, BucketPlan, squared_norms
-from ddphooks.state import BaseSilentState, agree_across_ranks
+from ddphooks.state import BaseSilentState, agree_across_ranks, stats_kernel_problem
 from ddphooks.stats import BucketLayout, SilentStats, slot_size
 from ddphooks.watchdog import SyncWatchdog
 
@@ -107,6 +107,8 @@ class SilentState(BaseSilentState):
             those of what ``comm_hook`` returns.
         comm_state: the state ``comm_hook`` is called with (e.g. its process group).
         chunk_elems: elements per chunk of the statistics pass (None: a device default).
+        stats_kernel: "torch" (the default, every device) or "triton" (one Triton kernel per
+            bucket, CUDA only; see ``SilentConfig``).
         detail_every: every N-th instrumented step writes a detail record (see ``SilentConfig``).
         detail_max_world: largest world size whose detail records keep per-rank tables (see ``SilentConfig``).
         max_pending_records: records waiting for the writer thread at most (see ``SilentConfig``).
@@ -146,6 +148,7 @@ class SilentState(BaseSilentState):
         comm_hook: CommHook | None = None,
         comm_state: object = None,
         chunk_elems: int | None = None,
+        stats_kernel: str = "torch",
         detail_every: int = 100,
         detail_max_world: int = 64,
         max_pending_records: int = 1024,
@@ -156,7 +159,7 @@ class SilentState(BaseSilentState):
     ) -> None:
         settings = dict(
             sketch_dim=sketch_dim, every=every, seed=seed, transport=transport, piggyback_limit_mb=piggyback_limit_mb,
-            log_rank=log_rank, chunk_elems=chunk_elems, detail_every=detail_every, detail_max_world=detail_max_world,
+            log_rank=log_rank, chunk_elems=chunk_elems, stats_kernel=stats_kernel, detail_every=detail_every, detail_max_world=detail_max_world,
             max_pending_records=max_pending_records, detect=detect, check_replicas_every=check_replicas_every,
             watch_sync=watch_sync,
         )  # fmt: skip
@@ -202,6 +205,7 @@ class SilentState(BaseSilentState):
                 group = _resolve_group(self.process_group, model, self.config, self.comm_hook)
             except (TypeError, ValueError) as error:
                 problem = f"{type(error).__name__}: {error}"
+            problem = problem or stats_kernel_problem(self.config, model)
         settings = dict(self._settings, comm_hook=None if self.comm_hook is None else getattr(self.comm_hook, "__qualname__", repr(self.comm_hook)))
         # Exchange over a group every rank derives the same way, even where its own checks failed.
         exchange_group = self.process_group if self.process_group is not None else getattr(model, "process_group", None)

@@ -214,10 +214,16 @@ class BaseSilentState:
         return step % self.config.every == 0
 
     def _kernel(self, device: torch.device) -> BucketStatsKernel:
-        """The statistics kernel of ``device`` (one sign table per device, shared by all plans)."""
+        """The statistics kernel of ``device`` (one sign table per device, shared by all plans):
+        torch ops, or one Triton kernel per bucket (``SilentConfig.stats_kernel``)."""
         if device not in self._kernels:
             signs = SignTable(self.config.seed, self.bins, device) if self.bins else None
-            self._kernels[device] = BucketStatsKernel(self.bins, device, signs)
+            if self.config.stats_kernel == "triton":
+                from ddphooks.triton_stats import TritonBucketStats  # triton is imported only when chosen
+
+                self._kernels[device] = TritonBucketStats(self.bins, device, signs)
+            else:
+                self._kernels[device] = BucketStatsKernel(self.bins, device, signs)
         return self._kernels[device]
 
     def _reset_sketch(self, device: torch.device) -> None:
@@ -258,6 +264,21 @@ class BaseSilentState:
             self._pipeline.complete(result)  # handed to the pipeline thread when the next step starts
         else:
             self._warn("ddphooks: statistics of step %d failed: %r", step, result)
+
+
+def stats_kernel_problem(config: SilentConfig, model: torch.nn.Module | None) -> str | None:
+    """Why ``config.stats_kernel`` cannot run on ``model``'s gradients (None: it can, or no model
+    yet: then the first bucket says), as ``agree_across_ranks`` takes it."""
+    if config.stats_kernel != "triton" or model is None:
+        return None
+    from ddphooks.triton_stats import check_device
+
+    try:
+        for device in {p.device for p in model.parameters() if p.requires_grad}:
+            check_device(device)
+    except ValueError as error:
+        return f"ValueError: {error}"
+    return None
 
 
 def agree_across_ranks(group: dist.ProcessGroup | None, settings: dict, problem: str | None) -> None:

@@ -1,0 +1,143 @@
+"""The Triton statistics kernel (``SilentConfig(stats_kernel="triton")``) against the torch path.
+
+On the CPU under Triton's interpreter (``TRITON_INTERPRET=1``, set before the workers start, so
+triton reads it when they import it): the kernel alone on ragged layouts, then the whole hook
+under DDP and the FSDP2 transport, each against the same run with the default torch path.
+"""
+
+import importlib.util
+import math
+
+import pytest
+import torch
+
+import ddphooks
+from ddphooks.launch import spawn
+from test_fsdp import _sharded
+from test_hook import TIMEOUT, _batch, _loss, _make_ddp
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (Linux x86-64 test extra)")
+
+# (bins, parameter lengths, first row): a table wrap, an empty parameter, one element, many small
+# ones, a bucket 2.3 G positions into the model (its base overflows 32 bits).
+LAYOUTS = (
+    (61, [1000, 70_001, 5, 0, 30_000, 17, 1], 3),
+    (251, [300_000, 251, 4_000], 40_000),
+    (1021, [50_000, 9], 70_000),
+    (13, [3000, 7], 0),
+    (251, [7], 2),
+    (251, [100] * 50, 5),
+    (251, [5000, 3], 9_000_000),
+)
+
+
+def _check_kernel() -> list[tuple]:
+    """Per layout and dtype: the largest relative differences in the sketch and the norms."""
+    from ddphooks.sketch import BucketPlan, BucketStatsKernel, SignTable
+    from ddphooks.triton_stats import TritonBucketStats
+
+    cpu, generator, found = torch.device("cpu"), torch.Generator().manual_seed(0), []
+    for bins, lengths, first_row in LAYOUTS:
+        table = SignTable(3, bins, cpu)
+        plan = BucketPlan(lengths, bins, first_row * bins, cpu, 1 << 16)
+        for dtype in (torch.float32, torch.bfloat16):
+            flat = torch.randn(plan.numel, generator=generator).to(dtype)
+            expected_sketch, expected_sq = torch.zeros(bins), torch.empty(len(lengths))
+            BucketStatsKernel(bins, cpu, table).run(flat, plan, expected_sketch, expected_sq)
+            sketch, sq = torch.zeros(bins), torch.full((len(lengths),), 7.0)  # norms are overwritten
+            TritonBucketStats(bins, cpu, table).run(flat, plan, sketch, sq)
+            sketch_diff = ((sketch - expected_sketch).abs().max() / expected_sketch.abs().max()).item()
+            sq_diff = max(abs(a - b) / b if b else abs(a) for a, b in zip(sq.tolist(), expected_sq.tolist()))
+            found.append((bins, len(lengths), str(dtype), sketch_diff, sq_diff))
+    return found
+
+
+def _records(rank: int, kernel: str, sharded: bool) -> tuple[list[dict], list[torch.Tensor], set[str]]:
+    """Three steps of the small MLP under DDP or FSDP2 with ``stats_kernel=kernel``: the records,
+    the parameters after training and the kernel classes that ran."""
+    model = _sharded((2,))[0] if sharded else _make_ddp()
+    state = ddphooks.attach(model, stats_kernel=kernel, check_replicas_every=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    records = []
+    for step in range(3):
+        loss = _loss(model, *_batch(rank, step))
+        loss.backward()
+        state.flush()
+        records.append(state.latest.to_dict())
+        optimizer.step()
+        optimizer.zero_grad()
+    state.close()
+    kernels = {type(k).__name__ for k in state._kernels.values()}
+    return records, [(p.full_tensor() if sharded else p).detach().clone() for p in model.parameters()], kernels
+
+
+def _check_hook_and_errors(rank: int, world: int) -> dict:
+    import os
+
+    result = {"kernel": _check_kernel() if rank == 0 else None}
+    for transport in ("ddp", "fsdp2"):
+        triton_records, triton_params, triton_kernels = _records(rank, "triton", transport == "fsdp2")
+        torch_records, torch_params, torch_kernels = _records(rank, "torch", transport == "fsdp2")
+        result[transport] = {
+            "records": (triton_records, torch_records),
+            "kernels": (triton_kernels, torch_kernels),
+            "unchanged": all(torch.equal(a, b) for a, b in zip(triton_params, torch_params)),
+        }
+    # Without the interpreter the CPU is refused at attach, on every rank alike, naming the fix.
+    del os.environ["TRITON_INTERPRET"]
+    try:
+        ddphooks.attach(_make_ddp(), stats_kernel="triton")
+    except ValueError as error:
+        result["cpu_error"] = str(error)
+    return result
+
+
+def _close(a, b, tolerance: float) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k], tolerance) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_close(x, y, tolerance) for x, y in zip(a, b))
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=tolerance, abs_tol=tolerance)
+    return a == b
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> list[dict]:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TRITON_INTERPRET", "1")
+        return spawn(_check_hook_and_errors, 2, timeout=TIMEOUT)
+
+
+def test_the_kernel_matches_the_torch_path_on_ragged_layouts(results):
+    found = results[0]["kernel"]
+    assert len(found) == 2 * len(LAYOUTS)
+    for bins, params, dtype, sketch_diff, sq_diff in found:
+        assert sketch_diff < 1e-5 and sq_diff < 1e-5, (bins, params, dtype, sketch_diff, sq_diff)
+
+
+@pytest.mark.parametrize("transport", ["ddp", "fsdp2"])
+def test_records_match_the_torch_path_and_training_is_unchanged(results, transport):
+    for rank in (0, 1):
+        triton_records, torch_records = results[rank][transport]["records"]
+        assert [r["step"] for r in triton_records] == [0, 1, 2]
+        for with_triton, with_torch in zip(triton_records, torch_records):
+            # The same statistics to fp32 rounding (the sums run in another order).
+            assert _close(with_triton, with_torch, 1e-5), (transport, with_triton, with_torch)
+            assert with_triton["cosine"] is not None and with_triton["parameters"], with_triton.keys()
+        assert results[rank][transport]["kernels"] == ({"TritonBucketStats"}, {"BucketStatsKernel"})
+        assert results[rank][transport]["unchanged"]
+
+
+def test_the_cpu_without_the_interpreter_is_refused_at_attach(results):
+    for rank in (0, 1):
+        message = results[rank]["cpu_error"]
+        assert "stats_kernel='triton' runs on CUDA devices" in message and "the gradients are on cpu" in message
+        assert "Use stats_kernel='torch'" in message
+
+
+def test_settings_are_checked():
+    with pytest.raises(ValueError, match=r"stats_kernel='cuda' is not one of 'torch', 'triton'"):
+        ddphooks.SilentConfig(stats_kernel="cuda")
+    with pytest.raises(ValueError, match=r"stats_kernel='triton' computes the norms with the sketch; with sketch_dim=0 use stats_kernel='torch'"):
+        ddphooks.SilentConfig(stats_kernel="triton", sketch_dim=0)
