@@ -39,11 +39,13 @@ HEALTHY_POOL = ("sync", "desync-shuffle", "desync-all", "group-sync")
 #: Each rule of the detector switched off through its settings, for --ablations.
 ABLATIONS = {
     "defaults": [],
-    "no combined CUSUM": ["combined_drift=1e9"],
+    "no combined CUSUM (W >= 3)": ["combined_drift=1e9"],
+    "no combined CUSUM at W = 2": ["pair_combined_drift=1e9"],
     "no cross-rank repeat CUSUM": ["repeat_threshold=1e9"],
     "no loss term in the repeat score": ["repeat_loss_cap=0"],
-    "no per-parameter CUSUM": ["layer_drift=15.99"],
+    "no per-parameter CUSUM": ["layer_drift=9.99"],  # a step adds at most layer_cap - 9.99 = 0.01
     "no step cap": ["step_cap=1e9"],
+    "per-parameter cap 16 (step_cap)": ["layer_cap=16"],
     "no cosine floor": ["cosine_floor=1e-9"],
     "no growth power (combined)": ["combined_growth=0"],
 }

@@ -28,12 +28,14 @@ itself:
    score that counts is the rank's change minus the largest (W = 2) or the median (W >= 3) change
    of the other ranks, so a change every rank shares (the training trend, a learning-rate step)
    scores nothing. At W = 2 a loss relative to the step's mean rises on one rank as much as it
-   falls on the other, so a rank's loss rise is not counted on a step where the other rank's
-   cosine to its previous step rose (a stuck rank memorising its batch, whose loss falls);
-3. **several signals at once** (W >= 3): the sum of the rank's cross-rank scores, each in one
-   direction (loss and gradient norm rising, cosine to the others falling, cosine to the previous
-   step rising: a rank training on wrong data) and capped at ``combined_cap``, in a CUSUM of its
-   own (allowance ``combined_drift``). A rank a little off in its loss *and* its gradient norm
+   falls on the other, so a rank's loss rise counts only if its own loss moved more than the
+   other rank's against their trailing medians (a rank given easier data, or a stuck rank
+   memorising its batch, whose loss falls, does not get the other rank named);
+3. **several signals at once**: the sum of the rank's scores, each in one direction (loss and
+   gradient norm rising, cosine to the others falling, cosine to the previous step rising: a rank
+   training on wrong data) and capped at ``combined_cap``, in a CUSUM of its own: at W >= 3 its
+   cross-rank scores (allowance ``combined_drift``), at W = 2, with no majority, its own-history
+   scores (allowance ``pair_combined_drift``). A rank a little off in its loss *and* its gradient norm
    *and* its cosine (shuffled labels: every signal moves by one or two standard deviations, none
    enough alone) is found far sooner than by any one of them; one direction per signal keeps the
    healthy ranks' noise out of the sum, and the cap keeps one wild signal from passing for several;
@@ -44,7 +46,9 @@ itself:
    rose 9.9 standard deviations a step instead of 5.9, medians), against its exponential
    average, in standard deviations; only a rise counts (a corrupted gradient carries more
    energy: that direction also tells which of two ranks it is),
-   accumulated in one CUSUM per rank and parameter (allowance ``layer_drift``), so that a lasting
+   accumulated in one CUSUM per rank and parameter (allowance ``layer_drift``; a step counts up to
+   ``layer_cap``, so with W x P of them one parameter needs three steps at the cap where one
+   signal needs two), so that a lasting
    change in one layer is not lost among the hundreds of parameters that did not change; the
    rank's level is its largest. The scale of a parameter's rises is learned on every step,
    pooled over ranks (an exponential average of their median absolute rise, which the one rank
@@ -79,8 +83,8 @@ drift 3 and threshold 20 (level 1) a lasting shift of 10 standard deviations ale
 step, one of 6 on its 7th, and shifts under 3 never do; at the default level, on its 4th and 9th.
 A step's score counts up to ``step_cap`` (16): a single outlier step, however large, never alerts
 alone (one odd batch is not a rank that diverged); one signal alerts on the
-2nd step of a rank that stays off at the earliest. The combined CUSUM (drift 3, the same threshold)
-alerts on the 4th step (5th at the default level) of a rank 3 standard deviations off in three of
+2nd step of a rank that stays off at the earliest. The combined CUSUM at W >= 3 (drift 3, the same
+threshold) alerts on the 4th step (5th at the default level) of a rank 3 standard deviations off in three of
 its four signals; one
 signal alone, capped at 4, adds at most 1 a step, what the same shift adds to its own
 CUSUM. The cross-rank ``cosine_previous`` CUSUM has its own settings (allowance 2, or 0.5 at
@@ -248,8 +252,8 @@ class DetectorConfig:
 
     step_cap: float = 16.0
     """Cap on one step's score in each CUSUM of one signal (own and cross loss, gradient norm and
-    cosines, and each per-parameter CUSUM): a step adds at most ``step_cap - drift`` (13), so no
-    single step, however wild, alerts alone: one odd batch (in a healthy run, a length-grouped
+    cosines; the per-parameter CUSUMs have ``layer_cap``): a step adds at most ``step_cap -
+    drift`` (13), so no single step, however wild, alerts alone: one odd batch (in a healthy run, a length-grouped
     batch whose gradient was 3.5x smaller than the others', 25 standard deviations) is not a rank
     that diverged. Not lower: on a pretrained model (SmolLM2, shuffled labels) the loss rose 15-21
     standard deviations on one of the first steps after the fault and 5-9 on the others, and at 12
@@ -260,6 +264,15 @@ class DetectorConfig:
     There are W x P of them, so it sits above the 2 that one CUSUM alone would need: at 2 (and a
     scale learned on calm steps only, since replaced), healthy runs raised per-parameter alerts
     (5 in 1000 steps of one healthy seed at W = 4)."""
+
+    layer_cap: float = 10.0
+    """Cap on one step's score in each per-parameter CUSUM: a step adds at most ``layer_cap -
+    layer_drift`` (7.75), so one parameter needs three steps at the cap to alert at level 1, and
+    four at the default level (two at ``step_cap``). Lower than ``step_cap`` because there are
+    W x P of these CUSUMs, not a few per rank: on healthy length-grouped runs early in training
+    (W = 2, ``group-sync``, steps 24-35) single parameters rose 15-20 standard deviations on two
+    steps running and raised two alerts in 15,600 held-out steps at 16, none at 10, while a
+    corrupted layer rises about 10 a step (the ``sdc`` delays at W = 2, 4 and 8 did not change)."""
 
     cosine_floor: float = 2.0
     """Cosine deviations smaller than this many ``cosine_noise`` units score zero."""
@@ -325,6 +338,16 @@ class DetectorConfig:
     (99.9th percentile 4.2 against 6.4). At 1 a stuck rank was named in 1 of 5 runs at W = 2; at
     0.5 in 5 of 5, and healthy W = 2 runs (4000 steps) peaked at 0.55 of the threshold."""
 
+    pair_combined_drift: float = 2.0
+    """Allowance of the combined CUSUM at W = 2, which sums a rank's own-history scores (its
+    change minus the other rank's, each in the direction of ``COMBINED_DIRECTION`` and capped at
+    ``combined_cap``). Lower than ``combined_drift`` because that sum is lighter on healthy runs:
+    a change both ranks share scores nothing, so on the embedded model's healthy W = 2 runs (12,780
+    rank-steps) it scored a mean 0.77 (1.38 for the cross-rank sum at W = 4), and 2 sits about
+    where 3 sits at W = 4, at the 86th (83rd) percentile of the healthy step scores. Shuffled
+    labels at W = 2 (3 runs, from step 150): at 3, delays 5, 7 and 20 steps; at 2, 4, 5 and 8,
+    while the healthy W = 2 runs (8,100 steps) peaked at 0.61 of the threshold (0.43 at 3)."""
+
     quiet_steps: int = 8
     """Steps with every score below threshold that end a rank's alert episode."""
 
@@ -363,8 +386,8 @@ class DetectorConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"DetectorConfig.{name}={value!r} must be an int >= 1")
         for name in (
-            "threshold", "drift", "step_cap", "cosine_floor", "layer_drift", "combined_drift", "combined_cap",
-            "repeat_drift", "repeat_cap", "repeat_threshold", "pair_repeat_drift", "duplicate_tolerance", "duplicate_cosine_tolerance",
+            "threshold", "drift", "step_cap", "layer_cap", "cosine_floor", "layer_drift", "combined_drift", "combined_cap",
+            "repeat_drift", "repeat_cap", "repeat_threshold", "pair_repeat_drift", "pair_combined_drift", "duplicate_tolerance", "duplicate_cosine_tolerance",
             "alert_level",
         ):
             value = getattr(self, name)
@@ -372,10 +395,10 @@ class DetectorConfig:
                 raise ValueError(f"DetectorConfig.{name}={value!r} must be a number > 0")
         if self.window < 4:
             raise ValueError(f"DetectorConfig.window={self.window} must be >= 4 (a median and a MAD need a few steps)")
-        if self.step_cap <= max(self.drift, self.layer_drift):
+        if self.step_cap <= self.drift or self.layer_cap <= self.layer_drift:
             raise ValueError(
-                f"DetectorConfig.step_cap={self.step_cap} must be > drift={self.drift} and layer_drift={self.layer_drift} "
-                "(a capped step would never raise a CUSUM)"
+                f"DetectorConfig.step_cap={self.step_cap} must be > drift={self.drift} and layer_cap={self.layer_cap} > "
+                f"layer_drift={self.layer_drift} (a capped step would never raise a CUSUM)"
             )
         if self.repeat_cap <= max(self.repeat_drift, self.pair_repeat_drift):
             raise ValueError(
@@ -662,10 +685,13 @@ class Detector:
         window = self.config.window
         self.world = world
         self.raw = {name: _History(window, world) for name in SIGNALS}  # own-history values
+        self.raw_losses = _History(window, world)  # the losses themselves (W = 2: which rank's loss moved)
         self.cross = {name: _History(window, world) for name in SIGNALS}  # deviations from the others
         self.cusum = {(kind, name): np.zeros(world) for kind in ("own", "cross") for name in SIGNALS}
         if world >= 3:
             self.cusum[("cross", "combined")] = np.zeros(world)
+        else:
+            self.cusum[("own", "combined")] = np.zeros(world)
         self.cusum[("own", "layer")] = np.zeros(world)
         self.rising_since = {key: np.full(world, -1) for key in self.cusum}
         self.parts: dict[tuple[str, str], np.ndarray] = {}  # key -> W x parts CUSUMs (see _accumulate)
@@ -682,7 +708,10 @@ class Detector:
         if world >= 3:  # terms capped one by one: combined_cap; repeat_cap and repeat_loss_cap (in _scores)
             self.allowance[("cross", "combined")], self.cap[("cross", "combined")] = config.combined_drift, math.inf
             self.cap[repeat] = math.inf
+        else:
+            self.allowance[("own", "combined")], self.cap[("own", "combined")] = config.pair_combined_drift, math.inf
         self.allowance[("own", "layer")] = config.layer_drift
+        self.cap[("own", "layer")] = config.layer_cap
         self.episodes: dict[int, _Episode] = {}
         self.replica_episodes: set[int] = set()
         self.nonfinite_first: dict[int, dict] = {}  # rank -> what went non-finite on the last step, the others finite
@@ -705,17 +734,21 @@ class Detector:
             self._start(obs.world_size)
         if self.step_scores is not None:
             self.step_scores.clear()
-        values = self._values(obs)
+        # Non-finite values are unknown here, as in a record (null) read offline; _nonfinite_alerts
+        # reports them.
+        losses = np.where(np.isfinite(obs.losses), obs.losses, np.nan) if obs.losses is not None else np.full(obs.world_size, np.nan)
+        values = self._values(obs, losses)
         deviations = self._deviations(values)
         self._parameter_changes(obs)
         # No scores before the baselines hold `warmup` steps: a median of three steps is no baseline.
-        scores = self._scores(values, deviations, obs.cosine_noise) if self.seen >= self.config.warmup else {}
+        scores = self._scores(values, deviations, losses, obs.cosine_noise) if self.seen >= self.config.warmup else {}
         alerts = self._replica_alerts(obs) + self._nonfinite_alerts(obs) + self._duplicate_alerts(obs)
         alerts += self._score_alerts(obs, scores, values)
         # A rank with half the evidence of an alert (or under alert) does not teach the baselines:
         # otherwise a lasting fault becomes the new normal before it is reported.
         suspect = self._strength() > 0.5
         suspect[list(self.episodes)] = True
+        self.raw_losses.push(losses, ~suspect)
         for name in SIGNALS:
             self.raw[name].push(values[name], ~suspect)
             if name in deviations:
@@ -725,15 +758,12 @@ class Detector:
         self.alerts.extend(alerts)
         return alerts
 
-    def _values(self, obs: Observation) -> dict[str, np.ndarray]:
+    def _values(self, obs: Observation, losses: np.ndarray) -> dict[str, np.ndarray]:
         nan = np.full(obs.world_size, np.nan)
         # The mean of the known losses without np.nanmean, whose warning for an all-NaN step would
         # need warnings.catch_warnings: that swaps the process-wide filters, and the detector runs
         # on the pipeline thread while training code may set its own.
-        # Non-finite values are unknown here, as in a record (null) read offline; _nonfinite_alerts
-        # reports them.
-        losses = np.where(np.isfinite(obs.losses), obs.losses, np.nan) if obs.losses is not None else None
-        known = losses[~np.isnan(losses)] if losses is not None else np.empty(0)
+        known = losses[~np.isnan(losses)]
         with np.errstate(divide="ignore", invalid="ignore"):
             # The loss relative to the step's mean loss: the run's downward trend cancels, and a
             # rank whose loss rises stands out from its own history even at W = 2.
@@ -757,7 +787,7 @@ class Detector:
             if world >= 3 or CROSS_DIRECTION[name] > 0
         }
 
-    def _scores(self, values: dict, deviations: dict, cosine_noise: float) -> dict[tuple[str, str], np.ndarray]:
+    def _scores(self, values: dict, deviations: dict, losses: np.ndarray, cosine_noise: float) -> dict[tuple[str, str], np.ndarray]:
         """Per (kind, signal), every rank's z-scores for this step (>= 0, W x parts): one part for
         a signal suspicious in one direction, two (its rise, its fall) for one suspicious either way,
         one per parameter for the layers."""
@@ -817,12 +847,16 @@ class Detector:
             # alone lower, never passes for one whose gradient repeats.
             raised = scores[repeat] > 0
             scores[repeat] = np.minimum(scores[repeat], self.config.repeat_cap) + np.where(raised, loss_fall[:, None], 0.0)
-        if self.world == 2 and repeat in scores:
-            # With two ranks a loss relative to the step's mean rises on one rank exactly as much as
-            # it falls on the other: a rank whose gradient repeats (a stuck loader memorising its
-            # batch) makes the healthy rank's loss look risen. Not counted while the other rank's
-            # cosine to its previous step is raised: the other rank explains it.
-            scores[("own", "loss")] = np.where(scores[repeat][::-1] > 0, 0.0, scores[("own", "loss")])
+        if self.world == 2:
+            # With two ranks a loss relative to the step's mean rises on one rank exactly as much as it
+            # falls on the other: the rise counts only for the rank whose own loss moved the more
+            # against its trailing median (a rank given easier data, or memorising a batch it keeps
+            # seeing, does not get the other rank named).
+            moved = np.abs(_nan_to_zero(losses - _column_medians(self.raw_losses.values)))
+            scores[("own", "loss")] = np.where((moved >= moved[::-1])[:, None], scores[("own", "loss")], 0.0)
+            # Several signals at once against the rank's own history: each own score's first part is
+            # its change in COMBINED_DIRECTION (a rise; a drop for the cosine), capped one by one.
+            scores[("own", "combined")] = sum(np.minimum(scores[("own", name)][:, :1], self.config.combined_cap) for name in SIGNALS)
         if self.parameter_change is not None:
             # Per rank and parameter, in standard deviations; accumulated per parameter in _score_alerts.
             scores[("own", "layer")] = self.parameter_change
@@ -894,7 +928,7 @@ class Detector:
         elif strongest == ("cross", "cosine_previous") and self.world >= 3 and np.isfinite(values["loss"][rank]):
             detail = "; ".join(self._now_and_usual(("cross", signal), rank, values) for signal in ("cosine_previous", "loss"))
         elif name == "combined":
-            detail = "; ".join(self._now_and_usual(("cross", signal), rank, values) for signal in SIGNALS if np.isfinite(values[signal][rank]))
+            detail = "; ".join(self._now_and_usual((kind, signal), rank, values) for signal in SIGNALS if np.isfinite(values[signal][rank]))
         else:
             detail = self._now_and_usual(strongest, rank, values)
         label = {

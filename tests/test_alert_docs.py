@@ -81,7 +81,10 @@ def _real_alerts() -> dict[str, dict]:
     alerts["nonfinite"] = _first(detect_run(nonfinite), "nonfinite")
     alerts["duplicate_data"] = _first(detect_run(_duplicates(_stream(4, 6, seed=54), [0, 2])), "duplicate_data")
     alerts["combined"] = _first(detect_run(_stream(4, 70, seed=0, fault_rank=2, fault_step=60)), "combined")
-    alerts["layer"] = _first(detect_run(_stream(4, 60, seed=1, fault_rank=1, fault_step=50, kind="sdc")), "layer")
+    corrupted = _stream(4, 60, seed=1, fault_rank=1, fault_step=50, kind="sdc")
+    for record in corrupted[50:]:  # the layer alone: the rank's total gradient norm as before
+        record["grad_norms"][1] /= 3
+    alerts["layer"] = _first(detect_run(corrupted), "layer")
     alerts["cosine_previous"] = _first(detect_run(_stream(4, 60, seed=24, fault_rank=1, fault_step=50, kind="stuck")), "cosine_previous")
     alerts["loss"] = _first(detect_run(_shifted(4, 9, "losses", 2, lambda v: v + 0.6)), "loss")
     alerts["grad_norm"] = _first(detect_run(_shifted(4, 7, "grad_norms", 1, lambda v: v * 3)), "grad_norm")

@@ -73,10 +73,19 @@ def test_a_planted_outlier_rank_is_named_within_a_few_steps():
 
 
 def test_a_planted_layer_is_named_first():
-    alerts = detect_run(_stream(4, 100, seed=1, fault_rank=1, fault_step=50, kind="sdc"))
-    assert alerts and alerts[0]["rank"] == 1
+    records = _stream(4, 100, seed=1, fault_rank=1, fault_step=50, kind="sdc")
+    alerts = detect_run(records)
+    assert alerts and alerts[0]["rank"] == 1 and 50 <= alerts[0]["step"] <= 53
     assert alerts[0]["parameters"][0] == NAMES[3]
     assert NAMES[3] in alerts[0]["message"]
+    # The same corrupted layer with the rank's total gradient norm as before: the per-parameter
+    # CUSUM alone finds it. 30 standard deviations a step count 10 (layer_cap), 7.75 over the
+    # allowance: past 20 on the third step.
+    for record in records[50:]:
+        record["grad_norms"][1] /= 3
+    alerts = detect_run(records)
+    assert alerts and (alerts[0]["rank"], alerts[0]["kind"], alerts[0]["step"]) == (1, "layer", 52), alerts[:1]
+    assert alerts[0]["parameters"][0] == NAMES[3]
     assert alerts[0]["message"].endswith(
         "; typical of a corrupted gradient (a failing accelerator, silent data corruption); see docs/alerts.md#layer"
     )
@@ -90,7 +99,7 @@ def test_per_parameter_scores_match_a_step_by_step_reference(world):
     # x median over ranks of |rise|) or the rank's own at W = 2 (sqrt(pi/2) x |rise|), averaged
     # and bias-corrected like Adam's moments; score = rise / scale after the warm-up.
     records = _stream(world, 48, seed=14)
-    config = DetectorConfig(threshold=1e6, layer_drift=1e5, step_cap=1e6)
+    config = DetectorConfig(threshold=1e6, layer_drift=1e5, step_cap=1e6, layer_cap=1e6)
     detector = Detector(config)
     level = scale = None
     seen = 0
@@ -199,13 +208,18 @@ def _mild_stuck_pair(seed: int, steps: int, loss_fall: float = 0.0) -> list[dict
 def test_a_stuck_rank_of_two_is_named_with_the_smaller_allowance_of_two_ranks():
     # With two ranks the stuck rank's deviation is half their gap, about 1.6 standard deviations a
     # step. Above the allowance of 0.5 it adds up; under the allowance of 1 that W >= 3 uses it
-    # mostly does not.
+    # mostly does not. The combined CUSUM, which sums the same rise with the rank's other own
+    # scores, is held back: it is the cross-rank cosine_previous CUSUM on trial.
+    combined_off = {"pair_combined_drift": 1e6}
     for seed in range(30, 36):
         records = _mild_stuck_pair(seed, 140)
-        alerts = detect_run(records)
+        alerts = detect_run(records, DetectorConfig(**combined_off))
         assert alerts and (alerts[0]["rank"], alerts[0]["kind"]) == (1, "cosine_previous") and 60 <= alerts[0]["step"] <= 85, (seed, alerts[:1])
         assert {a["rank"] for a in alerts} == {1}
-        assert not [a for a in detect_run(records, DetectorConfig(pair_repeat_drift=1.0)) if a["step"] <= 85], seed
+        assert not [a for a in detect_run(records, DetectorConfig(pair_repeat_drift=1.0, **combined_off)) if a["step"] <= 85], seed
+        # With every CUSUM on, the same rank is named, in the same steps.
+        alerts = detect_run(records)
+        assert alerts and alerts[0]["rank"] == 1 and 60 <= alerts[0]["step"] <= 85 and {a["rank"] for a in alerts} == {1}, (seed, alerts[:1])
 
 
 def test_at_two_ranks_a_stuck_rank_memorising_its_batch_does_not_get_the_other_rank_named():
@@ -263,6 +277,30 @@ def test_a_rank_a_little_off_in_every_signal_is_named_by_the_combined_score():
     assert detect_run(mirrored) == []
 
 
+def test_a_rank_of_two_a_little_off_in_several_signals_is_named_by_its_own_combined_score():
+    # Two ranks: no majority, so the combined CUSUM sums the rank's own-history scores (its change
+    # minus the other rank's). Rank 1's loss rises 4 and its log gradient norm 3 standard deviations
+    # of the per-rank noise; relative to the step's mean the loss moves half that, about 2.8 of its
+    # own scale, under the per-signal allowance of 3. Shuffled labels at W = 2 look like this.
+    for seed in (52, 53, 54):
+        records, mirrored = _stream(2, 160, seed=seed), _stream(2, 160, seed=seed)
+        for record, mirror in zip(records[100:], mirrored[100:]):
+            record["losses"][1] += 4 * 0.08
+            record["grad_norms"][1] *= math.exp(3 * 0.1)
+            mirror["losses"][1] -= 4 * 0.08
+            mirror["grad_norms"][1] *= math.exp(-3 * 0.1)
+        alerts = detect_run(records)
+        assert alerts and (alerts[0]["rank"], alerts[0]["kind"]) == (1, "combined") and 100 <= alerts[0]["step"] <= 112, (seed, alerts[:1])
+        assert "loss, gradient norm and cosines together depart from its own recent steps" in alerts[0]["message"]
+        assert "loss minus the step's mean loss: now" in alerts[0]["message"] and "typical of wrong or different data" in alerts[0]["message"]
+        assert {a["rank"] for a in alerts} == {1}
+        # Without it (an allowance no sum reaches) the fault goes unreported in those steps.
+        assert not [a for a in detect_run(records, DetectorConfig(pair_combined_drift=1e6)) if a["step"] <= 112], seed
+        # Rank 1's loss and gradient norm falling (easier data) make rank 0's loss look risen against
+        # the step's mean, but rank 1's loss is the one that moved: nobody is named.
+        assert detect_run(mirrored) == [], seed
+
+
 def test_one_signal_alone_does_not_pass_for_several_in_the_combined_score():
     records = _stream(4, 160, seed=9)
     for record in records[100:]:
@@ -294,6 +332,20 @@ def test_one_wild_step_of_any_signal_never_alerts_alone_and_two_do():
     records[81]["grad_norms"][1] /= 20
     alerts = detect_run(records)
     assert [(a["step"], a["rank"]) for a in alerts] == [(81, 1)], alerts
+
+
+def test_two_wild_steps_of_one_parameter_never_alert_and_three_do():
+    # There are W x P per-parameter CUSUMs: a step counts at most layer_cap (10), 7.75 over the
+    # allowance, so two steps of one wild parameter (length-grouped batches early in training
+    # made 15-20 standard deviations twice running) stay under 20; a third is a layer that is off.
+    records = _stream(4, 120, seed=15)
+    for step in (80, 81):
+        records[step]["parameters"][2]["grad_norms"][1] *= 20  # 30 standard deviations
+    assert detect_run(records) == []
+    assert [(a["step"], a["rank"], a["kind"]) for a in detect_run(records, DetectorConfig(layer_cap=16))] == [(81, 1, "layer")]
+    records[82]["parameters"][2]["grad_norms"][1] *= 20
+    alerts = detect_run(records)
+    assert [(a["step"], a["rank"], a["kind"], a["parameters"][0]) for a in alerts] == [(82, 1, "layer", NAMES[2])], alerts
 
 
 def test_a_dip_then_a_spike_is_no_lasting_shift():
@@ -485,8 +537,10 @@ def test_runs_without_sketches_and_bad_settings_are_rejected():
             DetectorConfig(combined_growth=growth)
     with pytest.raises(ValueError, match=r"DetectorConfig.combined_cap=-1 must be a number > 0"):
         DetectorConfig(combined_cap=-1)
-    with pytest.raises(ValueError, match=r"DetectorConfig.step_cap=3 must be > drift=3.0 and layer_drift=2.25"):
+    with pytest.raises(ValueError, match=r"DetectorConfig.step_cap=3 must be > drift=3.0 and layer_cap=10.0 > layer_drift=2.25"):
         DetectorConfig(step_cap=3)
+    with pytest.raises(ValueError, match=r"DetectorConfig.step_cap=16.0 must be > drift=3.0 and layer_cap=2 > layer_drift=2.25"):
+        DetectorConfig(layer_cap=2)
     with pytest.raises(ValueError, match=r"DetectorConfig.repeat_cap=1 must be > repeat_drift=2.0 and pair_repeat_drift=0.5"):
         DetectorConfig(repeat_cap=1)
     with pytest.raises(ValueError, match=r"DetectorConfig.pair_repeat_drift=0 must be a number > 0"):
