@@ -189,7 +189,7 @@ static inline void step(const float* g, const int8_t* table, int64_t x, const in
     *sqv = _mm512_fmadd_ps(gv, gv, *sqv);
 }
 
-void sketch_norms16(const float* restrict g, int64_t n, int64_t base, const int8_t* restrict table, int64_t page,
+void sketch_norms16(const float* restrict g, int64_t base, const int8_t* restrict table, int64_t page,
                     const float* restrict rows, int64_t period, int64_t p, const int64_t* restrict seg_end,
                     int64_t nseg, float* restrict sketch, double* restrict sq, int32_t* restrict idx, float* restrict acc) {
     const int64_t block = 16 * p;
@@ -266,7 +266,7 @@ class Native:
     def run(self, flat, sq, sk):
         i64, t, ptr = ctypes.c_int64, self.table, lambda tensor: ctypes.c_void_p(tensor.data_ptr())
         sk.zero_()
-        self.lib.sketch_norms16(ptr(flat), i64(flat.numel()), i64(0), ptr(t.values), i64(t.page), ptr(t.row_table), i64(t.row_table.numel()),
+        self.lib.sketch_norms16(ptr(flat), i64(0), ptr(t.values), i64(t.page), ptr(t.row_table), i64(t.row_table.numel()),
                                 i64(self.p), ptr(self.ends), i64(self.ends.numel()), ptr(sk), ptr(self.sq64), ptr(self.idx), ptr(self.acc))
         sq.copy_(self.sq64)
 

@@ -685,7 +685,8 @@ class Detector:
         window = self.config.window
         self.world = world
         self.raw = {name: _History(window, world) for name in SIGNALS}  # own-history values
-        self.raw_losses = _History(window, world)  # the losses themselves (W = 2: which rank's loss moved)
+        # The losses themselves, at W = 2 only: which of the two ranks' losses moved (see _scores).
+        self.raw_losses = _History(window, world) if world == 2 else None
         self.cross = {name: _History(window, world) for name in SIGNALS}  # deviations from the others
         self.cusum = {(kind, name): np.zeros(world) for kind in ("own", "cross") for name in SIGNALS}
         if world >= 3:
@@ -748,7 +749,8 @@ class Detector:
         # otherwise a lasting fault becomes the new normal before it is reported.
         suspect = self._strength() > 0.5
         suspect[list(self.episodes)] = True
-        self.raw_losses.push(losses, ~suspect)
+        if self.raw_losses is not None:
+            self.raw_losses.push(losses, ~suspect)
         for name in SIGNALS:
             self.raw[name].push(values[name], ~suspect)
             if name in deviations:

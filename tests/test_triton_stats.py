@@ -7,6 +7,7 @@ under DDP and the FSDP2 transport, each against the same run with the default to
 
 import importlib.util
 import math
+import os
 
 import pytest
 import torch
@@ -72,8 +73,6 @@ def _records(rank: int, kernel: str, sharded: bool) -> tuple[list[dict], list[to
 
 
 def _check_hook_and_errors(rank: int, world: int) -> dict:
-    import os
-
     result = {"kernel": _check_kernel() if rank == 0 else None}
     for transport in ("ddp", "fsdp2"):
         triton_records, triton_params, triton_kernels = _records(rank, "triton", transport == "fsdp2")
