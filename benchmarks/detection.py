@@ -3,8 +3,9 @@
 The detector is fed each run's records in order (as ``detect_run`` does), exactly as it runs inside
 training. For fault runs (header ``fault_kind``), the delay is the number of instrumented steps
 from the fault step to the first alert that names the faulty rank; an alert before the fault, or
-one naming another rank, counts as a false alarm. Healthy runs (every other setting) must raise
-none. The runs come from ``ddphooks experiment`` (commands in benchmarks/README.md):
+one naming another rank, counts as a false alarm (fault runs that differ only in their fault kind
+are the same run before their fault: those steps count once). Healthy runs (every other setting)
+must raise none. The runs come from ``ddphooks experiment`` (commands in benchmarks/README.md):
 
     python benchmarks/detection.py runs/healthy runs/faults            # folders searched for run-*.jsonl
     python benchmarks/detection.py runs/faults --json detection.json
@@ -20,6 +21,16 @@ the steps seen where there was none): d' is the per-step separation of the signa
 ``(mean score of the faulty rank over the first 10 steps from the fault - mean score of the other
 ranks) / their standard deviation``, from the scores the detector keeps (``keep_scores``), the
 median over the runs whose alert named the faulty rank.
+
+With ``--oracle`` it also asks how much of the gap to that bound is the detector's: for each fault
+kind and world size, the best CUSUM over the very scores of the signal that fired (per rank and
+part, as the detector accumulates them), with the allowance and the cap chosen with hindsight from
+``ORACLE_DRIFTS`` x (the detector's cap, none) and the threshold just above the highest level it
+reaches on every healthy step of that world size (no false alarm there, the same ARL0 as the
+bound's), then the allowance with the smallest median delay. Its choice includes the detector's own
+allowance and cap, so on runs where the detector raised no false alarm it alerts no later than the
+detector; where it still needs more than 1.5x the bound, no CUSUM on that signal meets the bound
+on these runs (the healthy scores' tails, not the detector's settings, set the delay).
 """
 
 import argparse
@@ -49,6 +60,10 @@ ABLATIONS = {
     "no cosine floor": ["cosine_floor=1e-9"],
     "no growth power (combined)": ["combined_growth=0"],
 }
+#: Config fields in which fault runs may differ and still be the same run before their fault.
+PREFIX_FREE = ("fault_kind", "out", "progress", "detect")
+#: The allowances the --oracle CUSUM chooses from (in the scores' standard deviations).
+ORACLE_DRIFTS = (0.25, 0.5, 1, 1.5, 2, 3, 4, 6, 8, 12)
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("folders", nargs="+", help="folders searched (recursively) for run-*.jsonl files")
@@ -57,6 +72,7 @@ parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", 
 parser.add_argument("--levels", nargs="+", type=float, default=None, metavar="L", help="alert levels to compare (DetectorConfig.alert_level), with d' and the bound")
 parser.add_argument("--dprime-steps", type=int, default=10, help="steps from the fault over which the faulty rank's scores are averaged for d'")
 parser.add_argument("--ablations", action="store_true", help="also detect every run with each rule of the detector switched off (ABLATIONS)")
+parser.add_argument("--oracle", action="store_true", help="also the best CUSUM over the scores of the signal that fired, its threshold chosen with hindsight (see the module docstring)")
 args = parser.parse_args()
 try:
     config = DetectorConfig.from_overrides(args.set)
@@ -69,7 +85,7 @@ def dprime(detector: Detector, scores: list[dict], fault_step: int, fault_rank: 
     key = next((key for fired_step, rank, key in detector.fired if fired_step == step and rank == fault_rank), None)
     if key is None:
         return None
-    rows = [(number, row[key]) for number, row in scores if key in row]
+    rows = [(number, row[key].max(axis=1)) for number, row in scores if key in row]  # each rank's strongest part
     faulty = [z[fault_rank] for number, z in rows if fault_step <= number < fault_step + args.dprime_steps]
     others = np.concatenate([np.delete(z, fault_rank) for _, z in rows]) if rows else np.array([])
     others = others[np.isfinite(others)]
@@ -79,9 +95,68 @@ def dprime(detector: Detector, scores: list[dict], fault_step: int, fault_rank: 
     return float((np.mean(faulty) - others.mean()) / others.std())
 
 
-def measure(config: DetectorConfig) -> dict:
-    """Every run through a detector with ``config``: delays, false alarms, other-rank alerts, d'."""
-    found = {"delays": defaultdict(list), "false_alarms": defaultdict(lambda: [0, 0]), "wrong": defaultdict(int), "dprimes": defaultdict(list)}
+def series(scores: list[tuple[int, dict]], key: tuple[str, str], rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """One rank's scores of one CUSUM over a run: its steps and a steps x parts array (zeros where
+    the detector scored nothing, as before its warm-up)."""
+    parts = max((row[key].shape[1] for _, row in scores if key in row), default=1)
+    z = np.zeros((len(scores), parts))
+    for index, (_, row) in enumerate(scores):
+        if key in row:
+            z[index, : row[key].shape[1]] = row[key][rank]
+    return np.array([number for number, _ in scores]), z
+
+
+def cusum_levels(z: np.ndarray, drift: float, cap: float) -> np.ndarray:
+    """Per step, the highest of the parts' CUSUMs ``S <- max(0, S + min(z, cap) - drift)``."""
+    level, out = np.zeros(z.shape[1]), np.empty(len(z))
+    for index, row in enumerate(np.minimum(z, cap)):
+        level = np.maximum(0.0, level + row - drift)
+        out[index] = level.max()
+    return out
+
+
+def oracle(runs: list[dict]) -> list[dict]:
+    """Per fault kind and world size, the best CUSUM over the scores of the signal that fired
+    (see the module docstring), from ``measure``'s kept scores."""
+    results = []
+    groups = defaultdict(list)
+    for run in runs:
+        if run["fault_step"] is not None:
+            groups[(run["kind"], run["world"], run["fault_step"])].append(run)
+    for (kind, world, fault_step), members in sorted(groups.items()):
+        fired = [run["fired"] for run in members if run["fired"] is not None]
+        if not fired:
+            continue
+        key = max(set(fired), key=fired.count)
+        cap = next(run["cap"] for run in members if run["fired"] == key)  # the detector's, for this key and W
+        # Every healthy step of this world size: the healthy runs, and the fault runs before their fault.
+        healthy = []
+        for run in runs:
+            if run["world"] != world:
+                continue
+            for rank in range(world):
+                steps, z = series(run["scores"], key, rank)
+                healthy.append(z if run["fault_step"] is None else z[steps < run["fault_step"]])
+        faulty = [series(run["scores"], key, run["fault_rank"]) for run in members]
+        best = None
+        for drift in ORACLE_DRIFTS:
+            for step_cap in sorted({cap, math.inf}):
+                threshold = max((cusum_levels(z, drift, step_cap).max(initial=0.0) for z in healthy), default=0.0)
+                delays = []
+                for steps, z in faulty:
+                    over = np.flatnonzero((cusum_levels(z, drift, step_cap) > threshold) & (steps >= fault_step))
+                    delays.append(int(steps[over[0]] - fault_step) if over.size else None)
+                median = statistics.median(math.inf if d is None else d for d in delays)
+                if best is None or median < best["median"]:
+                    best = {"median": median, "drift": drift, "cap": None if math.isinf(step_cap) else step_cap, "threshold": threshold, "delays": delays}
+        results.append({"kind": kind, "world": world, "fault_step": fault_step, "key": list(key), **best})
+    return results
+
+
+def measure(config: DetectorConfig, keep: bool = False) -> dict:
+    """Every run through a detector with ``config``: delays, false alarms, other-rank alerts, d';
+    with ``keep``, every run's scores too (``runs``, for ``oracle``)."""
+    found = {"delays": defaultdict(list), "false_alarms": defaultdict(lambda: [0, 0]), "wrong": defaultdict(int), "dprimes": defaultdict(list), "runs": [], "prefixes": set()}
     for path in paths:
         run = read_run(path)
         world = run.header.get("world_size") or run.records[0]["world_size"]
@@ -94,18 +169,29 @@ def measure(config: DetectorConfig) -> dict:
         if kind is None:
             found["false_alarms"][(run.header.get("setting", "?"), world)][0] += len(alerts)
             found["false_alarms"][(run.header.get("setting", "?"), world)][1] += len(run.records)
+            if keep:
+                found["runs"].append({"world": world, "fault_step": None, "scores": scores})
             continue
         fault_step, fault_rank = run.fault_step, run.header.get("config", {}).get("fault_rank")
         named = [a for a in alerts if a["step"] >= fault_step and a["rank"] == fault_rank]
         first = min(named, key=lambda a: a["step"]) if named else None
+        if keep:
+            key = next((key for step, rank, key in detector.fired if first is not None and (step, rank) == (first["step"], fault_rank)), None)
+            cap = detector.cap[key] if key is not None else None
+            found["runs"].append({"world": world, "kind": kind, "fault_step": fault_step, "fault_rank": fault_rank, "fired": key, "cap": cap, "scores": scores})
         found["delays"][(kind, world, fault_step)].append(None if first is None else first["step"] - fault_step)
         if first is not None:
             separation = dprime(detector, scores, fault_step, fault_rank, first["step"])
             if separation is not None:
                 found["dprimes"][(kind, world, fault_step)].append(separation)
-        early = [a for a in alerts if a["step"] < fault_step]
-        found["false_alarms"][("fault, before the fault", world)][0] += len(early)
-        found["false_alarms"][("fault, before the fault", world)][1] += sum(1 for r in run.records if r["step"] < fault_step)
+        # Fault runs that differ only in their fault kind are one run before their fault: count
+        # those steps (and any alert there) once.
+        prefix = json.dumps({name: value for name, value in run.header.get("config", {}).items() if name not in PREFIX_FREE}, sort_keys=True)
+        if (world, prefix) not in found["prefixes"]:
+            found["prefixes"].add((world, prefix))
+            early = [a for a in alerts if a["step"] < fault_step]
+            found["false_alarms"][("fault, before the fault", world)][0] += len(early)
+            found["false_alarms"][("fault, before the fault", world)][1] += sum(1 for r in run.records if r["step"] < fault_step)
         found["wrong"][(kind, world, fault_step)] += sum(1 for a in alerts if a["step"] >= fault_step and a["rank"] != fault_rank)
     return found
 
@@ -120,7 +206,7 @@ def false_alarms_by_world(found: dict) -> dict[int, tuple[int, int]]:
 
 
 paths = sorted(p for folder in args.folders for p in Path(folder).rglob("run-*.jsonl"))
-result = measure(config)
+result = measure(config, keep=args.oracle)
 delays, false_alarms, wrong = result["delays"], result["false_alarms"], result["wrong"]
 
 print(f"detector: {config}")
@@ -186,5 +272,27 @@ if args.ablations:
             ablations.append({"ablation": name, "kind": kind, "world": world, "fault_step": fault_step, "delays": values})
         print(f"{name:<34} " + " | ".join(cells))
 
+oracles = []
+if args.oracle:
+    # The bound as in --levels, at this config's level.
+    arl0 = {world: steps / count if count else steps for world, (count, steps) in false_alarms_by_world(result).items()}
+    print(f"\nbest CUSUM over the scores of the signal that fired, threshold with hindsight (level {config.alert_level:g})")
+    print(f"{'fault kind':<10} {'W':>2} {'signal':<24} {'detector':>8} {'best CUSUM':>10} {'allowance':>9} {'cap':>5} {'d-prime':>7} {'bound':>6} {'detector / bound':>16} {'best / bound':>12}")
+    for entry in oracle(result["runs"]):
+        group = (entry["kind"], entry["world"], entry["fault_step"])
+        named = [v for v in result["delays"][group] if v is not None]
+        separations = result["dprimes"][group]
+        d = statistics.median(separations) if separations else None
+        bound = math.log(arl0[entry["world"]]) / (d * d / 2) if d and arl0.get(entry["world"], 0) > 1 else None
+        entry.update(detector=statistics.median(named) if named else None, dprime=d, bound=bound)
+        oracles.append(entry)
+        ratios = (entry["detector"] / bound if bound and entry["detector"] is not None else None, entry["median"] / bound if bound and math.isfinite(entry["median"]) else None)
+        cells = ["-" if v is None else f"{v:.2f}" for v in (d, bound, *ratios)]
+        print(
+            f"{entry['kind']:<10} {entry['world']:>2} {' '.join(entry['key']):<24} {'-' if entry['detector'] is None else entry['detector']:>8} "
+            f"{entry['median']:>10} {entry['drift']:>9g} {'-' if entry['cap'] is None else format(entry['cap'], 'g'):>5} {cells[0]:>7} {cells[1]:>6} {cells[2]:>16} {cells[3]:>12}"
+        )
+
 if args.json:
-    Path(args.json).write_text(json.dumps({"config": vars(config), "delays": rows, "healthy": healthy, "levels": levels, "ablations": ablations}, indent=1))
+    payload = {"config": vars(config), "delays": rows, "healthy": healthy, "levels": levels, "ablations": ablations, "oracle": oracles}
+    Path(args.json).write_text(json.dumps(payload, indent=1))

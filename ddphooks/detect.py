@@ -663,8 +663,8 @@ class Detector:
 
     Args:
         config: thresholds (``DetectorConfig()`` by default).
-        keep_scores: keep each step's score per CUSUM and rank (``step_scores``) and the CUSUM
-            behind each statistical alert (``fired``), for ``benchmarks/detection.py``.
+        keep_scores: keep each step's scores per CUSUM, rank and part (``step_scores``) and the
+            CUSUM behind each statistical alert (``fired``), for ``benchmarks/detection.py``.
 
     Example::
         >>> detector = Detector()
@@ -676,8 +676,9 @@ class Detector:
         self.world: int | None = None
         self.seen = 0
         self.alerts: list[dict] = []
-        # For the benchmarks (the per-step separation d' of the signal that fired): each step's
-        # score per CUSUM key and rank, and the key behind each statistical alert.
+        # For the benchmarks (the per-step separation d' of the signal that fired, the best CUSUM
+        # over the same scores): each step's scores per CUSUM key (W x parts, before the cap), and
+        # the key behind each statistical alert.
         self.step_scores: dict[tuple[str, str], np.ndarray] | None = {} if keep_scores else None
         self.fired: list[tuple[int, int, tuple[str, str]]] = []  # (step, rank, key)
 
@@ -901,7 +902,7 @@ class Detector:
         (a lasting rise of one parameter's gradient norm on one rank, silent corruption of that
         layer, accumulates there instead of drowning in the noise of all the others)."""
         if self.step_scores is not None:
-            self.step_scores[key] = z.max(axis=1)  # each rank's strongest part, before the cap
+            self.step_scores[key] = np.array(z, dtype=float)  # every part, before the cap
         previous = self.parts.get(key)
         if previous is None:  # the first scored step, or other parameters (see _parameter_changes)
             previous, self.parts_since[key] = np.zeros_like(z), np.full(z.shape, -1)

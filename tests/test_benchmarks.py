@@ -217,3 +217,37 @@ def test_detection_measures_delay_and_false_alarms(tmp_path):
     faults = {row["level"]: row for row in levels if "kind" in row}
     assert faults[1.0]["dprime"] > 1 and faults[1.0]["bound"] > 0  # the planted shift is a few standard deviations a step
     assert faults[2.0]["delays"][0] is None or faults[2.0]["delays"][0] >= faults[1.0]["delays"][0]  # more evidence needed
+    # --oracle: the best CUSUM over the same scores, its threshold above every healthy step's level;
+    # its choice includes the detector's allowance and cap, so with no false alarm it is no later
+    out = _run("detection.py", str(tmp_path / "faults"), str(tmp_path / "healthy"), "--oracle", "--json", str(tmp_path / "oracle.json"))
+    assert "best CUSUM" in out
+    result = json.loads((tmp_path / "oracle.json").read_text())
+    (best,) = result["oracle"]
+    assert (best["kind"], best["world"], len(best["delays"])) == ("labels", 4, 1) and best["threshold"] > 0
+    assert best["delays"][0] is not None and 0 <= best["delays"][0] <= result["delays"][0]["median"] == best["detector"]
+    # The threshold, the slow way: every healthy step's scores of that CUSUM (the healthy run, the
+    # fault run before its fault), one plain CUSUM per rank and part with the chosen allowance and cap
+    from ddphooks.detect import Detector, Observation
+
+    key, cap = tuple(best["key"]), best["cap"] if best["cap"] is not None else float("inf")
+    highest = 0.0
+    for records, end in ((_stream(4, 200, seed=1), 200), (_stream(4, 100, seed=0, fault_rank=2, fault_step=60), 60)):
+        detector, levels = Detector(keep_scores=True), {}
+        for record in records[:end]:
+            detector.update(Observation.from_record(record))
+            for rank, parts in enumerate(detector.step_scores.get(key, [])):
+                for part, z in enumerate(parts):
+                    level = max(0.0, levels.get((rank, part), 0.0) + min(z, cap) - best["drift"])
+                    levels[(rank, part)], highest = level, max(highest, level)
+    assert best["threshold"] == pytest.approx(highest)
+    # A second fault run that differs only in its fault kind is the same run before its fault:
+    # those 60 steps are healthy steps once, not twice
+    twin = tmp_path / "faults" / "run-fault-stuck-w4.jsonl"
+    header = {"setting": "fault", "world_size": 4, "fault_kind": "stuck", "fault_step": 60, "config": {"fault_rank": 2, "fault_kind": "stuck"}}
+    first = json.loads(fault.read_text().splitlines()[0])["header"]
+    first["config"]["fault_kind"] = "labels"
+    fault.write_text("\n".join([json.dumps({"header": first}), *fault.read_text().splitlines()[1:]]) + "\n")
+    twin.write_text("\n".join([json.dumps({"header": header}), *fault.read_text().splitlines()[1:]]) + "\n")
+    _run("detection.py", str(tmp_path / "faults"), "--json", str(tmp_path / "twins.json"))
+    (before,) = [h for h in json.loads((tmp_path / "twins.json").read_text())["healthy"] if h["setting"] == "fault, before the fault"]
+    assert before["steps"] == 60
