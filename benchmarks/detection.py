@@ -18,9 +18,12 @@ per level, the false alarms per 30,000 healthy steps (pooled over the healthy se
 size) and each fault kind's median delay next to the sequential-detection bound ``ln(ARL0) /
 (d'^2 / 2)`` (Lorden; ARL0 = healthy steps per false alarm at that level and world size, or at least
 the steps seen where there was none): d' is the per-step separation of the signal that fired,
-``(mean score of the faulty rank over the first 10 steps from the fault - mean score of the other
-ranks) / their standard deviation``, from the scores the detector keeps (``keep_scores``), the
-median over the runs whose alert named the faulty rank.
+``(mean score of the faulty rank over the first 10 steps from the fault - mean score of every rank
+before the fault) / their standard deviation``, from the scores the detector keeps (``keep_scores``), the
+median over the runs whose alert named the faulty rank. The signal is the part of that CUSUM that
+crossed: for a ``layer`` alert the corrupted parameter's own scores, not the rank's strongest
+parameter on each step (which would count the largest of every healthy rank's parameters as its
+noise).
 
 With ``--oracle`` it also asks how much of the gap to that bound is the detector's: for each fault
 kind and world size, the best CUSUM over the very scores of the signal that fired (per rank and
@@ -81,13 +84,17 @@ except ValueError as error:
 
 def dprime(detector: Detector, scores: list[dict], fault_step: int, fault_rank: int, step: int) -> float | None:
     """Per-step separation of the signal behind the first alert naming the faulty rank (see the
-    module docstring); None where it cannot be computed."""
-    key = next((key for fired_step, rank, key in detector.fired if fired_step == step and rank == fault_rank), None)
+    module docstring): the part of its CUSUM that crossed (the parameter of a ``layer`` alert, the
+    direction of a signal scored either way), against the same part on every rank before the
+    fault; None where it cannot be computed."""
+    key, part = next(((key, part) for fired_step, rank, key, part in detector.fired if fired_step == step and rank == fault_rank), (None, None))
     if key is None:
         return None
-    rows = [(number, row[key].max(axis=1)) for number, row in scores if key in row]  # each rank's strongest part
+    rows = [(number, row[key][:, part]) for number, row in scores if key in row and row[key].shape[1] > part]
     faulty = [z[fault_rank] for number, z in rows if fault_step <= number < fault_step + args.dprime_steps]
-    others = np.concatenate([np.delete(z, fault_rank) for _, z in rows]) if rows else np.array([])
+    # The healthy reference: every rank before the fault (after it, at W = 2 the other rank's
+    # scores mirror the faulty rank's and would widen the separation).
+    others = np.concatenate([z for number, z in rows if number < fault_step] or [np.array([])])
     others = others[np.isfinite(others)]
     faulty = [z for z in faulty if math.isfinite(z)]
     if not faulty or len(others) < 2 or others.std() == 0:
@@ -176,7 +183,7 @@ def measure(config: DetectorConfig, keep: bool = False) -> dict:
         named = [a for a in alerts if a["step"] >= fault_step and a["rank"] == fault_rank]
         first = min(named, key=lambda a: a["step"]) if named else None
         if keep:
-            key = next((key for step, rank, key in detector.fired if first is not None and (step, rank) == (first["step"], fault_rank)), None)
+            key = next((key for step, rank, key, _ in detector.fired if first is not None and (step, rank) == (first["step"], fault_rank)), None)
             cap = detector.cap[key] if key is not None else None
             found["runs"].append({"world": world, "kind": kind, "fault_step": fault_step, "fault_rank": fault_rank, "fired": key, "cap": cap, "scores": scores})
         found["delays"][(kind, world, fault_step)].append(None if first is None else first["step"] - fault_step)

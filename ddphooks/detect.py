@@ -4,6 +4,28 @@ Numpy only (no ``torch.distributed``), so the same detector runs inside training
 detect=True)``) and offline on a finished run file (``ddphooks detect RUN.jsonl``). It is fed one
 step at a time (``Detector.update``) and returns the alerts that step raises.
 
+One rule makes every statistical alert: robust z-scores, each counted only in its suspicious
+direction and capped, accumulate in one-sided CUSUMs ``S <- max(0, S + min(z, cap) - allowance)``,
+and a CUSUM past ``threshold * alert_level`` names its rank. The CUSUMs differ only in what they
+pool (defaults; thresholds at level 1, times 1.25 at the default level):
+
+=====================  =======================  ============================================  =========  =====  =========
+CUSUM                  one per                  score of a step                               allowance  cap    threshold
+=====================  =======================  ============================================  =========  =====  =========
+own, per signal        rank, signal, direction  change against the rank's own history,        3          16     20
+                                                less the other ranks'
+cross, per signal      rank, signal, direction  distance from the median rank (W >= 3)        3          16     20
+combined               rank                     the signals' scores in the pattern of wrong   3 (W>=3),  4 a    20
+                                                data, summed (cross at W >= 3, own at W = 2)  2 (W=2)    term
+repeat                 rank                     cosine to the previous step rising, plus the  2 (W>=3),  5 + 3  14
+                                                loss falling below the others' (W >= 3)       0.5 (W=2)
+layer                  rank, parameter          the parameter's share of the gradient norm    2.25       10     20
+                                                rising against its own average
+=====================  =======================  ============================================  =========  =====  =========
+
+What follows is how each score is made; ``benchmarks/detection.py --ablations`` measures what each
+pooling and setting buys, on held-out runs (benchmarks/README.md).
+
 Per rank ``i`` and step ``t`` it scores, as robust z-scores against baselines learned from the run
 itself:
 
@@ -678,9 +700,9 @@ class Detector:
         self.alerts: list[dict] = []
         # For the benchmarks (the per-step separation d' of the signal that fired, the best CUSUM
         # over the same scores): each step's scores per CUSUM key (W x parts, before the cap), and
-        # the key behind each statistical alert.
+        # the key and part (the parameter, or the direction) behind each statistical alert.
         self.step_scores: dict[tuple[str, str], np.ndarray] | None = {} if keep_scores else None
-        self.fired: list[tuple[int, int, tuple[str, str]]] = []  # (step, rank, key)
+        self.fired: list[tuple[int, int, tuple[str, str], int]] = []  # (step, rank, key, the part that crossed)
 
     def _start(self, world: int) -> None:
         window = self.config.window
@@ -920,7 +942,7 @@ class Detector:
 
     def _alert(self, obs: Observation, rank: int, strongest: tuple[str, str], levels: dict, since: int, values: dict) -> dict:
         if self.step_scores is not None:
-            self.fired.append((obs.step, rank, strongest))
+            self.fired.append((obs.step, rank, strongest, int(self.parts[strongest][rank].argmax())))
         kind, name = strongest
         signals = sorted({f"{n} ({k})" for (k, n), level in levels.items() if level > self.limit[(k, n)] / 2})
         parameters = self._suspicious_parameters(rank)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -217,6 +218,19 @@ def test_detection_measures_delay_and_false_alarms(tmp_path):
     faults = {row["level"]: row for row in levels if "kind" in row}
     assert faults[1.0]["dprime"] > 1 and faults[1.0]["bound"] > 0  # the planted shift is a few standard deviations a step
     assert faults[2.0]["delays"][0] is None or faults[2.0]["delays"][0] >= faults[1.0]["delays"][0]  # more evidence needed
+    # d', the slow way: the part of the CUSUM that crossed, the faulty rank's first 10 steps from the
+    # fault against every rank's scores before it
+    from ddphooks.detect import Detector, DetectorConfig, Observation
+
+    detector, kept = Detector(DetectorConfig(alert_level=1.0), keep_scores=True), []
+    for record in _stream(4, 100, seed=0, fault_rank=2, fault_step=60):
+        detector.update(Observation.from_record(record))
+        kept.append((record["step"], dict(detector.step_scores)))
+    step, _, key, part = next(fired for fired in detector.fired if fired[1] == 2 and fired[0] >= 60)
+    assert step - 60 == faults[1.0]["delays"][0]
+    faulty = [row[key][2, part] for number, row in kept if 60 <= number < 70 and key in row]
+    healthy = [z for number, row in kept if number < 60 and key in row for z in row[key][:, part]]
+    assert faults[1.0]["dprime"] == pytest.approx((np.mean(faulty) - np.mean(healthy)) / np.std(healthy))
     # --oracle: the best CUSUM over the same scores, its threshold above every healthy step's level;
     # its choice includes the detector's allowance and cap, so with no false alarm it is no later
     out = _run("detection.py", str(tmp_path / "faults"), str(tmp_path / "healthy"), "--oracle", "--json", str(tmp_path / "oracle.json"))
