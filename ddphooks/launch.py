@@ -3,6 +3,13 @@
 Used by the demo, the experiment, the benchmarks and the tests. Ranks rendezvous through a
 file (no TCP port to collide on), every rank's result or traceback comes back to the caller, and
 a deadline kills all workers instead of hanging when one of them dies or blocks.
+
+Workers are forked from a server process that imported torch once (``forkserver``, where the
+platform has it; ``spawn`` elsewhere): a fresh interpreter would import torch in every worker of
+every call, 2 s each on a 2-core machine. The server has run no torch operation, so no thread pool
+is forked; each worker takes the caller's environment variables as they are at the call (a fork
+server keeps those it started with), and a module that reads one when imported (triton) is not
+preloaded.
 """
 
 from __future__ import annotations
@@ -20,13 +27,19 @@ from typing import Any
 
 #: Seconds to keep collecting reports from the other ranks once one rank has failed.
 FAILURE_GRACE_S = 5.0
+#: Start method of the workers, and what the fork server imports once for all of them.
+START_METHOD = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+#: Not ``torch._dynamo``: it imports triton, which reads ``TRITON_INTERPRET`` when imported.
+PRELOAD = ["torch", "torch.distributed", "ddphooks"]
 
 
 class WorkerError(RuntimeError):
     """A spawned rank raised; the message carries its traceback."""
 
 
-def _worker(fn: Callable, rank: int, world: int, init_file: str, threads: int, timeout: float, args: tuple, results) -> None:
+def _worker(fn: Callable, rank: int, world: int, init_file: str, threads: int, timeout: float, args: tuple, results, environment: dict) -> None:
+    os.environ.clear()
+    os.environ.update(environment)
     import torch
     import torch.distributed as dist
 
@@ -50,7 +63,7 @@ def _worker(fn: Callable, rank: int, world: int, init_file: str, threads: int, t
 
 
 def spawn(fn: Callable, world: int, args: tuple = (), timeout: float = 300.0, threads: int | None = None) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` in ``world`` fresh processes joined by a gloo group.
+    """Run ``fn(rank, world, *args)`` in ``world`` new processes joined by a gloo group.
 
     Args:
         fn: a module-level function (it is pickled by reference into each process).
@@ -67,12 +80,15 @@ def spawn(fn: Callable, world: int, args: tuple = (), timeout: float = 300.0, th
         raise ValueError(f"world={world} must be >= 1")
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // world)  # ranks x threads <= cores
-    context = mp.get_context("spawn")
+    context = mp.get_context(START_METHOD)
+    if START_METHOD == "forkserver":
+        context.set_forkserver_preload(PRELOAD)
     results = context.Queue()
+    environment = dict(os.environ)
     with tempfile.TemporaryDirectory(prefix="ddphooks-") as folder:
         init_file = os.path.join(folder, "rendezvous")
         processes = [
-            context.Process(target=_worker, args=(fn, rank, world, init_file, threads, timeout, args, results), daemon=True)
+            context.Process(target=_worker, args=(fn, rank, world, init_file, threads, timeout, args, results, environment), daemon=True)
             for rank in range(world)
         ]
         for process in processes:

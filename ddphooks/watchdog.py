@@ -101,7 +101,10 @@ class SyncWatchdog:
         sentinel = next((p for p in ddp.module.parameters() if p.requires_grad), None)
         # Through lambdas, so that a profiler (benchmarks/overhead.py) can wrap the methods.
         self._handles = [] if sentinel is None else [sentinel.register_post_accumulate_grad_hook(lambda p: self._gradient_arrived(p))]
-        self._handles.append(ddp.register_forward_pre_hook(lambda module, args: self._forward(module, args)))
+        # Plain Python bookkeeping, which a compiled DDP module calls eagerly; disabled here rather
+        # than by a decorator, which would import torch._dynamo (1.5 s) with ddphooks itself (DDP
+        # has imported it by now).
+        self._handles.append(ddp.register_forward_pre_hook(torch.compiler.disable(lambda module, args: self._forward(module, args))))
 
     def remove(self) -> None:
         """Remove the hooks (the watchdog stops watching)."""
@@ -123,7 +126,6 @@ class SyncWatchdog:
             self.episode_since = None
             self.replica_check_due = True
 
-    @torch.compiler.disable  # plain Python bookkeeping; a compiled DDP module calls it eagerly
     def _forward(self, module: torch.nn.Module, args: tuple) -> None:
         # The wrapped module's mode, as for the loss capture: Lightning's validation calls .eval()
         # on the wrapper and restores only the LightningModule's mode.

@@ -189,6 +189,8 @@ def test_transport_table():
 def test_detection_measures_delay_and_false_alarms(tmp_path):
     from test_detect import _stream
 
+    from ddphooks.detect import Detector, DetectorConfig, Observation
+
     fault = tmp_path / "faults" / "run-fault-w4.jsonl"
     healthy = tmp_path / "healthy" / "run-sync-w4.jsonl"
     for path, header, records in (
@@ -198,30 +200,21 @@ def test_detection_measures_delay_and_false_alarms(tmp_path):
     ):  # fmt: skip
         path.parent.mkdir(parents=True)
         path.write_text("\n".join(json.dumps(line) for line in [{"header": header}, *records]) + "\n")
-    out = _run("detection.py", str(tmp_path / "faults"), str(tmp_path / "healthy"), "--json", str(tmp_path / "d.json"))
-    assert "labels" in out and "pooled" in out
+    # One run of the script for the table, --levels and --oracle (each subprocess imports torch)
+    out = _run("detection.py", str(tmp_path / "faults"), str(tmp_path / "healthy"), "--levels", "1", "2", "--oracle", "--json", str(tmp_path / "d.json"))
+    assert "labels" in out and "pooled" in out and "delay / bound" in out and "best CUSUM" in out
     result = json.loads((tmp_path / "d.json").read_text())
     (row,) = result["delays"]
     assert (row["kind"], row["world"], row["fault_step"], row["missed"]) == ("labels", 4, 60, 0) and 0 <= row["median"] <= 5
     assert {(h["setting"], h["alerts"]) for h in result["healthy"]} >= {("sync", 0)}
-    # --set reaches the detector's config; a name that is no field fails and lists the fields
-    _run("detection.py", str(tmp_path / "faults"), "--set", "recent=32", "--json", str(tmp_path / "d32.json"))
-    assert json.loads((tmp_path / "d32.json").read_text())["config"]["recent"] == 32
-    bad = subprocess.run([sys.executable, str(BENCHMARKS / "detection.py"), str(tmp_path), "--set", "recnt=32"], capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2 and "'recnt=32'" in bad.stderr and "recent" in bad.stderr
     # --levels: per alert level, false alarms pooled per world size and the delay against the bound
-    out = _run("detection.py", str(tmp_path / "faults"), str(tmp_path / "healthy"), "--levels", "1", "2", "--json", str(tmp_path / "levels.json"))
-    assert "delay / bound" in out
-    levels = json.loads((tmp_path / "levels.json").read_text())["levels"]
-    pooled = {row["level"]: row for row in levels if "steps" in row}
+    pooled = {row["level"]: row for row in result["levels"] if "steps" in row}
     assert pooled[1.0]["steps"] == pooled[2.0]["steps"] == 200 + 60  # the healthy run and the fault run before its fault
-    faults = {row["level"]: row for row in levels if "kind" in row}
+    faults = {row["level"]: row for row in result["levels"] if "kind" in row}
     assert faults[1.0]["dprime"] > 1 and faults[1.0]["bound"] > 0  # the planted shift is a few standard deviations a step
     assert faults[2.0]["delays"][0] is None or faults[2.0]["delays"][0] >= faults[1.0]["delays"][0]  # more evidence needed
     # d', the slow way: the part of the CUSUM that crossed, the faulty rank's first 10 steps from the
     # fault against every rank's scores before it
-    from ddphooks.detect import Detector, DetectorConfig, Observation
-
     detector, kept = Detector(DetectorConfig(alert_level=1.0), keep_scores=True), []
     for record in _stream(4, 100, seed=0, fault_rank=2, fault_step=60):
         detector.update(Observation.from_record(record))
@@ -233,16 +226,11 @@ def test_detection_measures_delay_and_false_alarms(tmp_path):
     assert faults[1.0]["dprime"] == pytest.approx((np.mean(faulty) - np.mean(healthy)) / np.std(healthy))
     # --oracle: the best CUSUM over the same scores, its threshold above every healthy step's level;
     # its choice includes the detector's allowance and cap, so with no false alarm it is no later
-    out = _run("detection.py", str(tmp_path / "faults"), str(tmp_path / "healthy"), "--oracle", "--json", str(tmp_path / "oracle.json"))
-    assert "best CUSUM" in out
-    result = json.loads((tmp_path / "oracle.json").read_text())
     (best,) = result["oracle"]
     assert (best["kind"], best["world"], len(best["delays"])) == ("labels", 4, 1) and best["threshold"] > 0
-    assert best["delays"][0] is not None and 0 <= best["delays"][0] <= result["delays"][0]["median"] == best["detector"]
+    assert best["delays"][0] is not None and 0 <= best["delays"][0] <= row["median"] == best["detector"]
     # The threshold, the slow way: every healthy step's scores of that CUSUM (the healthy run, the
     # fault run before its fault), one plain CUSUM per rank and part with the chosen allowance and cap
-    from ddphooks.detect import Detector, Observation
-
     key, cap = tuple(best["key"]), best["cap"] if best["cap"] is not None else float("inf")
     highest = 0.0
     for records, end in ((_stream(4, 200, seed=1), 200), (_stream(4, 100, seed=0, fault_rank=2, fault_step=60), 60)):
@@ -255,13 +243,17 @@ def test_detection_measures_delay_and_false_alarms(tmp_path):
                     levels[(rank, part)], highest = level, max(highest, level)
     assert best["threshold"] == pytest.approx(highest)
     # A second fault run that differs only in its fault kind is the same run before its fault:
-    # those 60 steps are healthy steps once, not twice
+    # those 60 steps are healthy steps once, not twice; --set reaches the detector's config
     twin = tmp_path / "faults" / "run-fault-stuck-w4.jsonl"
     header = {"setting": "fault", "world_size": 4, "fault_kind": "stuck", "fault_step": 60, "config": {"fault_rank": 2, "fault_kind": "stuck"}}
     first = json.loads(fault.read_text().splitlines()[0])["header"]
     first["config"]["fault_kind"] = "labels"
     fault.write_text("\n".join([json.dumps({"header": first}), *fault.read_text().splitlines()[1:]]) + "\n")
     twin.write_text("\n".join([json.dumps({"header": header}), *fault.read_text().splitlines()[1:]]) + "\n")
-    _run("detection.py", str(tmp_path / "faults"), "--json", str(tmp_path / "twins.json"))
-    (before,) = [h for h in json.loads((tmp_path / "twins.json").read_text())["healthy"] if h["setting"] == "fault, before the fault"]
-    assert before["steps"] == 60
+    _run("detection.py", str(tmp_path / "faults"), "--set", "recent=32", "--json", str(tmp_path / "twins.json"))
+    twins = json.loads((tmp_path / "twins.json").read_text())
+    (before,) = [h for h in twins["healthy"] if h["setting"] == "fault, before the fault"]
+    assert before["steps"] == 60 and twins["config"]["recent"] == 32
+    # a name that is no field fails and lists the fields
+    bad = subprocess.run([sys.executable, str(BENCHMARKS / "detection.py"), str(tmp_path), "--set", "recnt=32"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "'recnt=32'" in bad.stderr and "recent" in bad.stderr

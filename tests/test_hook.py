@@ -9,6 +9,7 @@ are computed directly from them in float64.
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -474,3 +475,16 @@ def _check_worker_failure(rank: int, world: int) -> None:
 def test_spawn_reports_a_failing_rank_instead_of_hanging():
     with pytest.raises(WorkerError, match=r"(?s)rank 1 failed.*KeyError: 'boom'"):
         spawn(_check_worker_failure, 2, timeout=60)
+
+
+def _check_environment(rank: int, world: int) -> str | None:
+    return os.environ.get("DDPHOOKS_TEST_VALUE")
+
+
+def test_spawn_gives_the_workers_the_callers_environment_at_the_call(monkeypatch):
+    # The first call starts the fork server (where the platform has one), the second runs after
+    # the variable changed: a worker forked from that server would see the old value.
+    monkeypatch.setenv("DDPHOOKS_TEST_VALUE", "first")
+    assert spawn(_check_environment, 2, timeout=60) == ["first", "first"]
+    monkeypatch.setenv("DDPHOOKS_TEST_VALUE", "second")
+    assert spawn(_check_environment, 2, timeout=60) == ["second", "second"]
