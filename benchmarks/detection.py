@@ -82,14 +82,11 @@ try:
 except ValueError as error:
     parser.error(str(error))
 
-def dprime(detector: Detector, scores: list[dict], fault_step: int, fault_rank: int, step: int) -> float | None:
+def dprime(scores: list[dict], fault_step: int, fault_rank: int, key: tuple[str, str], part: int) -> float | None:
     """Per-step separation of the signal behind the first alert naming the faulty rank (see the
     module docstring): the part of its CUSUM that crossed (the parameter of a ``layer`` alert, the
     direction of a signal scored either way), against the same part on every rank before the
     fault; None where it cannot be computed."""
-    key, part = next(((key, part) for fired_step, rank, key, part in detector.fired if fired_step == step and rank == fault_rank), (None, None))
-    if key is None:
-        return None
     rows = [(number, row[key][:, part]) for number, row in scores if key in row and row[key].shape[1] > part]
     faulty = [z[fault_rank] for number, z in rows if fault_step <= number < fault_step + args.dprime_steps]
     # The healthy reference: every rank before the fault (after it, at W = 2 the other rank's
@@ -136,10 +133,11 @@ def oracle(runs: list[dict]) -> list[dict]:
             continue
         key = max(set(fired), key=fired.count)
         cap = next(run["cap"] for run in members if run["fired"] == key)  # the detector's, for this key and W
-        # Every healthy step of this world size: the healthy runs, and the fault runs before their fault.
+        # Every healthy step of this world size: the healthy runs, and the fault runs before their
+        # fault (once per run that differs only in its fault kind).
         healthy = []
         for run in runs:
-            if run["world"] != world:
+            if run["world"] != world or not run["prefix_counted"]:
                 continue
             for rank in range(world):
                 steps, z = series(run["scores"], key, rank)
@@ -177,24 +175,26 @@ def measure(config: DetectorConfig, keep: bool = False) -> dict:
             found["false_alarms"][(run.header.get("setting", "?"), world)][0] += len(alerts)
             found["false_alarms"][(run.header.get("setting", "?"), world)][1] += len(run.records)
             if keep:
-                found["runs"].append({"world": world, "fault_step": None, "scores": scores})
+                found["runs"].append({"world": world, "fault_step": None, "prefix_counted": True, "scores": scores})
             continue
         fault_step, fault_rank = run.fault_step, run.header.get("config", {}).get("fault_rank")
         named = [a for a in alerts if a["step"] >= fault_step and a["rank"] == fault_rank]
         first = min(named, key=lambda a: a["step"]) if named else None
-        if keep:
-            key = next((key for step, rank, key, _ in detector.fired if first is not None and (step, rank) == (first["step"], fault_rank)), None)
-            cap = detector.cap[key] if key is not None else None
-            found["runs"].append({"world": world, "kind": kind, "fault_step": fault_step, "fault_rank": fault_rank, "fired": key, "cap": cap, "scores": scores})
+        # The CUSUM behind that alert, and the part of it that crossed.
+        key, part = next(((key, part) for step, rank, key, part in detector.fired if first is not None and (step, rank) == (first["step"], fault_rank)), (None, None))
         found["delays"][(kind, world, fault_step)].append(None if first is None else first["step"] - fault_step)
-        if first is not None:
-            separation = dprime(detector, scores, fault_step, fault_rank, first["step"])
+        if key is not None:
+            separation = dprime(scores, fault_step, fault_rank, key, part)
             if separation is not None:
                 found["dprimes"][(kind, world, fault_step)].append(separation)
         # Fault runs that differ only in their fault kind are one run before their fault: count
         # those steps (and any alert there) once.
         prefix = json.dumps({name: value for name, value in run.header.get("config", {}).items() if name not in PREFIX_FREE}, sort_keys=True)
-        if (world, prefix) not in found["prefixes"]:
+        counted = (world, prefix) not in found["prefixes"]
+        if keep:
+            cap = detector.cap[key] if key is not None else None
+            found["runs"].append({"world": world, "kind": kind, "fault_step": fault_step, "fault_rank": fault_rank, "fired": key, "cap": cap, "prefix_counted": counted, "scores": scores})
+        if counted:
             found["prefixes"].add((world, prefix))
             early = [a for a in alerts if a["step"] < fault_step]
             found["false_alarms"][("fault, before the fault", world)][0] += len(early)
