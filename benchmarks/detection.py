@@ -25,15 +25,22 @@ crossed: for a ``layer`` alert the corrupted parameter's own scores, not the ran
 parameter on each step (which would count the largest of every healthy rank's parameters as its
 noise).
 
+Every table also gives the highest CUSUM reached on any healthy step, over its level-1 threshold
+(``Detector.evidence()`` times the alert level). An alert needs more than the alert level, so this
+is the margin left before a false alarm: at the default level, 1.25, a highest CUSUM of 1.07
+leaves 17%. False alarms are rare events; a rule switched off in ``--ablations`` may leave their
+count on the runs at hand unchanged and still move this margin, which is what longer runs spend.
+
 With ``--oracle`` it also asks how much of the gap to that bound is the detector's: for each fault
 kind and world size, the best CUSUM over the very scores of the signal that fired (per rank and
 part, as the detector accumulates them), with the allowance and the cap chosen with hindsight from
-``ORACLE_DRIFTS`` x (the detector's cap, none) and the threshold just above the highest level it
-reaches on every healthy step of that world size (no false alarm there, the same ARL0 as the
-bound's), then the allowance with the smallest median delay. Its choice includes the detector's own
-allowance and cap, so on runs where the detector raised no false alarm it alerts no later than the
-detector; where it still needs more than 1.5x the bound, no CUSUM on that signal meets the bound
-on these runs (the healthy scores' tails, not the detector's settings, set the delay).
+``ORACLE_DRIFTS`` x ``ORACLE_CAPS`` (with the detector's own allowance and cap, and no cap) and the
+threshold just above the highest level it reaches on every healthy step of that world size (no
+false alarm there, the same ARL0 as the bound's), then the allowance and cap with the smallest
+median delay. Its choice includes the detector's own allowance and cap, so on runs where the
+detector raised no false alarm it alerts no later than the detector; where it still needs more
+than 1.5x the bound, no CUSUM on that signal meets the bound on these runs (the healthy scores'
+tails, not the detector's settings, set the delay).
 """
 
 import argparse
@@ -65,8 +72,10 @@ ABLATIONS = {
 }
 #: Config fields in which fault runs may differ and still be the same run before their fault.
 PREFIX_FREE = ("fault_kind", "out", "progress", "detect")
-#: The allowances the --oracle CUSUM chooses from (in the scores' standard deviations).
+#: The allowances and caps the --oracle CUSUM chooses from (in the scores' standard deviations; the
+#: caps also include the detector's own and none).
 ORACLE_DRIFTS = (0.25, 0.5, 1, 1.5, 2, 3, 4, 6, 8, 12)
+ORACLE_CAPS = (2, 3, 4, 5, 6, 8, 12, 16)
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("folders", nargs="+", help="folders searched (recursively) for run-*.jsonl files")
@@ -110,12 +119,13 @@ def series(scores: list[tuple[int, dict]], key: tuple[str, str], rank: int) -> t
     return np.array([number for number, _ in scores]), z
 
 
-def cusum_levels(z: np.ndarray, drift: float, cap: float) -> np.ndarray:
-    """Per step, the highest of the parts' CUSUMs ``S <- max(0, S + min(z, cap) - drift)``."""
-    level, out = np.zeros(z.shape[1]), np.empty(len(z))
-    for index, row in enumerate(np.minimum(z, cap)):
-        level = np.maximum(0.0, level + row - drift)
-        out[index] = level.max()
+def cusum_levels(z: np.ndarray, drifts: np.ndarray, caps: np.ndarray) -> np.ndarray:
+    """Steps x settings: per step, the highest of the parts' CUSUMs ``S <- max(0, S + min(z, cap)
+    - drift)``, for every (drift, cap) pair of ``drifts`` and ``caps`` at once."""
+    level, out = np.zeros((len(drifts), z.shape[1])), np.empty((len(z), len(drifts)))
+    for index, row in enumerate(z):
+        level = np.maximum(0.0, level + np.minimum(row[None, :], caps[:, None]) - drifts[:, None])
+        out[index] = level.max(axis=1)
     return out
 
 
@@ -132,52 +142,68 @@ def oracle(runs: list[dict]) -> list[dict]:
         if not fired:
             continue
         key = max(set(fired), key=fired.count)
-        cap = next(run["cap"] for run in members if run["fired"] == key)  # the detector's, for this key and W
+        # The detector's own allowance and cap for this key and W are among the choices.
+        allowance, cap = next((run["allowance"], run["cap"]) for run in members if run["fired"] == key)
+        settings = [(drift, step_cap) for drift in sorted({*ORACLE_DRIFTS, allowance}) for step_cap in sorted({*ORACLE_CAPS, cap, math.inf}) if step_cap > drift]
+        drifts, caps = np.array([d for d, _ in settings]), np.array([c for _, c in settings])
         # Every healthy step of this world size: the healthy runs, and the fault runs before their
         # fault (once per run that differs only in its fault kind).
-        healthy = []
+        thresholds = np.zeros(len(settings))
         for run in runs:
             if run["world"] != world or not run["prefix_counted"]:
                 continue
             for rank in range(world):
                 steps, z = series(run["scores"], key, rank)
-                healthy.append(z if run["fault_step"] is None else z[steps < run["fault_step"]])
-        faulty = [series(run["scores"], key, run["fault_rank"]) for run in members]
-        best = None
-        for drift in ORACLE_DRIFTS:
-            for step_cap in sorted({cap, math.inf}):
-                threshold = max((cusum_levels(z, drift, step_cap).max(initial=0.0) for z in healthy), default=0.0)
-                delays = []
-                for steps, z in faulty:
-                    over = np.flatnonzero((cusum_levels(z, drift, step_cap) > threshold) & (steps >= fault_step))
-                    delays.append(int(steps[over[0]] - fault_step) if over.size else None)
-                median = statistics.median(math.inf if d is None else d for d in delays)
-                if best is None or median < best["median"]:
-                    best = {"median": median, "drift": drift, "cap": None if math.isinf(step_cap) else step_cap, "threshold": threshold, "delays": delays}
-        results.append({"kind": kind, "world": world, "fault_step": fault_step, "key": list(key), **best})
+                if run["fault_step"] is not None:
+                    z = z[steps < run["fault_step"]]
+                if len(z):
+                    thresholds = np.maximum(thresholds, cusum_levels(z, drifts, caps).max(axis=0))
+        delays = []
+        for run in members:
+            steps, z = series(run["scores"], key, run["fault_rank"])
+            over = (cusum_levels(z, drifts, caps) > thresholds) & (steps >= fault_step)[:, None]
+            delays.append([int(steps[over[:, index].argmax()] - fault_step) if over[:, index].any() else None for index in range(len(settings))])
+        medians = [statistics.median(math.inf if run[index] is None else run[index] for run in delays) for index in range(len(settings))]
+        best = min(range(len(settings)), key=lambda index: (medians[index], index))
+        drift, step_cap = settings[best]
+        results.append({
+            "kind": kind, "world": world, "fault_step": fault_step, "key": list(key), "median": medians[best], "drift": drift,
+            "cap": None if math.isinf(step_cap) else step_cap, "threshold": float(thresholds[best]), "delays": [run[best] for run in delays],
+        })  # fmt: skip
     return results
 
 
 def measure(config: DetectorConfig, keep: bool = False) -> dict:
-    """Every run through a detector with ``config``: delays, false alarms, other-rank alerts, d';
-    with ``keep``, every run's scores too (``runs``, for ``oracle``)."""
-    found = {"delays": defaultdict(list), "false_alarms": defaultdict(lambda: [0, 0]), "wrong": defaultdict(int), "dprimes": defaultdict(list), "runs": [], "prefixes": set()}
+    """Every run through a detector with ``config``: delays, false alarms, other-rank alerts, d',
+    the highest CUSUM on a healthy step per world size (``peaks``, in level-1 thresholds); with
+    ``keep``, every run's scores too (``runs``, for ``oracle``)."""
+    found = {"delays": defaultdict(list), "false_alarms": defaultdict(lambda: [0, 0]), "wrong": defaultdict(int), "dprimes": defaultdict(list), "peaks": defaultdict(float), "runs": [], "prefixes": set()}
     for path in paths:
         run = read_run(path)
         world = run.header.get("world_size") or run.records[0]["world_size"]
+        kind = run.header.get("fault_kind") if run.header.get("setting") == "fault" else None
+        fault_step = run.fault_step if kind is not None else None
+        # Fault runs that differ only in their fault kind are one run before their fault: count
+        # those steps (and any alert or CUSUM level there) once.
+        prefix = json.dumps({name: value for name, value in run.header.get("config", {}).items() if name not in PREFIX_FREE}, sort_keys=True)
+        counted = kind is None or (world, prefix) not in found["prefixes"]
+        if kind is not None:
+            found["prefixes"].add((world, prefix))
         detector, scores = Detector(config, keep_scores=True), []
         for record in run.records:
             detector.update(Observation.from_record(record))
             scores.append((record["step"], dict(detector.step_scores)))
+            if counted and (fault_step is None or record["step"] < fault_step):
+                # The lowest alert level at which this step would have alerted: the margin.
+                found["peaks"][world] = max(found["peaks"][world], float(detector.evidence().max(initial=0.0)) * config.alert_level)
         alerts = detector.alerts
-        kind = run.header.get("fault_kind") if run.header.get("setting") == "fault" else None
         if kind is None:
             found["false_alarms"][(run.header.get("setting", "?"), world)][0] += len(alerts)
             found["false_alarms"][(run.header.get("setting", "?"), world)][1] += len(run.records)
             if keep:
                 found["runs"].append({"world": world, "fault_step": None, "prefix_counted": True, "scores": scores})
             continue
-        fault_step, fault_rank = run.fault_step, run.header.get("config", {}).get("fault_rank")
+        fault_rank = run.header.get("config", {}).get("fault_rank")
         named = [a for a in alerts if a["step"] >= fault_step and a["rank"] == fault_rank]
         first = min(named, key=lambda a: a["step"]) if named else None
         # The CUSUM behind that alert, and the part of it that crossed.
@@ -187,15 +213,10 @@ def measure(config: DetectorConfig, keep: bool = False) -> dict:
             separation = dprime(scores, fault_step, fault_rank, key, part)
             if separation is not None:
                 found["dprimes"][(kind, world, fault_step)].append(separation)
-        # Fault runs that differ only in their fault kind are one run before their fault: count
-        # those steps (and any alert there) once.
-        prefix = json.dumps({name: value for name, value in run.header.get("config", {}).items() if name not in PREFIX_FREE}, sort_keys=True)
-        counted = (world, prefix) not in found["prefixes"]
         if keep:
-            cap = detector.cap[key] if key is not None else None
-            found["runs"].append({"world": world, "kind": kind, "fault_step": fault_step, "fault_rank": fault_rank, "fired": key, "cap": cap, "prefix_counted": counted, "scores": scores})
+            allowance, cap = (detector.allowance[key], detector.cap[key]) if key is not None else (None, None)
+            found["runs"].append({"world": world, "kind": kind, "fault_step": fault_step, "fault_rank": fault_rank, "fired": key, "allowance": allowance, "cap": cap, "prefix_counted": counted, "scores": scores})
         if counted:
-            found["prefixes"].add((world, prefix))
             early = [a for a in alerts if a["step"] < fault_step]
             found["false_alarms"][("fault, before the fault", world)][0] += len(early)
             found["false_alarms"][("fault, before the fault", world)][1] += sum(1 for r in run.records if r["step"] < fault_step)
@@ -238,6 +259,10 @@ for (setting, world), (count, steps) in sorted(false_alarms.items()):
     print(f"{setting:<24} {world:>2} {steps:>6} {count:>6} {1000 * count / max(steps, 1):>14.2f}")
 for world, (count, steps) in sorted(pooled.items()):
     print(f"{'pooled (' + ', '.join(HEALTHY_POOL) + ')':<24} {world:>2} {steps:>6} {count:>6} {1000 * count / max(steps, 1):>14.2f}")
+# The margin before a false alarm: over every healthy step (all healthy settings and the fault runs
+# before their fault), the highest CUSUM in its level-1 threshold; an alert needs more than the level.
+peaks = {world: round(peak, 3) for world, peak in sorted(result["peaks"].items())}
+print(f"highest CUSUM on a healthy step, in level-1 thresholds (an alert needs more than the level, {config.alert_level:g}): " + ", ".join(f"W = {w}: {p:.2f}" for w, p in peaks.items()))
 
 levels = []
 if args.levels:
@@ -245,12 +270,12 @@ if args.levels:
     # fault runs before their fault), per world size, and each fault kind's delay against the bound.
     for level in args.levels:
         found = measure(dataclasses.replace(config, alert_level=level))
-        print(f"\n{'level':>5} {'W':>2} {'healthy steps':>13} {'false alarms':>12} {'per 30,000':>10} {'ARL0':>8}")
+        print(f"\n{'level':>5} {'W':>2} {'healthy steps':>13} {'false alarms':>12} {'per 30,000':>10} {'ARL0':>8} {'highest CUSUM':>13}")
         arl0 = {}
         for world, (count, steps) in false_alarms_by_world(found).items():
             arl0[world] = (steps / count, "") if count else (steps, ">=")
-            print(f"{level:>5g} {world:>2} {steps:>13} {count:>12} {30000 * count / max(steps, 1):>10.2f} {arl0[world][1] + format(arl0[world][0], '.0f'):>8}")
-            levels.append({"level": level, "world": world, "steps": steps, "false_alarms": count})
+            print(f"{level:>5g} {world:>2} {steps:>13} {count:>12} {30000 * count / max(steps, 1):>10.2f} {arl0[world][1] + format(arl0[world][0], '.0f'):>8} {found['peaks'][world]:>13.2f}")
+            levels.append({"level": level, "world": world, "steps": steps, "false_alarms": count, "peak": found["peaks"][world]})
         print(f"\n{'level':>5} {'fault kind':<10} {'W':>2} {'runs':>4} {'missed':>6} {'median delay':>12} {'median d-prime':>14} {'bound':>6} {'delay / bound':>13}")
         for (kind, world, fault_step), values in sorted(found["delays"].items()):
             named = [v for v in values if v is not None]
@@ -265,13 +290,13 @@ if args.levels:
 
 ablations = []
 if args.ablations:
-    print("\nablations: false alarms / healthy steps per W (all healthy steps); per fault kind and W: missed / runs, median delay")
+    print("\nablations: false alarms / healthy steps per W (all healthy steps) and the highest CUSUM there; per fault kind and W: missed / runs, median delay")
     for name, overrides in ABLATIONS.items():
         found = measure(dataclasses.replace(DetectorConfig.from_overrides(overrides), alert_level=config.alert_level))
         cells = []
         for world, (count, steps) in false_alarms_by_world(found).items():
-            cells.append(f"W{world} {count}/{steps}")
-            ablations.append({"ablation": name, "world": world, "false_alarms": count, "steps": steps})
+            cells.append(f"W{world} {count}/{steps} {found['peaks'][world]:.2f}")
+            ablations.append({"ablation": name, "world": world, "false_alarms": count, "steps": steps, "peak": found["peaks"][world]})
         for (kind, world, fault_step), values in sorted(found["delays"].items()):
             named = [v for v in values if v is not None]
             median = statistics.median(named) if named else None
@@ -301,5 +326,5 @@ if args.oracle:
         )
 
 if args.json:
-    payload = {"config": vars(config), "delays": rows, "healthy": healthy, "levels": levels, "ablations": ablations, "oracle": oracles}
+    payload = {"config": vars(config), "delays": rows, "healthy": healthy, "peaks": peaks, "levels": levels, "ablations": ablations, "oracle": oracles}
     Path(args.json).write_text(json.dumps(payload, indent=1))

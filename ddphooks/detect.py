@@ -770,7 +770,7 @@ class Detector:
         alerts += self._score_alerts(obs, scores, values)
         # A rank with half the evidence of an alert (or under alert) does not teach the baselines:
         # otherwise a lasting fault becomes the new normal before it is reported.
-        suspect = self._strength() > 0.5
+        suspect = self.evidence() > 0.5
         suspect[list(self.episodes)] = True
         if self.raw_losses is not None:
             self.raw_losses.push(losses, ~suspect)
@@ -894,7 +894,7 @@ class Detector:
             self._accumulate(key, z, obs.step)
         alerts = []
         # Only ranks over their alert level or in an episode need a look (a few, not W).
-        for rank in sorted(set(np.flatnonzero(self._strength() > 1).tolist()) | set(self.episodes)):
+        for rank in sorted(set(np.flatnonzero(self.evidence() > 1).tolist()) | set(self.episodes)):
             levels = {key: self.cusum[key][rank] for key in self.cusum}
             strength = {key: level / self.limit[key] for key, level in levels.items()}
             strongest = max(strength, key=strength.get)
@@ -912,8 +912,13 @@ class Detector:
                     del self.episodes[rank]
         return alerts
 
-    def _strength(self) -> np.ndarray:
-        """Per rank, its highest CUSUM as a fraction of that CUSUM's alert level."""
+    def evidence(self) -> np.ndarray:
+        """Per rank, its highest statistical CUSUM as a fraction of that CUSUM's alert level (an
+        alert above 1; empty before the first multi-rank step). Times ``alert_level``, the CUSUM
+        over its level-1 threshold: ``benchmarks/detection.py`` reports the highest on healthy
+        steps, the margin left before a false alarm."""
+        if self.world is None:
+            return np.zeros(0)
         return np.max(np.stack([self.cusum[key] / self.limit[key] for key in self.cusum]), axis=0)
 
     def _accumulate(self, key: tuple[str, str], z: np.ndarray, step: int) -> None:
