@@ -40,7 +40,9 @@ false alarm there, the same ARL0 as the bound's), then the allowance and cap wit
 median delay. Its choice includes the detector's own allowance and cap, so on runs where the
 detector raised no false alarm it alerts no later than the detector; where it still needs more
 than 1.5x the bound, no CUSUM on that signal meets the bound on these runs (the healthy scores'
-tails, not the detector's settings, set the delay).
+tails, not the detector's settings, set the delay). Its table also gives the bound for a detector
+that must say which of M streams changed, ``(ln(ARL0) + ln(M)) / (d'^2 / 2)`` (design notes,
+section 11), M every rank's every part of that CUSUM (W x P for a ``layer`` alert).
 """
 
 import argparse
@@ -158,9 +160,10 @@ def oracle(runs: list[dict]) -> list[dict]:
                     z = z[steps < run["fault_step"]]
                 if len(z):
                     thresholds = np.maximum(thresholds, cusum_levels(z, drifts, caps).max(axis=0))
-        delays = []
+        delays, parts = [], 1
         for run in members:
             steps, z = series(run["scores"], key, run["fault_rank"])
+            parts = max(parts, z.shape[1])
             over = (cusum_levels(z, drifts, caps) > thresholds) & (steps >= fault_step)[:, None]
             delays.append([int(steps[over[:, index].argmax()] - fault_step) if over[:, index].any() else None for index in range(len(settings))])
         medians = [statistics.median(math.inf if run[index] is None else run[index] for run in delays) for index in range(len(settings))]
@@ -169,6 +172,7 @@ def oracle(runs: list[dict]) -> list[dict]:
         results.append({
             "kind": kind, "world": world, "fault_step": fault_step, "key": list(key), "median": medians[best], "drift": drift,
             "cap": None if math.isinf(step_cap) else step_cap, "threshold": float(thresholds[best]), "delays": [run[best] for run in delays],
+            "streams": world * parts,  # the CUSUMs that could have named the fault: one per rank and part
         })  # fmt: skip
     return results
 
@@ -309,20 +313,24 @@ if args.oracle:
     # The bound as in --levels, at this config's level.
     arl0 = {world: steps / count if count else steps for world, (count, steps) in false_alarms_by_world(result).items()}
     print(f"\nbest CUSUM over the scores of the signal that fired, threshold with hindsight (level {config.alert_level:g})")
-    print(f"{'fault kind':<10} {'W':>2} {'signal':<24} {'detector':>8} {'best CUSUM':>10} {'allowance':>9} {'cap':>5} {'d-prime':>7} {'bound':>6} {'detector / bound':>16} {'best / bound':>12}")
+    # Watching M streams for the one that changed adds about ln(M) / I to the bound
+    # (../shared/design-notes.md section 11): M is every rank's every part of the CUSUM that fired.
+    print(f"{'fault kind':<10} {'W':>2} {'signal':<24} {'detector':>8} {'best CUSUM':>10} {'allowance':>9} {'cap':>5} {'d-prime':>7} {'bound':>6} {'detector / bound':>16} {'best / bound':>12} {'M':>4} {'bound + ln M / I':>16}")
     for entry in oracle(result["runs"]):
         group = (entry["kind"], entry["world"], entry["fault_step"])
         named = [v for v in result["delays"][group] if v is not None]
         separations = result["dprimes"][group]
         d = statistics.median(separations) if separations else None
         bound = math.log(arl0[entry["world"]]) / (d * d / 2) if d and arl0.get(entry["world"], 0) > 1 else None
-        entry.update(detector=statistics.median(named) if named else None, dprime=d, bound=bound)
+        streams_bound = bound + math.log(entry["streams"]) / (d * d / 2) if bound is not None else None
+        entry.update(detector=statistics.median(named) if named else None, dprime=d, bound=bound, streams_bound=streams_bound)
         oracles.append(entry)
         ratios = (entry["detector"] / bound if bound and entry["detector"] is not None else None, entry["median"] / bound if bound and math.isfinite(entry["median"]) else None)
-        cells = ["-" if v is None else f"{v:.2f}" for v in (d, bound, *ratios)]
+        cells = ["-" if v is None else f"{v:.2f}" for v in (d, bound, *ratios, streams_bound)]
         print(
             f"{entry['kind']:<10} {entry['world']:>2} {' '.join(entry['key']):<24} {'-' if entry['detector'] is None else entry['detector']:>8} "
-            f"{entry['median']:>10} {entry['drift']:>9g} {'-' if entry['cap'] is None else format(entry['cap'], 'g'):>5} {cells[0]:>7} {cells[1]:>6} {cells[2]:>16} {cells[3]:>12}"
+            f"{entry['median']:>10} {entry['drift']:>9g} {'-' if entry['cap'] is None else format(entry['cap'], 'g'):>5} {cells[0]:>7} {cells[1]:>6} {cells[2]:>16} {cells[3]:>12} "
+            f"{entry['streams']:>4} {cells[4]:>16}"
         )
 
 if args.json:

@@ -4,6 +4,7 @@ Speed is never asserted here: performance claims live in benchmarks/README.md.
 """
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -239,6 +240,8 @@ def test_detection_measures_delay_and_false_alarms(tmp_path):
     (best,) = result["oracle"]
     assert (best["kind"], best["world"], len(best["delays"])) == ("labels", 4, 1) and best["threshold"] > 0
     assert best["delays"][0] is not None and 0 <= best["delays"][0] <= row["median"] == best["detector"]
+    # one combined CUSUM per rank: M = 4 streams, ln(4) / (d'^2 / 2) more
+    assert best["streams"] == 4 and best["streams_bound"] == pytest.approx(best["bound"] + math.log(4) / (best["dprime"] ** 2 / 2))
     # The threshold, the slow way: every healthy step's scores of that CUSUM (the healthy run, the
     # fault run before its fault), one plain CUSUM per rank and part with the chosen allowance and cap
     key, cap = tuple(best["key"]), best["cap"] if best["cap"] is not None else float("inf")
