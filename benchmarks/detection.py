@@ -66,9 +66,9 @@ ABLATIONS = {
     "no combined CUSUM at W = 2": ["pair_combined_drift=1e9"],
     "no cross-rank repeat CUSUM": ["repeat_threshold=1e9"],
     "no loss term in the repeat score": ["repeat_loss_cap=0"],
-    "no per-parameter CUSUM": ["layer_drift=9.99"],  # a step adds at most layer_cap - 9.99 = 0.01
+    "no per-parameter CUSUM": ["layer_threshold=1e9"],
     "no step cap": ["step_cap=1e9"],
-    "per-parameter cap 16 (step_cap)": ["layer_cap=16"],
+    "per-parameter cap 10, threshold 20 (before)": ["layer_cap=10", "layer_threshold=20"],
     "no cosine floor": ["cosine_floor=1e-9"],
     "no growth power (combined)": ["combined_growth=0"],
 }

@@ -19,7 +19,7 @@ combined               rank                     the signals' scores in the patte
                                                 data, summed (cross at W >= 3, own at W = 2)  2 (W=2)    term
 repeat                 rank                     cosine to the previous step rising, plus the  2 (W>=3),  5 + 3  14
                                                 loss falling below the others' (W >= 3)       0.5 (W=2)
-layer                  rank, parameter          the parameter's share of the gradient norm    2.25       10     20
+layer                  rank, parameter          the parameter's share of the gradient norm    2.25       5      12
                                                 rising against its own average
 =====================  =======================  ============================================  =========  =====  =========
 
@@ -68,9 +68,11 @@ itself:
    rose 9.9 standard deviations a step instead of 5.9, medians), against its exponential
    average, in standard deviations; only a rise counts (a corrupted gradient carries more
    energy: that direction also tells which of two ranks it is),
-   accumulated in one CUSUM per rank and parameter (allowance ``layer_drift``; a step counts up to
-   ``layer_cap``, so with W x P of them one parameter needs three steps at the cap where one
-   signal needs two), so that a lasting
+   accumulated in one CUSUM per rank and parameter (allowance ``layer_drift``, threshold
+   ``layer_threshold``; a step counts up to ``layer_cap``, near a corrupted layer's steady rise,
+   because healthy parameters have heavy tails and there are W x P of these CUSUMs: one
+   parameter needs five steps at the cap however wild, and a steady rise of a few standard
+   deviations adds up about as fast), so that a lasting
    change in one layer is not lost among the hundreds of parameters that did not change; the
    rank's level is its largest. The scale of a parameter's rises is learned on every step,
    pooled over ranks (an exponential average of their median absolute rise, which the one rank
@@ -257,11 +259,13 @@ class DetectorConfig:
     healthy runs at steps 22 and 25."""
 
     threshold: float = 20.0
-    """CUSUM level (in standard deviations summed over steps) at which an alert is raised."""
+    """CUSUM level (in standard deviations summed over steps) at which an alert is raised, for the
+    per-signal and combined CUSUMs (the cross-rank ``cosine_previous`` CUSUM has
+    ``repeat_threshold``, the per-parameter ones ``layer_threshold``)."""
 
     alert_level: float = 1.25
     """One knob for how much evidence an alert needs: every statistical CUSUM's alert level
-    (``threshold``, ``repeat_threshold``) is multiplied by it. Higher: fewer false alarms, later
+    (``threshold``, ``repeat_threshold``, ``layer_threshold``) is multiplied by it. Higher: fewer false alarms, later
     alerts (each step of a lasting shift adds the same evidence, so the delay grows about in
     proportion). The default, 1.25, is the lowest level that raised no false alarm on the
     experiment's healthy runs at W = 2, 4 and 8 (level 1 raised one, at W = 2); the measured
@@ -287,14 +291,28 @@ class DetectorConfig:
     scale learned on calm steps only, since replaced), healthy runs raised per-parameter alerts
     (5 in 1000 steps of one healthy seed at W = 4)."""
 
-    layer_cap: float = 10.0
+    layer_cap: float = 5.0
     """Cap on one step's score in each per-parameter CUSUM: a step adds at most ``layer_cap -
-    layer_drift`` (7.75), so one parameter needs three steps at the cap to alert at level 1, and
-    four at the default level (two at ``step_cap``). Lower than ``step_cap`` because there are
-    W x P of these CUSUMs, not a few per rank: on healthy length-grouped runs early in training
-    (W = 2, ``group-sync``, steps 24-35) single parameters rose 15-20 standard deviations on two
-    steps running and raised two alerts in 15,600 held-out steps at 16, none at 10, while a
-    corrupted layer rises about 10 a step (the ``sdc`` delays at W = 2, 4 and 8 did not change)."""
+    layer_drift`` (2.75), so one parameter needs five steps at the cap to alert at level 1
+    (``layer_threshold``, 12) and six at the default level, however wild. A cap near a corrupted
+    layer's rise, not far above it: healthy parameters have heavy tails (on held-out runs
+    P(z > 5) = 1.0e-3 per parameter-step against 2.9e-7 for a normal; the largest 16.1), and
+    under a high cap the healthy levels come from single wild steps, which the threshold must
+    clear, while a corrupted layer rises a steady 3-5 standard deviations a step (the ``sdc`` runs
+    from step 150 at W = 2 and 4). With 10 and a threshold of 20 those runs took 14 / 12.5 / 3
+    steps at W = 2 / 4 / 8 (medians, the eleventh session's held-out set) and 16 / 9.5 on runs held
+    out from this choice; with 5 and 12, 8 / 8.5 / 5 and 10 / 6.5, with no false alarm in either
+    (benchmarks/README.md). A strong corruption needs more steps than before: from step 30, where
+    the corrupted weight rose about 10 a step, 5 / 5 at W = 2 / 4 (5 / 3 before; worst 5 / 5
+    against 9 / 5). Not 16: early in length-grouped runs single parameters rose 15-20 standard
+    deviations on two steps running, two false alarms in 15,600 held-out steps."""
+
+    layer_threshold: float = 12.0
+    """Level at which a per-parameter CUSUM alerts (times ``alert_level``: 15 at the default level).
+    Its own, like ``repeat_threshold``: with scores capped at ``layer_cap`` its healthy levels are
+    lower than those of the few CUSUMs of ``threshold``. Just above the highest level of any
+    per-parameter CUSUM on the eleventh session's 13,030 held-out healthy steps (11.2, at W = 2;
+    at W = 4 0.7 of that)."""
 
     cosine_floor: float = 2.0
     """Cosine deviations smaller than this many ``cosine_noise`` units score zero."""
@@ -409,7 +427,7 @@ class DetectorConfig:
                 raise ValueError(f"DetectorConfig.{name}={value!r} must be an int >= 1")
         for name in (
             "threshold", "drift", "step_cap", "layer_cap", "cosine_floor", "layer_drift", "combined_drift", "combined_cap",
-            "repeat_drift", "repeat_cap", "repeat_threshold", "pair_repeat_drift", "pair_combined_drift", "duplicate_tolerance", "duplicate_cosine_tolerance",
+            "repeat_drift", "repeat_cap", "repeat_threshold", "layer_threshold", "pair_repeat_drift", "pair_combined_drift", "duplicate_tolerance", "duplicate_cosine_tolerance",
             "alert_level",
         ):
             value = getattr(self, name)
@@ -736,6 +754,7 @@ class Detector:
             self.allowance[("own", "combined")], self.cap[("own", "combined")] = config.pair_combined_drift, math.inf
         self.allowance[("own", "layer")] = config.layer_drift
         self.cap[("own", "layer")] = config.layer_cap
+        self.limit[("own", "layer")] = config.layer_threshold * config.alert_level
         self.episodes: dict[int, _Episode] = {}
         self.replica_episodes: set[int] = set()
         self.nonfinite_first: dict[int, dict] = {}  # rank -> what went non-finite on the last step, the others finite
