@@ -299,20 +299,22 @@ class DetectorConfig:
     P(z > 5) = 1.0e-3 per parameter-step against 2.9e-7 for a normal; the largest 16.1), and
     under a high cap the healthy levels come from single wild steps, which the threshold must
     clear, while a corrupted layer rises a steady 3-5 standard deviations a step (the ``sdc`` runs
-    from step 150 at W = 2 and 4). With 10 and a threshold of 20 those runs took 14 / 12.5 / 3
-    steps at W = 2 / 4 / 8 (medians, the eleventh session's held-out set) and 16 / 9.5 on runs held
-    out from this choice; with 5 and 12, 8 / 8.5 / 5 and 10 / 6.5, with no false alarm in either
-    (benchmarks/README.md). A strong corruption needs more steps than before: from step 30, where
-    the corrupted weight rose about 10 a step, 5 / 5 at W = 2 / 4 (5 / 3 before; worst 5 / 5
-    against 9 / 5). Not 16: early in length-grouped runs single parameters rose 15-20 standard
-    deviations on two steps running, two false alarms in 15,600 held-out steps."""
+    from step 150 at W = 2 and 4). With 10 and a threshold of 20, median / worst delay at W = 2 /
+    4 / 8: 14 / 25, 12.5 / 17, 3 on the eleventh session's held-out set, where this was chosen, and
+    5.5 / 17, 8.5 / 10, 5 on 15 runs held out from the choice; with 5 and 12, 8 / 16, 8.5 / 11, 5
+    and 5 / 10, 6 / 7, 5, with no false alarm in either set (benchmarks/README.md). A strong
+    corruption needs more steps than before: from step 30, where the corrupted weight rose about
+    10 a step, 5 / 5 and 5 / 5 at W = 2 / 4 (5 / 9 and 3 / 5 before). Not 16: early in
+    length-grouped runs single parameters rose 15-20 standard deviations on two steps running,
+    two false alarms in 15,600 held-out steps."""
 
     layer_threshold: float = 12.0
     """Level at which a per-parameter CUSUM alerts (times ``alert_level``: 15 at the default level).
     Its own, like ``repeat_threshold``: with scores capped at ``layer_cap`` its healthy levels are
     lower than those of the few CUSUMs of ``threshold``. Just above the highest level of any
     per-parameter CUSUM on the eleventh session's 13,030 held-out healthy steps (11.2, at W = 2;
-    at W = 4 0.7 of that)."""
+    at W = 4 0.7 of that); on 17,770 healthy steps held out from the choice the per-parameter
+    CUSUMs stayed under 10.1 (W = 2) and 6.3 (W = 4)."""
 
     cosine_floor: float = 2.0
     """Cosine deviations smaller than this many ``cosine_noise`` units score zero."""
