@@ -301,7 +301,7 @@ class DetectorConfig:
     clear, while a corrupted layer rises a steady 3-5 standard deviations a step (the ``sdc`` runs
     from step 150 at W = 2 and 4). With 10 and a threshold of 20, median / worst delay at W = 2 /
     4 / 8: 14 / 25, 12.5 / 17, 3 on the eleventh session's held-out set, where this was chosen, and
-    5.5 / 17, 8.5 / 10, 5 on 15 runs held out from the choice; with 5 and 12, 8 / 16, 8.5 / 11, 5
+    5.5 / 17, 8.5 / 10, 5 on 11 runs held out from the choice; with 5 and 12, 8 / 16, 8.5 / 11, 5
     and 5 / 10, 6 / 7, 5, with no false alarm in either set (benchmarks/README.md). A strong
     corruption needs more steps than before: from step 30, where the corrupted weight rose about
     10 a step, 5 / 5 and 5 / 5 at W = 2 / 4 (5 / 9 and 3 / 5 before). Not 16: early in
