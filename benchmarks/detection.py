@@ -198,7 +198,7 @@ def measure(config: DetectorConfig, keep: bool = False) -> dict:
             detector.update(Observation.from_record(record))
             scores.append((record["step"], dict(detector.step_scores)))
             if counted and (fault_step is None or record["step"] < fault_step):
-                # The lowest alert level at which this step would have alerted: the margin.
+                # This step's highest CUSUM over its level-1 threshold: the margin left.
                 found["peaks"][world] = max(found["peaks"][world], float(detector.evidence().max(initial=0.0)) * config.alert_level)
         alerts = detector.alerts
         if kind is None:

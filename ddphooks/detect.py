@@ -71,8 +71,8 @@ itself:
    accumulated in one CUSUM per rank and parameter (allowance ``layer_drift``, threshold
    ``layer_threshold``; a step counts up to ``layer_cap``, near a corrupted layer's steady rise,
    because healthy parameters have heavy tails and there are W x P of these CUSUMs: one
-   parameter needs five steps at the cap however wild, and a steady rise of a few standard
-   deviations adds up about as fast), so that a lasting
+   parameter needs five steps at the cap to alert at level 1, however wild, while a corrupted
+   layer's steady rise of a few standard deviations loses little to the cap), so that a lasting
    change in one layer is not lost among the hundreds of parameters that did not change; the
    rank's level is its largest. The scale of a parameter's rises is learned on every step,
    pooled over ranks (an exponential average of their median absolute rise, which the one rank

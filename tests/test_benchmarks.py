@@ -210,13 +210,15 @@ def test_detection_measures_delay_and_false_alarms(tmp_path):
     assert {(h["setting"], h["alerts"]) for h in result["healthy"]} >= {("sync", 0)}
     # The margin, the slow way: every CUSUM on every healthy step (the healthy run, the fault run
     # before its fault) over its threshold at level 1
+    config = DetectorConfig()
+    level_one = {("cross", "cosine_previous"): config.repeat_threshold, ("own", "layer"): config.layer_threshold}
     highest = 0.0
     for records in (_stream(4, 200, seed=1), _stream(4, 100, seed=0, fault_rank=2, fault_step=60)[:60]):
-        detector = Detector()
+        detector = Detector(config)
         for record in records:
             detector.update(Observation.from_record(record))
             for key, levels in detector.cusum.items():
-                highest = max(highest, levels.max() / (detector.config.repeat_threshold if key == ("cross", "cosine_previous") else detector.config.threshold))
+                highest = max(highest, levels.max() / level_one.get(key, config.threshold))
     assert 0.1 < highest < 1.25 and result["peaks"] == {"4": round(highest, 3)}
     # --levels: per alert level, false alarms pooled per world size and the delay against the bound
     pooled = {row["level"]: row for row in result["levels"] if "steps" in row}
