@@ -58,7 +58,6 @@ import numpy as np
 from ddphooks.detect import Detector, DetectorConfig, Observation
 from ddphooks.experiment.report import read_run
 
-HEALTHY_POOL = ("sync", "desync-shuffle", "desync-all", "group-sync")
 #: Each rule of the detector switched off through its settings, for --ablations.
 ABLATIONS = {
     "defaults": [],
@@ -254,15 +253,12 @@ for (kind, world, fault_step), values in sorted(delays.items()):
 
 print(f"\n{'healthy setting':<24} {'W':>2} {'steps':>6} {'alerts':>6} {'per 1000 steps':>14}")
 healthy = []
-pooled = defaultdict(lambda: [0, 0])
 for (setting, world), (count, steps) in sorted(false_alarms.items()):
     healthy.append({"setting": setting, "world": world, "steps": steps, "alerts": count})
-    if setting in HEALTHY_POOL:
-        pooled[world][0] += count
-        pooled[world][1] += steps
     print(f"{setting:<24} {world:>2} {steps:>6} {count:>6} {1000 * count / max(steps, 1):>14.2f}")
-for world, (count, steps) in sorted(pooled.items()):
-    print(f"{'pooled (' + ', '.join(HEALTHY_POOL) + ')':<24} {world:>2} {steps:>6} {count:>6} {1000 * count / max(steps, 1):>14.2f}")
+# Pooled over every healthy step: all healthy settings and the fault runs before their fault.
+for world, (count, steps) in false_alarms_by_world(result).items():
+    print(f"{'pooled, every setting':<24} {world:>2} {steps:>6} {count:>6} {1000 * count / max(steps, 1):>14.2f}")
 # The margin before a false alarm: over every healthy step (all healthy settings and the fault runs
 # before their fault), the highest CUSUM in its level-1 threshold; an alert needs more than the level.
 peaks = {world: round(peak, 3) for world, peak in sorted(result["peaks"].items())}
