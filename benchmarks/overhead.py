@@ -18,6 +18,11 @@ first bucket, summary(), the synchronisation watchdog's forward pre-hook and sen
 on the pipeline thread the online detector and (rank 0) the writer's
 submit; and on rank 0's writer thread the building and the writing of each record.
 
+With ``--deepspeed`` the rounds compare plain DeepSpeed ZeRO-2 and ZeRO-3 engines (fp32, SGD, no
+accumulation) with ``ddphooks.attach`` on each (the defaults, a JsonlSink and summary() every
+step); the breakdown covers the statistics pass in the gradient hooks and the end of backward
+(reduced partition norms, the slot all-reduce and SilentStats).
+
 With ``--fsdp`` the same rounds compare plain FSDP2 (``fully_shard`` on every decoder layer and
 the root) with ``ddphooks.attach`` on it: the default state with a JsonlSink and summary() every
 step, and every=10; the breakdown then covers the statistics pass inside each reduce-scatter and
@@ -29,6 +34,8 @@ the end of backward (the slot all-reduce and SilentStats).
     torchrun --nproc-per-node 8 benchmarks/overhead.py --device cuda # 8 GPUs, NCCL
     torchrun --nproc-per-node 8 benchmarks/overhead.py --device npu  # 8 Ascend NPUs, HCCL
     torchrun --nproc-per-node 8 benchmarks/overhead.py --device cuda --fsdp   # FSDP2 on 8 GPUs
+    python benchmarks/overhead.py --deepspeed --steps 30             # CPU, DeepSpeed ZeRO-2/3 on 2 gloo workers
+    torchrun --nproc-per-node 8 benchmarks/overhead.py --device cuda --deepspeed   # DeepSpeed on 8 GPUs
 """
 
 import argparse
@@ -68,6 +75,20 @@ QUICK_CONFIGS = [("none", None, None), ("allreduce", None, None), ("norms_separa
 
 
 FSDP_CONFIGS = [("fsdp", None, None), ("fsdp_silent_sink", 256, 1), ("fsdp_silent", 256, 10)]
+#: ``--deepspeed``: plain ZeRO-2 and ZeRO-3 engines against ``attach`` with a JsonlSink and summary().
+DEEPSPEED_CONFIGS = [("ds2", None, None), ("ds2_silent_sink", 256, 1), ("ds3", None, None), ("ds3_silent_sink", 256, 1)]
+
+
+def deepspeed_engine(model, stage):
+    """A ZeRO engine of ``stage`` around ``model`` with SGD (as the other rows), fp32, no accumulation."""
+    import deepspeed
+
+    config = {
+        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": stage}, "steps_per_print": 10**9,
+    }  # fmt: skip
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1e-5), config=config)
+    return engine
 
 
 def all_configs():
@@ -306,6 +327,41 @@ class FsdpBreakdown(Breakdown):
         self._time_pipeline(state)
 
 
+class DeepSpeedBreakdown(Breakdown):
+    """The same parts for ``attach`` on a DeepSpeed engine: the statistics pass runs in each
+    parameter's gradient hook; the reduced norms, slot all-reduce and SilentStats at the end of
+    the boundary's backward."""
+
+    STEP_PARTS = (
+        ("statistics pass", "training"),  # BucketStatsKernel.run in each parameter's tensor hook
+        ("hooks: rest (cross terms, bookkeeping)", "training"),  # DeepSpeedSilentState._measure minus the pass
+        ("end of backward: reduced norms + slot all-reduce + SilentStats", "training"),  # DeepSpeedSilentState._gather
+        ("processing: hand-off to the pipeline thread", "training"),
+        ("summary()", "training"),
+    )
+
+    def __init__(self, state, device):
+        self.state = state
+        self.lock = threading.Lock()
+        self.current = {part: 0.0 for part, _ in self.STEP_PARTS}
+        self.samples = {part: [] for part, _ in self.STEP_PARTS + self.THREAD_PARTS + self.RECORD_PARTS}
+        kernel = state._kernel(device)
+        kernel.run = self._timed("statistics pass", kernel.run)
+        measure = state._measure
+
+        def timed_measure(*args):
+            start, before = time.perf_counter(), self.current["statistics pass"]
+            try:
+                return measure(*args)
+            finally:
+                rest = time.perf_counter() - start - (self.current["statistics pass"] - before)
+                self._add("hooks: rest (cross terms, bookkeeping)", rest)
+
+        state._measure = timed_measure
+        state._gather = self._timed("end of backward: reduced norms + slot all-reduce + SilentStats", state._gather)
+        self._time_pipeline(state)
+
+
 def persistent_bytes(state):
     """What the state keeps between steps on its device: sign tables and scratch, the plans (a
     few integers per chunk), the norms buffers and the communication buffers of its slots."""
@@ -316,7 +372,8 @@ def persistent_bytes(state):
     for entry in entries.values():
         rows = getattr(entry, "sq_rows", None)  # FSDP2 entries also keep the norms of each row
         total += entry.plan.persistent_bytes() + 4 * (entry.sq_norms.numel() + (0 if rows is None else rows.numel()))
-    for name in ("_slots", "_piggyback", "_separate", "_sketch"):
+    total += sum(plan.persistent_bytes() for plan in getattr(state, "_plans", None) or [] if plan is not None)  # DeepSpeed
+    for name in ("_slots", "_piggyback", "_separate", "_sketch", "_local_sq", "_scratch"):
         buffer = getattr(state, name, None)
         if buffer is not None:
             total += buffer.numel() * buffer.element_size()
@@ -372,6 +429,11 @@ def register(model, config, group, timer, device):
             return None, None, state
         breakdown = FsdpBreakdown(state, device)
         return breakdown.summary, breakdown, state
+    elif hook in ("ds2_silent_sink", "ds3_silent_sink"):
+        state = attach(model, sinks=[JsonlSink(os.path.join(tempfile.mkdtemp(prefix="ddphooks-overhead-"), "stats.jsonl"))])
+        breakdown = DeepSpeedBreakdown(state, device)
+        state._measure, state._after_backward = timer.wrap_call(state._measure), timer.wrap_call(state._after_backward)
+        return breakdown.summary, breakdown, state
     elif hook == "silent_sink":
         # The defaults (sketch_dim=256, every=1), as a user creates the state; rank 0 writes the file.
         state = SilentState(model=model, sinks=[JsonlSink(os.path.join(tempfile.mkdtemp(prefix="ddphooks-overhead-"), "stats.jsonl"))])
@@ -392,7 +454,9 @@ def bench_model(rank, world, name, configs, args, device):
     for config in configs:
         torch.manual_seed(0)
         model = build(name, device)
-        if mesh is None:
+        if config[0].startswith("ds"):
+            model = deepspeed_engine(model, int(config[0][2]))
+        elif mesh is None:
             model = DDP(model, device_ids=None if device.type == "cpu" else [device])
         else:
             for layer in getattr(getattr(model, "model", None), "layers", None) or list(model.children()):
@@ -404,7 +468,7 @@ def bench_model(rank, world, name, configs, args, device):
         breakdowns.append(breakdown)
         states.append(state)
         models.append(model)
-        optimizers.append(torch.optim.SGD(model.parameters(), lr=1e-5))
+        optimizers.append(None if config[0].startswith("ds") else torch.optim.SGD(model.parameters(), lr=1e-5))
     batch = make_batch(name, models[0], rank, device)
     times = [[] for _ in configs]
     hook_times = [[] for _ in configs]
@@ -419,11 +483,17 @@ def bench_model(rank, world, name, configs, args, device):
             loss = loss_of(name, models[i], batch)
             if states[i] is not None:
                 states[i].observe_loss(loss)
-            loss.backward()
-            if after_backward[i] is not None:
-                after_backward[i]()
-            optimizers[i].step()
-            optimizers[i].zero_grad(set_to_none=False)
+            if optimizers[i] is None:  # a DeepSpeed engine: its backward and step
+                models[i].backward(loss)
+                if after_backward[i] is not None:
+                    after_backward[i]()
+                models[i].step()
+            else:
+                loss.backward()
+                if after_backward[i] is not None:
+                    after_backward[i]()
+                optimizers[i].step()
+                optimizers[i].zero_grad(set_to_none=False)
             synchronize(device)
             if round_index >= args.warmup:
                 times[i].append(time.perf_counter() - start)
@@ -477,7 +547,15 @@ def bench_model(rank, world, name, configs, args, device):
     # Overheads are medians of per-round ratios: each round pairs every configuration with the
     # baseline measured seconds apart, which cancels the machine's slow drift.
     baselines = {hook: slowest[i] for i, (hook, _, _) in enumerate(configs) if hook in ("allreduce", "none", "fsdp")}
+    plain_ds = {hook: slowest[i] for i, (hook, _, _) in enumerate(configs) if hook in ("ds2", "ds3")}
     for r, samples in zip(results, slowest):
+        base = plain_ds.get(r["config"]["hook"][:3])  # the plain engine of the same ZeRO stage
+        if base:
+            ratios = sorted(t / b - 1 for t, b in zip(samples, base))
+            r["overhead_vs_deepspeed"] = statistics.median(ratios)
+            if len(ratios) >= 4:
+                quartiles = statistics.quantiles(ratios, n=4)
+                r["overhead_vs_deepspeed_iqr"] = [quartiles[0], quartiles[2]]
         for hook in ("allreduce", "none", "fsdp"):
             base = baselines.get(hook)
             ratios = sorted(t / b - 1 for t, b in zip(samples, base)) if base else None
@@ -494,7 +572,9 @@ def run(rank, world, args):
         import torch_npu  # noqa: F401  (registers the npu device; only imported when asked for)
     if device.type != "cpu":
         set_device(device)
-    configs = FSDP_CONFIGS if args.fsdp else QUICK_CONFIGS if args.quick else all_configs()
+    if args.deepspeed:
+        os.environ.setdefault("LOCAL_RANK", str(rank))  # DeepSpeed asks for it; spawned workers have none
+    configs = DEEPSPEED_CONFIGS if args.deepspeed else FSDP_CONFIGS if args.fsdp else QUICK_CONFIGS if args.quick else all_configs()
     if args.configs:
         configs = [c for c in configs if c[0] in args.configs]
     results = []
@@ -505,6 +585,8 @@ def run(rank, world, args):
 
 def label(config):
     hook, sketch_dim, every = config["hook"], config["sketch_dim"], config["every"]
+    if hook.startswith("ds"):
+        return f"ZeRO-{hook[2]}" + (" + silent + JsonlSink + summary()" if hook.endswith("silent_sink") else "")
     if hook.endswith("silent_sink"):
         return f"{'fsdp2 + ' if hook.startswith('fsdp') else ''}silent + JsonlSink + summary()"
     if hook == "fsdp_silent":
@@ -526,6 +608,7 @@ def main():
     parser.add_argument("--quick", action="store_true", help="a subset in under 3 minutes on a 2-core CPU")
     parser.add_argument("--configs", nargs="+", default=None, help="only these hooks (none, allreduce, fp16_compress, noop, norms_separate, silent, silent_sink)")
     parser.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard) instead of DDP: plain against attach")
+    parser.add_argument("--deepspeed", action="store_true", help="DeepSpeed ZeRO-2 and ZeRO-3 engines: plain against attach")
     parser.add_argument("--json", default=None, help="write the results to this file")
     args = parser.parse_args()
     args.models = args.models or (["tiny-llama"] if args.quick else ["tiny-llama", "mlp"])
@@ -546,7 +629,7 @@ def main():
 
     print(f"\nddphooks overhead, {date.today()}, torch {torch.__version__}, {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} cores, {results[0]['world_size']} x {args.device}, {args.steps} timed steps after {args.warmup} warm-up rounds\n")
-    plain = "fsdp" if args.fsdp else "allreduce"  # the baseline a user compares with
+    plain = "deepspeed" if args.deepspeed else "fsdp" if args.fsdp else "allreduce"  # the baseline a user compares with
     print(f"{'model':<12} {'configuration':<36} {'median ms':>10} {'min-max ms':>12} {'vs ' + plain:>13} {'(IQR)':>17} {'vs none':>9} {'in hook ms':>11} {'kept MB':>8}")
     for r in results:
         spread = f"{1e3 * r['min_step_s']:.0f}-{1e3 * r['max_step_s']:.0f}"
@@ -559,10 +642,10 @@ def main():
         if "breakdown" in r:
             print(f"\n{r['model']}, {label(r['config'])}: where the time goes (slowest rank; submit and writer thread on rank 0), "
                   f"{r['records_written']} records written, dropped {r['dropped_records'] or 'none'}\n")
-            print(f"{'part':<52} {'thread':<9} {'per':<7} {'median ms':>10} {'IQR ms':>15}")
+            print(f"{'part':<62} {'thread':<9} {'per':<7} {'median ms':>10} {'IQR ms':>15}")
             for part, value in r["breakdown"].items():
                 q1, q3 = value["iqr"]
-                print(f"{part:<52} {value['thread']:<9} {value['per']:<7} {1e3 * value['median']:10.2f} {f'{1e3 * q1:.2f}-{1e3 * q3:.2f}':>15}")
+                print(f"{part:<62} {value['thread']:<9} {value['per']:<7} {1e3 * value['median']:10.2f} {f'{1e3 * q1:.2f}-{1e3 * q3:.2f}':>15}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

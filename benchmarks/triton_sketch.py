@@ -10,7 +10,7 @@ same sketch and norms to fp32 rounding. On the CPU it runs under Triton's interp
 
 With ``--time`` (on a GPU; under the interpreter only to exercise the code) it also times, per bucket
 size, dtype and number of parameters, interleaved round by round and bracketed by device
-synchronisations: one read pass (``torch.dot``), the shipped torch path (``BucketStatsKernel``, fused
+synchronisations (CUDA events on a GPU): one read pass (``torch.dot``), the shipped torch path (``BucketStatsKernel``, fused
 norms, 8 M-element chunks) and the Triton kernel, as medians of per-round ratios to the read pass with
 their IQR, and the kernels each launches per bucket (the profiler's device kernels; on the CPU, its
 dispatched ops).
@@ -24,11 +24,12 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from ddphooks.sketch import ACCELERATOR_CHUNK_ELEMS, BucketPlan, BucketStatsKernel, SignTable, sketch_bins
-from ddphooks.triton_stats import TritonBucketStats
 
 
 def compare() -> None:
     """The Triton kernel against BucketStatsKernel on four layouts (CPU, or the interpreter)."""
+    from ddphooks.triton_stats import TritonBucketStats
+
     cpu = torch.device("cpu")
     generator = torch.Generator().manual_seed(0)
     print(f"{'bins':>5} {'elements':>9} {'params':>6} {'tiles':>10} {'max sketch diff':>15} {'max norm diff':>13}")
@@ -67,10 +68,79 @@ def kernels_launched(fn, device: torch.device) -> int:
     return sum(1 for event in prof.events() if event.cpu_parent is None and not event.name.startswith("ProfilerStep"))
 
 
+def bucket_layout(size_mb: float, dtype: torch.dtype, n_params: int) -> list[int]:
+    """Parameter lengths of a bucket of ``size_mb`` MB of ``dtype`` split into ``n_params`` parameters."""
+    numel = int(size_mb * 2**20) // torch.tensor([], dtype=dtype).element_size()
+    lengths = [numel // n_params] * (n_params - 1)
+    lengths.append(numel - sum(lengths))
+    return lengths
+
+
+def _elapsed(fn, device: torch.device) -> float:
+    """Seconds one call takes: CUDA events around it on a GPU, else bracketed by synchronisations."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    synchronize(device)
+    begin = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - begin
+
+
+def measure_layout(device: torch.device, size_mb: float, dtype: torch.dtype, n_params: int, rounds: int, sketch_dim: int,
+                   with_triton: bool = True, warmup: int = 3) -> dict:  # fmt: skip
+    """One bucket layout: the read pass, the shipped torch path and (``with_triton``) the Triton
+    kernel, interleaved round by round; per path the median and IQR of its per-round ratio to the
+    read pass and the kernels it launches per bucket."""
+    bins = sketch_bins(sketch_dim)
+    table = SignTable(0, bins, device)
+    lengths = bucket_layout(size_mb, dtype, n_params)
+    numel = sum(lengths)
+    plan = BucketPlan(lengths, bins, 0, device, ACCELERATOR_CHUNK_ELEMS)
+    flat = torch.randn(numel, device=device).to(dtype)
+    kernel = BucketStatsKernel(bins, device, table, fused=True)
+    sketch, sq = torch.zeros(bins, device=device), torch.empty(n_params, device=device)
+
+    def shipped():
+        sketch.zero_()
+        kernel.run(flat, plan, sketch, sq)
+
+    work = {"read": lambda: torch.dot(flat, flat), "torch": shipped}
+    if with_triton:
+        from ddphooks.triton_stats import TritonBucketStats  # triton reads TRITON_INTERPRET when imported
+
+        triton_kernel = TritonBucketStats(bins, device, table)
+
+        def fused():
+            sketch.zero_()
+            triton_kernel.run(flat, plan, sketch, sq)
+
+        work["triton"] = fused
+    ratios: dict[str, list[float]] = {name: [] for name in work if name != "read"}
+    reads = []
+    for round_index in range(warmup + rounds):
+        elapsed = {name: _elapsed(fn, device) for name, fn in work.items()}
+        if round_index >= warmup:
+            reads.append(elapsed["read"])
+            for name in ratios:
+                ratios[name].append(elapsed[name] / elapsed["read"])
+    result = {"numel": numel, "bytes": numel * flat.element_size(), "read_s": statistics.median(reads), "x_read": {}, "launches": {}}
+    for name, values in ratios.items():
+        q = statistics.quantiles(values, n=4) if len(values) > 1 else values * 3
+        result["x_read"][name] = {"median": statistics.median(values), "iqr": [q[0], q[2]]}
+        result["launches"][name] = kernels_launched(work[name], device)
+    return result
+
+
 def time_kernels(device: torch.device, sizes_mb: list[float], rounds: int, sketch_dim: int) -> None:
     """One table: the read pass, the shipped torch path and this kernel, per bucket layout."""
     bins = sketch_bins(sketch_dim)
-    table = SignTable(0, bins, device)
     print(f"\n{device}, sketch_dim {sketch_dim} ({bins} bins), {rounds} rounds; ratios to one read pass, median [IQR]")
     if device.type == "cpu":
         print("(on the CPU the kernel runs in Triton's interpreter: these times and counts only exercise the code)")
@@ -78,44 +148,14 @@ def time_kernels(device: torch.device, sizes_mb: list[float], rounds: int, sketc
     for size_mb in sizes_mb:
         for dtype in (torch.float32, torch.bfloat16):
             for n_params in (8, 160):
-                numel = int(size_mb * 2**20) // torch.tensor([], dtype=dtype).element_size()
-                lengths = [numel // n_params] * (n_params - 1)
-                lengths.append(numel - sum(lengths))
-                plan = BucketPlan(lengths, bins, 0, device, ACCELERATOR_CHUNK_ELEMS)
-                flat = torch.randn(numel, device=device).to(dtype)
-                kernel = BucketStatsKernel(bins, device, table, fused=True)
-                triton_kernel = TritonBucketStats(bins, device, table)
-                sketch, sq = torch.zeros(bins, device=device), torch.empty(n_params, device=device)
-
-                def shipped():
-                    sketch.zero_()
-                    kernel.run(flat, plan, sketch, sq)
-
-                def fused():
-                    sketch.zero_()
-                    triton_kernel.run(flat, plan, sketch, sq)
-
-                work = {"read": lambda: torch.dot(flat, flat), "torch": shipped, "triton": fused}
-                ratios, reads = {"torch": [], "triton": []}, []
-                for round_index in range(3 + rounds):
-                    elapsed = {}
-                    for name, fn in work.items():
-                        synchronize(device)
-                        start = time.perf_counter()
-                        fn()
-                        synchronize(device)
-                        elapsed[name] = time.perf_counter() - start
-                    if round_index >= 3:
-                        reads.append(elapsed["read"])
-                        for name in ratios:
-                            ratios[name].append(elapsed[name] / elapsed["read"])
+                result = measure_layout(device, size_mb, dtype, n_params, rounds, sketch_dim)
                 cells = []
                 for name in ("torch", "triton"):
-                    q = statistics.quantiles(ratios[name], n=4) if len(ratios[name]) > 1 else ratios[name] * 3
-                    cells.append(f"{q[1]:6.2f} [{q[0]:.2f}-{q[2]:.2f}]")
-                counts = f"{kernels_launched(shipped, device)} / {kernels_launched(fused, device)}"
+                    ratio = result["x_read"][name]
+                    cells.append(f"{ratio['median']:6.2f} [{ratio['iqr'][0]:.2f}-{ratio['iqr'][1]:.2f}]")
+                counts = f"{result['launches']['torch']} / {result['launches']['triton']}"
                 name = str(dtype).removeprefix("torch.")
-                print(f"{size_mb:>6g} {name:>8} {n_params:>6} {1e6 * statistics.median(reads):>8.0f} {cells[0]:>18} {cells[1]:>18} {counts:>23}")
+                print(f"{size_mb:>6g} {name:>8} {n_params:>6} {1e6 * result['read_s']:>8.0f} {cells[0]:>18} {cells[1]:>18} {counts:>23}")
 
 
 def main() -> None:

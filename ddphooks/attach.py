@@ -1,4 +1,4 @@
-"""``attach``: one call that turns ddphooks on for a DDP or FSDP2 model, loss included.
+"""``attach``: one call that turns ddphooks on for a DDP, FSDP2 or DeepSpeed model, loss included.
 
 The integrations (``ddphooks.integrations``) are thin adapters over this function.
 """
@@ -11,6 +11,7 @@ from functools import partial
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from ddphooks.deepspeed import deepspeed_engine, managed_by_deepspeed
 from ddphooks.hook import PYTHON_REDUCER, SilentState, python_reducer, silent_hook
 from ddphooks.loss import loss_of
 
@@ -37,8 +38,8 @@ def ddp_module(model: torch.nn.Module) -> DistributedDataParallel:
     if not isinstance(inner, DistributedDataParallel):
         raise TypeError(
             f"attach needs a DistributedDataParallel module or an FSDP2 (fully_shard) root, got {type(model).__name__}"
-            f"{unsupported_wrapper(inner)}: wrap the model first (DistributedDataParallel(model), fully_shard(model), or the "
-            "object accelerator.prepare(model) returns in a distributed run)"
+            f"{unsupported_wrapper(inner)}: wrap the model first (DistributedDataParallel(model), fully_shard(model), the "
+            "engine deepspeed.initialize returns, or the object accelerator.prepare(model) returns in a distributed run)"
         )
     return inner
 
@@ -49,8 +50,8 @@ def unsupported_wrapper(model: torch.nn.Module) -> str:
 
     if isinstance(model, FullyShardedDataParallel):
         return " (FSDP1, FullyShardedDataParallel, is not supported: use FSDP2's fully_shard)"
-    if type(model).__name__ == "DeepSpeedEngine":
-        return " (DeepSpeed has no communication hook ddphooks could measure on: use DDP or FSDP2)"
+    if managed_by_deepspeed(model):
+        return " (its parameters belong to a DeepSpeed ZeRO optimizer: pass the DeepSpeedEngine deepspeed.initialize returns, not engine.module)"
     return ""
 
 
@@ -68,8 +69,10 @@ def attach(model: torch.nn.Module, *, state: SilentState | None = None, loss_fro
 
     An FSDP2 or HSDP root (a module ``fully_shard`` was applied to, or ``torch.compile`` of one)
     gets a ``ddphooks.fsdp.ShardedSilentState`` instead (same API and records; see
-    ``docs/integrations/fsdp2.md``): steps 2 and 4 below apply, the DDP-only settings do not.
-    For a DDP model:
+    ``docs/integrations/fsdp2.md``), and a ``DeepSpeedEngine`` (what ``deepspeed.initialize``,
+    ``accelerator.prepare`` under its DeepSpeed plugin, or ``trainer.model_wrapped`` give) a
+    ``ddphooks.deepspeed.DeepSpeedSilentState`` (``docs/integrations/deepspeed.md``): steps 2
+    and 4 below apply, the DDP-only settings do not. For a DDP model:
 
     1. Check ``model``: a ``DistributedDataParallel`` module (or ``torch.compile`` of one) with no
        other communication hook (DDP takes one; to combine, pass it as
@@ -88,14 +91,16 @@ def attach(model: torch.nn.Module, *, state: SilentState | None = None, loss_fro
        reported once and ignored.
 
     Args:
-        model: the DDP-wrapped model or the FSDP2 root (what ``DistributedDataParallel(...)``,
-            ``fully_shard`` or ``accelerator.prepare`` returns).
+        model: the DDP-wrapped model, the FSDP2 root or the DeepSpeed engine (what
+            ``DistributedDataParallel(...)``, ``fully_shard``, ``deepspeed.initialize`` or
+            ``accelerator.prepare`` returns).
         state: an existing ``SilentState`` (created before the process group, say); else one is
             made from ``settings``.
         loss_from: how to find the rank's loss in a forward call (see above).
         **settings: ``SilentState`` keyword arguments (``sketch_dim``, ``every``, ``sinks`` ...).
 
-    Returns the bound ``SilentState`` (``ShardedSilentState`` for FSDP2).
+    Returns the bound ``SilentState`` (``ShardedSilentState`` for FSDP2, ``DeepSpeedSilentState``
+    for DeepSpeed).
 
     Example::
         >>> model = DistributedDataParallel(model)
@@ -105,6 +110,8 @@ def attach(model: torch.nn.Module, *, state: SilentState | None = None, loss_fro
     """
     if sharded_root(model) is not None:
         return _attach_sharded(sharded_root(model), state, loss_from, settings)
+    if deepspeed_engine(model) is not None:
+        return _attach_deepspeed(model, state, loss_from, settings)
     ddp = ddp_module(model)
     if state is not None and settings:
         raise TypeError(f"attach takes either state= or SilentState settings, not both (got state and {sorted(settings)})")
@@ -146,6 +153,26 @@ def _attach_sharded(root: torch.nn.Module, state, loss_from: LossFrom | None, se
     state.bind(root)
     root.register_forward_hook(partial(_capture_loss, state, loss_from or _default_loss_from, set()), with_kwargs=True)
     root._ddphooks_state = state
+    return state
+
+
+def _attach_deepspeed(engine: torch.nn.Module, state, loss_from: LossFrom | None, settings: dict):
+    """``attach`` for a DeepSpeed engine: a ``DeepSpeedSilentState`` measuring in gradient hooks."""
+    from ddphooks.deepspeed import DeepSpeedSilentState
+
+    if state is not None and settings:
+        raise TypeError(f"attach takes either state= or settings, not both (got state and {sorted(settings)})")
+    if state is not None and not isinstance(state, DeepSpeedSilentState):
+        raise TypeError(f"state must be a ddphooks.deepspeed.DeepSpeedSilentState for a DeepSpeed engine, got {type(state).__name__}")
+    ddp_only = sorted(set(settings) & DDP_ONLY_SETTINGS)
+    if ddp_only:
+        raise TypeError(f"{', '.join(ddp_only)} appl{'ies' if len(ddp_only) == 1 else 'y'} to DDP only; under DeepSpeed the statistics travel in one all-reduce per step: drop {'it' if len(ddp_only) == 1 else 'them'}")
+    if getattr(engine, "_ddphooks_state", None) is not None:
+        raise RuntimeError("ddphooks is already attached to this engine; attach once per engine and reuse the returned state")
+    state = state if state is not None else DeepSpeedSilentState(**settings)
+    state.bind(engine)
+    engine.register_forward_hook(partial(_capture_loss, state, loss_from or _default_loss_from, set()), with_kwargs=True)
+    engine._ddphooks_state = state
     return state
 
 

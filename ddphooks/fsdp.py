@@ -32,7 +32,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
 from ddphooks.detect import DetectorConfig
-from ddphooks.hook import replica_fingerprint
+from ddphooks.replicas import ReplicaTensors
 from ddphooks.sinks import Sink
 from ddphooks.sketch import ACCELERATOR_CHUNK_ELEMS, CPU_CHUNK_ELEMS, BucketPlan, squared_norms
 from ddphooks.state import BaseSilentState, agree_across_ranks, stats_kernel_problem
@@ -175,10 +175,11 @@ class ShardedSilentState(BaseSilentState):
         # Replica check: under HSDP the parameter shards (flat rank r * S + s holds shard s), and the buffers.
         sharded = self._replicas > 1
         self._replica_groups = [[r * self._shards + s for r in range(self._replicas)] for s in range(self._shards)] if sharded else None
-        self._replica_tensors = [] if not self.config.check_replicas_every else [
-            *((name, p.to_local() if hasattr(p, "to_local") else p) for name, p in model.named_parameters() if sharded),
-            *model.named_buffers(),
-        ]  # fmt: skip
+        # FSDP2 never synchronises buffers: only those that do not change are compared (ddphooks.replicas).
+        self._replica_tensors = None if not self.config.check_replicas_every else ReplicaTensors(
+            [(name, p.to_local() if hasattr(p, "to_local") else p) for name, p in model.named_parameters() if sharded],
+            model, broadcast_buffers=False,
+        )  # fmt: skip
         base = 0
         for module in modules:  # fixed positions, whatever order the reduce-scatters come in
             comm = _MeasuredReduceScatter(self, module, base)
@@ -304,10 +305,11 @@ class ShardedSilentState(BaseSilentState):
         n_params = sum(len(layout.names) for layout in record.layouts)
         fingerprinted, fingerprint = [], None
         if self._replica_tensors and (record.step // self.config.every) % self.config.check_replicas_every == 0:
-            fingerprinted = [name for name, _ in self._replica_tensors]
-            fingerprint = replica_fingerprint([tensor for _, tensor in self._replica_tensors])
+            fingerprinted = self._replica_tensors.names
+            fingerprint = self._replica_tensors.fingerprint(record.step).to(device)
         slot = slot_size(n_params, self.bins, len(fingerprinted))
-        slots = self._stats_buffer("_slots", self.world_size * (slot + n_params), torch.float32, device)
+        widest = slot_size(n_params, self.bins, len(self._replica_tensors or ()))  # a replica check's slot: the buffer's capacity
+        slots = self._stats_buffer("_slots", self.world_size * (slot + n_params), torch.float32, device, self.world_size * (widest + n_params))
         rows = slots.view(self.world_size, slot + n_params)
         slots.zero_()
         mine = rows[self.rank]

@@ -18,6 +18,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from ddphooks.config import SilentConfig
 from ddphooks.detect import DetectorConfig
+from ddphooks.replicas import ReplicaTensors
 from ddphooks.sinks import Sink
 from ddphooks.sketch import ACCELERATOR_CHUNK_ELEMS, CPU_CHUNK_ELEMS, BucketPlan, squared_norms
 from ddphooks.state import BaseSilentState, agree_across_ranks, stats_kernel_problem
@@ -187,7 +188,7 @@ class SilentState(BaseSilentState):
             _resolve_group(self.process_group, model, self.config, self.comm_hook)
             self._model = model
             self._names = {id(p): name for name, p in model.module.named_parameters()}
-            self._replica_tensors = self._fingerprinted_tensors(model)
+            self._replica_tensors = self._replica_set(model)
             self._watchdog = self._watch(model)
             return self
         self._bind(model, None)
@@ -218,7 +219,7 @@ class SilentState(BaseSilentState):
         self._piggyback: torch.Tensor | None = None  # last bucket / W followed by W slots
         self._separate: torch.Tensor | None = None  # W slots, for the separate transport
         self._current: _Step | None = None
-        self._replica_tensors = self._fingerprinted_tensors(model)
+        self._replica_tensors = self._replica_set(model)
         self._replica_warned = False
         self._watchdog = self._watch(model)
         self._bound = True
@@ -229,32 +230,58 @@ class SilentState(BaseSilentState):
             return None
         return SyncWatchdog(model, self._pipeline.raise_alert, self._pipeline.warn, self.rank, lambda: self.step)
 
-    def _fingerprinted_tensors(self, model: torch.nn.Module | None) -> list[tuple[str, torch.Tensor]]:
-        """Parameters and buffers whose fingerprints the replica check compares."""
+    def _replica_set(self, model: torch.nn.Module | None) -> ReplicaTensors | None:
+        """What the replica check fingerprints (see ``ddphooks.replicas``): every parameter, and
+        the buffers as DDP broadcast them at the start of the forward (captured by a forward
+        pre-hook of the wrapped module) or, with ``broadcast_buffers=False``, those that did not
+        change. None with the check off or without a model."""
         if not self.config.check_replicas_every or model is None:
-            return []
-        return [*model.module.named_parameters(), *model.module.named_buffers()]
+            return None
+        broadcast = bool(model.broadcast_buffers) and getattr(model, "buffer_hook", None) is None
+        replicas = ReplicaTensors(list(model.module.named_parameters()), model.module, broadcast)
+        if broadcast and replicas.buffer_names:
+            model.module.register_forward_pre_hook(self._capture_broadcast_buffers)
+        return replicas
+
+    def _capture_broadcast_buffers(self, module: torch.nn.Module, args: tuple) -> None:
+        """Forward pre-hook of the wrapped module: DDP has just broadcast rank 0's buffers."""
+        if self._replica_tensors is not None and self._replica_due(self.step):
+            self._replica_tensors.capture_broadcast(self.step)
 
     def _before_flush(self) -> None:
         if self._watchdog is not None:
             self._watchdog.check()  # the last backward, if nothing came after it
 
     # -- helpers used by silent_hook -----------------------------------------------------------
-    def _replica_check(self, step: int) -> bool:
+    def _replica_due(self, step: int) -> bool:
+        """Whether ``step`` checks the replicas (no side effect)."""
         every = self.config.check_replicas_every
         resumed = self._watchdog is not None and self._watchdog.replica_check_due
-        if resumed:  # the replicas drifted while DDP did not synchronise: check them now
+        return bool(every) and self._instrumented(step) and (resumed or (step // self.config.every) % every == 0)
+
+    def _replica_check(self, step: int) -> bool:
+        due = self._replica_due(step)
+        if self._watchdog is not None:  # the replicas drifted while DDP did not synchronise: checked now
             self._watchdog.replica_check_due = False
-        if not every or ((step // self.config.every) % every and not resumed):
+        if not due:
             return False
-        if not self._replica_tensors and not self._replica_warned:
+        if self._replica_tensors is None and not self._replica_warned:
             self._replica_warned = True
             self._warn(
                 "ddphooks: the replica check (check_replicas_every=%d) needs the DDP model to fingerprint its parameters "
                 "and buffers; it is off for this state: use ddphooks.attach(model, ...), SilentState(model=...) or "
-                "check_replicas_every=0", every,
+                "check_replicas_every=0", self.config.check_replicas_every,
             )  # fmt: skip
-        return bool(self._replica_tensors)
+        return self._replica_tensors is not None
+
+    def _buckets_final(self) -> bool:
+        """Whether DDP's bucket layout is the one it keeps: DDP rebuilds its buckets once, in the
+        forward after the first synchronised backward (in the order the gradients became ready),
+        unless it finds unused parameters without a static graph. Unknown (no model): final."""
+        model = self._model
+        if model is None or getattr(model, "_has_rebuilt_buckets", True):
+            return True
+        return bool(model.find_unused_parameters and not model.static_graph)
 
     def _communicate(self, bucket: dist.GradBucket) -> torch.futures.Future:
         """The gradient communication itself: ``allreduce_hook`` or the wrapped hook."""
@@ -428,22 +455,26 @@ def silent_hook(state: SilentState, bucket: dist.GradBucket) -> torch.futures.Fu
     if state._losses.first_missing():
         state._warn_no_loss(record.step)
     if state._replica_check(record.step):
-        record.fingerprinted = [name for name, _ in state._replica_tensors]
-        record.fingerprint = replica_fingerprint([tensor for _, tensor in state._replica_tensors])
-    slot = slot_size(sum(len(layout.numels) for layout in record.layouts), state.bins, len(record.fingerprinted))
+        record.fingerprinted = state._replica_tensors.names
+        record.fingerprint = state._replica_tensors.fingerprint(record.step)
+    n_params = sum(len(layout.numels) for layout in record.layouts)
+    slot = slot_size(n_params, state.bins, len(record.fingerprinted))
+    widest = slot_size(n_params, state.bins, len(state._replica_tensors or ()))  # a replica check's slot: the buffers' capacity
     transport = state.config.transport
     piggyback = state.comm_hook is None and transport != "separate" and buffer.dtype == torch.float32
     if transport == "piggyback" and not piggyback:
         raise ValueError(f"transport='piggyback' needs fp32 gradient buckets, got {buffer.dtype}; use transport='auto'")
     if transport == "auto" and buffer.numel() * buffer.element_size() > state.config.piggyback_limit_mb * 2**20:
         piggyback = False  # keep the persistent copy of the last bucket bounded (a large embedding, say)
+    if transport == "auto" and not state._buckets_final():
+        piggyback = False  # DDP rebuilds its buckets after the first step: size the copy once, for the final last bucket
     record.transport = "piggyback" if piggyback else "separate"
     with record.lock:  # before launching: the last callback may run before this call returns
         record.n_buckets = position + 1
 
     if piggyback:
         numel = buffer.numel()
-        combined = state._stats_buffer("_piggyback", numel + world * slot, buffer.dtype, buffer.device)
+        combined = state._stats_buffer("_piggyback", numel + world * slot, buffer.dtype, buffer.device, numel + world * widest)
         # Same division as allreduce_hook (divide first to avoid overflow), into the big buffer.
         torch.div(buffer, world, out=combined[:numel])
         slots = combined[numel:]
@@ -453,7 +484,7 @@ def silent_hook(state: SilentState, bucket: dist.GradBucket) -> torch.futures.Fu
         future = future.then(partial(_reduced_piggyback, state, record, position, numel, slot))
     else:
         gradient_future = state._communicate(bucket)
-        slots = state._stats_buffer("_separate", world * slot, torch.float32, buffer.device)
+        slots = state._stats_buffer("_separate", world * slot, torch.float32, buffer.device, world * widest)
         slots.zero_()
         state._pack_slot(record.local_sq, record.fingerprint, slots[state.rank * slot : (state.rank + 1) * slot])
         slots_future = dist.all_reduce(slots, group=state.process_group, async_op=True).get_future()
@@ -461,30 +492,6 @@ def silent_hook(state: SilentState, bucket: dist.GradBucket) -> torch.futures.Fu
         future = both.then(partial(_reduced_separate, state, record, position, slot))
     state._end_step(bucket.index())
     return future
-
-
-def replica_fingerprint(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """``[l1_0, l2_0, l1_1, l2_1, ...]`` in fp32: the L1 and L2 norm of every tensor.
-
-    The same bits give the same numbers on every rank (the same kernels run on the same data),
-    so bitwise-identical replicas always agree, and a replica whose tensor differs by more than
-    fp32 resolution of its norms shows. Fused multi-tensor norms (a few launches on an
-    accelerator); half-precision tensors are accumulated in fp32 without a copy; integer buffers
-    are converted (they are small).
-    """
-    groups: dict[torch.dtype | None, list[int]] = {}
-    for i, tensor in enumerate(tensors):
-        accumulate = torch.float32 if tensor.dtype in (torch.float16, torch.bfloat16) else None
-        groups.setdefault(accumulate if tensor.is_floating_point() else torch.int64, []).append(i)
-    norms = [torch.empty(0)] * (2 * len(tensors))
-    for accumulate, indices in groups.items():
-        group = [tensors[i].detach() for i in indices]
-        if accumulate is torch.int64:
-            group, accumulate = [t.float() for t in group], None
-        for order in (1, 2):
-            for i, norm in zip(indices, torch._foreach_norm(group, order, dtype=accumulate)):
-                norms[2 * i + order - 1] = norm.float()
-    return torch.stack(norms)
 
 
 def _record_reduced(record: _Step, position: int, reduced: torch.Tensor) -> None:

@@ -63,16 +63,31 @@ def sketch_bins(sketch_dim: int) -> int:
     return 0 if sketch_dim == 0 else largest_prime_at_most(sketch_dim)
 
 
-def random_signs(numel: int, seed_words: tuple[int, ...], device: torch.device) -> torch.Tensor:
+#: Signs drawn per numpy call: 32 KB, so every temporary is served from the allocator's heap.
+#: (glibc raises its mmap threshold to the size of any freed block it had mapped, up to 32 MB:
+#: one 8 MB temporary freed would move every later allocation below 8 MB, the gradients of most
+#: models among them, to the heap, where freed memory stays resident; see ``ddphooks.memory``.)
+SIGN_DRAW_ELEMS = 1 << 15
+
+
+def random_signs(numel: int, seed_words: tuple[int, ...], device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
     """``numel`` independent random signs (int8, -1 or +1), the same on every process for the same
-    seed words.
+    seed words; written into ``out`` (a CPU int8 tensor of ``numel`` entries) when it is given.
 
     numpy's PCG64 seeded through a ``SeedSequence`` is used because it is fast (about 5 ns per
-    element) and portable; the global torch and numpy generators are never touched.
+    element) and portable; the global torch and numpy generators are never touched. The signs are
+    drawn ``SIGN_DRAW_ELEMS`` at a time straight into the result: a draw of ``[0, 2)`` int8 uses one
+    byte of the stream per element, so any chunking that is a multiple of 4 gives the same stream
+    as one draw, and no table-sized temporary is allocated and freed.
     """
     rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(list(seed_words))))
-    bits = rng.integers(0, 2, size=numel, dtype=np.int8)
-    signs = torch.from_numpy(bits).mul_(2).sub_(1)
+    signs = torch.empty(numel, dtype=torch.int8) if out is None else out
+    if signs.numel() != numel or signs.dtype != torch.int8 or signs.device.type != "cpu":
+        raise ValueError(f"out must be a CPU int8 tensor of {numel} entries, got {signs.dtype} x {signs.numel()} on {signs.device}")
+    bits = signs.numpy()
+    for begin in range(0, numel, SIGN_DRAW_ELEMS):
+        bits[begin : begin + SIGN_DRAW_ELEMS] = rng.integers(0, 2, size=min(SIGN_DRAW_ELEMS, numel - begin), dtype=np.int8)
+    signs.mul_(2).sub_(1)
     return signs.to(device)
 
 
@@ -129,8 +144,10 @@ class SignTable:
         self.bins = bins
         self.page = page
         self.device = torch.device(device)
-        table = random_signs(page, (seed, _TABLE_WORD), torch.device("cpu"))
-        self.values = torch.cat([table, table]).to(self.device)  # T twice: a window of <= M positions is one slice
+        values = torch.empty(2 * page, dtype=torch.int8)  # T twice: a window of <= M positions is one slice
+        random_signs(page, (seed, _TABLE_WORD), torch.device("cpu"), out=values[:page])
+        values[page:].copy_(values[:page])
+        self.values = values.to(self.device)
         self.row_table = random_signs(ROW_PERIOD, (seed, _ROW_WORD, bins), torch.device("cpu")).float().to(self.device)
         self._row_tiles = self.row_table  # v repeated, so that any run of rows is one slice
 
@@ -257,14 +274,25 @@ class BucketStatsKernel:
         self.signs = signs
         self.fused = self.device.type != "cpu" if fused is None else fused
         self._scratch_elems = 0
+        self._partials: torch.Tensor | None = None
         self._prepared: dict[int, tuple] = {}
 
     def _allocate(self, plans: list[BucketPlan]) -> None:
-        """Size the scratch for the largest plan and prepare the views of every live plan."""
+        """Size the scratch for the largest plan and prepare the views of every live plan.
+
+        The scratch only grows, and on the CPU it starts at a full default chunk: a bucket
+        rebuild or a new plan reuses it rather than freeing one buffer for another (a freed
+        block of the host allocator moves later allocations of its size to the heap, see
+        ``ddphooks.memory``)."""
         f32 = dict(dtype=torch.float32, device=self.device)
-        self._scratch_elems = max(plan.chunk_elems for plan in plans)
-        self._product = torch.empty(self._scratch_elems, **f32)  # sign * gradient, one chunk
-        self._partials = torch.empty(max(plan.n_segments for plan in plans), **f32)
+        floor = CPU_CHUNK_ELEMS if self.device.type == "cpu" else 0
+        needed = max(floor, *(plan.chunk_elems for plan in plans))
+        if needed > self._scratch_elems:
+            self._scratch_elems = needed
+            self._product = torch.empty(needed, **f32)  # sign * gradient, one chunk
+        segments = max(plan.n_segments for plan in plans)
+        if self._partials is None or segments > self._partials.numel():
+            self._partials = torch.empty(segments, **f32)
         self._prepared = {id(plan): (plan, *self._prepare(plan)) for plan in plans}
 
     def _prepare(self, plan: BucketPlan) -> tuple:

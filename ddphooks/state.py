@@ -125,7 +125,11 @@ class BaseSilentState:
         """Statistics of the most recent instrumented step (None before the first one).
 
         Complete as soon as ``backward()`` returns on an instrumented step, and identical on
-        every rank. Its values are computed when first read (``summary()`` is cheap; the
+        every rank: bitwise for everything gathered from the ranks' slots (losses, local norms,
+        sketches, fingerprints: all the detector reads, so every rank raises the same alerts);
+        to fp32 rounding for what each rank computes from the averaged gradient itself
+        (``reduced_grad_norm``, the weighted mean cosine, the noise scale: a threaded BLAS may sum
+        in another order on another rank). Its values are computed when first read (``summary()`` is cheap; the
         per-parameter ``to_dict()`` is not meant for every step).
         """
         if not self._bound:
@@ -246,13 +250,19 @@ class BaseSilentState:
             parts.append(fingerprint)
         torch.cat(parts, out=slot)
 
-    def _stats_buffer(self, attribute: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A persistent communication buffer, reallocated only when its size changes."""
+    def _stats_buffer(self, attribute: str, numel: int, dtype: torch.dtype, device: torch.device, capacity: int = 0) -> torch.Tensor:
+        """The first ``numel`` elements of a persistent communication buffer.
+
+        The buffer only grows (to ``max(numel, capacity)`` elements when it must): a replica
+        check's wider slots, or a smaller bucket after a rebuild, reuse it. Freeing it for another
+        would cost more than its size: on the CPU, glibc then serves every later allocation up to
+        the freed size from its heap, gradients included, and keeps them resident after they are
+        freed (see ``ddphooks.memory``)."""
         buffer = getattr(self, attribute)
-        if buffer is None or buffer.numel() != numel or buffer.dtype != dtype or buffer.device != device:
-            buffer = torch.empty(numel, dtype=dtype, device=device)
+        if buffer is None or buffer.numel() < numel or buffer.dtype != dtype or buffer.device != device:
+            buffer = torch.empty(max(numel, capacity), dtype=dtype, device=device)
             setattr(self, attribute, buffer)
-        return buffer
+        return buffer[:numel]
 
     def _publish(self, step: int, result: SilentStats | BaseException) -> None:
         """Make ``result`` the latest statistics (or the error that stopped them) and hand it to

@@ -52,6 +52,9 @@ PARAMS_BEGIN = 2
 MAX_NONFINITE_LISTED = 64
 #: Numbers per tensor in a replica fingerprint: its L1 and L2 norms.
 FINGERPRINT_WIDTH = 2
+#: The L1 and L2 "norms" a rank writes for a tensor it cannot compare on this step (a norm is
+#: never negative, so no real fingerprint looks like it; see ``ddphooks.replicas``).
+NOT_COMPARED = -1.0
 #: Tensors listed per record where replicas differ (largest difference first).
 MAX_REPLICA_DIFFERENCES = 16
 
@@ -216,17 +219,23 @@ def replica_differences(fingerprints: np.ndarray, names: list[str]) -> dict:
             way on every rank, so bitwise-identical replicas give identical numbers).
         names: the T tensor names.
 
-    Per tensor, the reference is the fingerprint most ranks share (at W = 2 there is no
+    A tensor that any rank marked ``NOT_COMPARED`` (a buffer that differs between ranks by
+    design, see ``ddphooks.replicas``) is left out and counted in ``not_compared``. Per tensor,
+    the reference is the fingerprint most ranks share (at W = 2 there is no
     majority: both ranks are named). ``relative_difference`` is ``|l2_i - l2_ref| / l2_ref``
     (or the L1 one where the L2 norms agree). Returns ``{"ranks": [...], "tensors": N,
-    "parameters": [{"name", "ranks", "relative_difference"}, ...]}``, the largest differences
+    "parameters": [{"name", "ranks", "relative_difference"}, ...], "not_compared": N}``, the largest differences
     first (at most ``MAX_REPLICA_DIFFERENCES``).
     """
     world = fingerprints.shape[0]
     differing: list[dict] = []
     bad_ranks: set[int] = set()
+    not_compared = 0
     for t, name in enumerate(names):
         column = fingerprints[:, t, :]
+        if (column == NOT_COMPARED).any():  # a rank's own state by design (see ddphooks.replicas)
+            not_compared += 1
+            continue
         if (column == column[0]).all():
             continue
         keys = [tuple(row) for row in column]
@@ -241,7 +250,7 @@ def replica_differences(fingerprints: np.ndarray, names: list[str]) -> dict:
         bad_ranks.update(ranks)
         differing.append({"name": name, "ranks": ranks, "relative_difference": _float(np.nanmax(relative))})
     differing.sort(key=lambda d: -(d["relative_difference"] or 0.0))
-    return {"ranks": sorted(bad_ranks), "tensors": len(differing), "parameters": differing[:MAX_REPLICA_DIFFERENCES]}
+    return {"ranks": sorted(bad_ranks), "tensors": len(differing), "parameters": differing[:MAX_REPLICA_DIFFERENCES], "not_compared": not_compared}
 
 
 def cosine_from_sketches(sketches: np.ndarray) -> np.ndarray:
@@ -436,11 +445,12 @@ class SilentStats:
         fingerprints = gathered[:, begin:].reshape(self.world_size, len(self.fingerprinted), FINGERPRINT_WIDTH)
         if self.replica_groups is None:
             return replica_differences(fingerprints, self.fingerprinted)
-        merged: dict = {"ranks": set(), "tensors": 0, "parameters": []}
+        merged: dict = {"ranks": set(), "tensors": 0, "parameters": [], "not_compared": 0}
         for group in self.replica_groups:  # compare within each group, name the ranks globally
             found = replica_differences(fingerprints[group], self.fingerprinted)
             merged["ranks"].update(group[r] for r in found["ranks"])
             merged["tensors"] += found["tensors"]
+            merged["not_compared"] = max(merged["not_compared"], found["not_compared"])
             merged["parameters"] += [dict(d, ranks=[group[r] for r in d["ranks"]]) for d in found["parameters"]]
         merged["parameters"].sort(key=lambda d: -(d["relative_difference"] or 0.0))
         merged["parameters"] = merged["parameters"][:MAX_REPLICA_DIFFERENCES]

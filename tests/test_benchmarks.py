@@ -90,6 +90,22 @@ def test_overhead_fsdp_rows(tmp_path):
     assert "vs fsdp" in stdout and "fsdp2 + silent + JsonlSink + summary()" in stdout
 
 
+def test_overhead_deepspeed_rows(tmp_path):
+    pytest.importorskip("deepspeed")
+    out = tmp_path / "deepspeed.json"
+    stdout = _run("overhead.py", "--deepspeed", "--models", "tiny-mlp", "--steps", "2", "--warmup", "1", "--json", str(out))
+    results = {r["config"]["hook"]: r for r in json.loads(out.read_text())}
+    assert set(results) == {"ds2", "ds2_silent_sink", "ds3", "ds3_silent_sink"}
+    for stage in ("2", "3"):
+        plain, measured = results[f"ds{stage}"], results[f"ds{stage}_silent_sink"]
+        assert plain["persistent_bytes"] is None and plain["hook_s_per_step"] == 0 and plain["overhead_vs_deepspeed"] == 0
+        assert measured["hook_s_per_step"] > 0 and isinstance(measured["overhead_vs_deepspeed"], float)
+        assert 16 * 2**20 < measured["persistent_bytes"] < 64 * 2**20  # the sign tables, nothing per element
+        assert {"statistics pass", "end of backward: reduced norms + slot all-reduce + SilentStats", "detector"} <= set(measured["breakdown"])
+        assert measured["records_written"] == 1 + 2
+    assert "vs deepspeed" in stdout and "ZeRO-3 + silent + JsonlSink + summary()" in stdout
+
+
 def test_fsdp_transport_prints_both_ways(tmp_path):
     stdout = _run("fsdp_transport.py", "--rounds", "3")
     for line in ("plain reduce-scatter", "separate: all-reduce of W slots", "piggyback: copy + wider reduce-scatter", "extra per step"):

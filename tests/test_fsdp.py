@@ -234,7 +234,7 @@ def _same_on_every_rank_and_linked(records: list[list[dict]], hsdp: bool) -> Non
     first, second, third = records[0]
     # Steps 0 and 2 check replicas: the parameter shards' replicas under HSDP; under plain FSDP2
     # only buffers are held by several ranks, and this model has none.
-    agree = {"ranks": [], "tensors": 0, "parameters": []} if hsdp else None
+    agree = {"ranks": [], "tensors": 0, "parameters": [], "not_compared": 0} if hsdp else None
     assert first["replicas"] == third["replicas"] == agree and second["replicas"] is None
     assert third["cosine_previous"] is not None  # the signs stay at the same positions from step to step
 
@@ -296,6 +296,7 @@ def test_unsupported_wrappers_are_named():
     fsdp1._fsdp_wrapped_module = torch.nn.Linear(1, 1)  # where FSDP1 looks up unknown attributes
     with pytest.raises(TypeError, match="FSDP1, FullyShardedDataParallel, is not supported: use FSDP2's fully_shard"):
         ddphooks.attach(fsdp1)
-    engine = type("DeepSpeedEngine", (torch.nn.Module,), {})()
-    with pytest.raises(TypeError, match="DeepSpeed has no communication hook"):
-        ddphooks.attach(engine)
+    module = torch.nn.Linear(1, 1)  # engine.module of a ZeRO-1/2 engine: its parameters carry DeepSpeed's mapping
+    module.weight._hp_mapping = None
+    with pytest.raises(TypeError, match="pass the DeepSpeedEngine deepspeed.initialize returns, not engine.module"):
+        ddphooks.attach(module)

@@ -3,8 +3,10 @@
 Needs ``lightning`` (``import lightning.pytorch as L``, 2.x; the legacy ``pytorch_lightning``
 package is not supported). Works with ``DDPStrategy`` (``strategy="ddp"``, ``"ddp_spawn"``, any
 accelerator) and with ``ModelParallelStrategy`` when ``configure_model`` applies FSDP2
-(``fully_shard``); other strategies (``FSDPStrategy``, which is FSDP1, DeepSpeed, single device)
-get one warning and no hook.
+(``fully_shard``); other strategies (``FSDPStrategy``, which is FSDP1, ``DeepSpeedStrategy``,
+single device) get one warning and no hook. ``DeepSpeedStrategy`` runs on CUDA only (Lightning
+refuses the CPU), so this callback is not tested with it and says so; ``ddphooks.attach`` measures
+the DeepSpeed engine directly (``docs/integrations/deepspeed.md``).
 
 How it plugs in (facts of Lightning 2.x this relies on):
 
@@ -56,6 +58,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ddphooks.attach import DDP_ONLY_SETTINGS, LossFrom, attach, sharded_root, unsupported_wrapper
+from ddphooks.deepspeed import deepspeed_engine
 from ddphooks.hook import PYTHON_REDUCER, SilentState, python_reducer
 from ddphooks.sinks import JsonlSink
 from ddphooks.sinks.jsonl import drop_records_from
@@ -169,6 +172,14 @@ class SilentCallback(pl.Callback):
             )
             return
         root = roots[0][1] if roots else None
+        if deepspeed_engine(getattr(model, "_orig_mod", model)) is not None:
+            self._warn_once(
+                "deepspeed",
+                "SilentCallback: ddphooks is off for this run, training is unchanged: Lightning's DeepSpeedStrategy is not "
+                "measured by this callback (DeepSpeed is: call ddphooks.attach(trainer.strategy.model), the DeepSpeedEngine, "
+                "in your LightningModule's on_fit_start on every rank; see docs/integrations/deepspeed.md)",
+            )
+            return
         if root is None:
             mode = python_reducer()
             if mode is not None:
@@ -181,7 +192,7 @@ class SilentCallback(pl.Callback):
                     f"SilentCallback: the {type(trainer.strategy).__name__} strategy gives no DistributedDataParallel model "
                     f"and no FSDP2 (fully_shard) root{unsupported_wrapper(getattr(model, '_orig_mod', model))}; ddphooks is off "
                     "for this run (use strategy='ddp' or DDPStrategy with 2+ processes, or ModelParallelStrategy with "
-                    "fully_shard in configure_model; FSDPStrategy (FSDP1) and DeepSpeed are not supported)",
+                    "fully_shard in configure_model; FSDPStrategy (FSDP1) is not supported)",
                 )
                 return
         target = model if root is None else root

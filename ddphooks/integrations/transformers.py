@@ -5,7 +5,8 @@ Add the callback and nothing else changes::
     trainer = Trainer(model, args, train_dataset=data, callbacks=[SilentCallback()])
 
 At ``on_train_begin`` it attaches ddphooks (``ddphooks.attach``) to the Trainer's wrapped model, a
-DDP module or an FSDP2 (``fully_shard``) root, records each rank's own mean token loss of every training micro-batch,
+DDP module, an FSDP2 (``fully_shard``) root or, with ``TrainingArguments(deepspeed=...)``, the
+DeepSpeed engine, records each rank's own mean token loss of every training micro-batch,
 writes one record per optimizer step to ``<output_dir>/ddphooks/stats.jsonl``, adds the step's
 summary (``ddphooks/loss_std``, ``ddphooks/mean_cosine`` ...) to the Trainer's logs (so every
 ``report_to`` integration and ``trainer.state.log_history`` get it), saves its state with each
@@ -36,6 +37,7 @@ from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ddphooks.attach import LossFrom, attach, ddp_module, sharded_root, unsupported_wrapper
+from ddphooks.deepspeed import deepspeed_engine
 from ddphooks.hook import PYTHON_REDUCER, python_reducer
 from ddphooks.loss import loss_of
 from ddphooks.sinks import JsonlSink
@@ -138,14 +140,15 @@ class SilentCallback(TrainerCallback):
 
     What it does, by Trainer event:
 
-    - ``on_train_begin``: finds the Trainer and its wrapped model (``trainer.model_wrapped``: DDP
-      or an FSDP2 root), ``ddphooks.attach``-es the given ``state`` or one built from the
+    - ``on_train_begin``: finds the Trainer and its wrapped model (``trainer.model_wrapped``: DDP,
+      an FSDP2 root or, with ``TrainingArguments(deepspeed=...)``, the DeepSpeed engine; the
+      callbacks' ``model`` is ``engine.module`` there), ``ddphooks.attach``-es the given ``state`` or one built from the
       settings (a ``SilentState`` for DDP, a ``ddphooks.fsdp.ShardedSilentState`` for FSDP2), with
       a loss capture that records each rank's own mean token loss of every training micro-batch
       (:func:`rank_mean_token_loss`; evaluation forwards never count). It then moves itself to the
       front of the Trainer's callbacks so that its ``on_log`` runs before the reporting
       integrations'. On a resumed run it restores the state saved in the checkpoint, so step
-      numbering continues. Without DDP or FSDP2 (one process, FSDP1, DeepSpeed) it warns once
+      numbering continues. Without DDP, FSDP2 or DeepSpeed ZeRO (one process, FSDP1) it warns once
       and does nothing else: training is unchanged.
     - ``on_step_end``: when the detector has found new alerts (``state.alerts``, the same on
       every rank at this point), asks the Trainer to log at this step, so the alert count reaches
@@ -174,8 +177,9 @@ class SilentCallback(TrainerCallback):
     unaffected); a MoE auxiliary loss inside ``output.loss`` is rescaled with the token loss.
 
     Args:
-        state: a ``SilentState`` (DDP) or ``ShardedSilentState`` (FSDP2) to attach (created
-            beforehand); None: one is created at ``on_train_begin`` from ``settings``.
+        state: a ``SilentState`` (DDP), ``ShardedSilentState`` (FSDP2) or ``DeepSpeedSilentState``
+            (DeepSpeed) to attach (created beforehand); None: one is created at ``on_train_begin``
+            from ``settings``.
         output_dir: folder of the default ``stats.jsonl`` (default: ``<args.output_dir>/ddphooks``);
             not with ``state`` or ``sinks``, which bring their own.
         stop_on_alert: save a checkpoint and stop training at the first step that brings new
@@ -222,8 +226,8 @@ class SilentCallback(TrainerCallback):
                 stacklevel=2,
             )
             return
-        wrapped = trainer.model_wrapped
-        if sharded_root(wrapped) is None:  # FSDP2 needs no check here: attach measures any fully_shard root
+        wrapped = trainer.model_wrapped  # under DeepSpeed the engine (callbacks get model=engine.module)
+        if sharded_root(wrapped) is None and deepspeed_engine(wrapped) is None:  # attach checks those itself
             mode = python_reducer()
             if mode is not None:
                 warnings.warn(f"ddphooks SilentCallback does nothing for this run; training is unchanged: {PYTHON_REDUCER.format(mode=mode)}", RuntimeWarning, stacklevel=2)
@@ -234,8 +238,8 @@ class SilentCallback(TrainerCallback):
                 warnings.warn(
                     f"ddphooks SilentCallback: the Trainer's model is a {type(wrapped).__name__}, not DistributedDataParallel "
                     f"or an FSDP2 (fully_shard) root{unsupported_wrapper(getattr(wrapped, '_orig_mod', wrapped))} (world size "
-                    f"{args.world_size}), so it does nothing; training is unchanged. It measures DDP and FSDP2 runs of 2+ "
-                    "processes (torchrun --nproc-per-node N ...); FSDP1 and DeepSpeed are not supported.",
+                    f"{args.world_size}), so it does nothing; training is unchanged. It measures DDP, FSDP2 and DeepSpeed "
+                    "ZeRO runs of 2+ processes (torchrun --nproc-per-node N ...); FSDP1 is not supported.",
                     RuntimeWarning,
                     stacklevel=2,
                 )

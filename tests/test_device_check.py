@@ -1,0 +1,93 @@
+"""benchmarks/device_check.py (issue #37), the one prepared device check, in its small form.
+
+On the CPU the CPU plays the device and Triton runs in its interpreter, so every comparison of the
+GPU run runs here too: its correctness rows must pass, every part must produce its rows with their
+figures, and the comparison and the exit code must catch a broken part.
+"""
+
+import importlib.util
+import json
+
+import numpy as np
+
+from test_benchmarks import BENCHMARKS, _run
+
+KERNELS = ["torch", "triton"] if importlib.util.find_spec("triton") is not None else ["torch"]
+
+
+def _device_check():
+    spec = importlib.util.spec_from_file_location("device_check", BENCHMARKS / "device_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_small_form_passes_its_correctness_rows_and_writes_every_part(tmp_path):
+    out = tmp_path / "device-check.json"
+    stdout = _run("device_check.py", "--small", "--json", str(out))
+    report = json.loads(out.read_text())
+    assert report["small"] and report["parts"] == ["correctness", "fsdp", "sync", "stats", "cost"]
+    assert report["decision"]["stats_kernel"] is None and set(report["seconds"]) == set(report["parts"])
+    rows = report["rows"]
+    for r in rows:
+        assert set(r) == {"part", "name", "kind", "status", "reason", "figures"}, r
+        assert r["status"] in ("pass", "skipped") and r["kind"] in ("correctness", "goal"), (r["name"], r["status"], r["reason"])
+    parts = {part: [r for r in rows if r["part"] == part] for part in report["parts"]}
+    # correctness and fsdp: per kernel, the records against the CPU run and training against the plain run
+    for part, transport in (("correctness", "ddp"), ("fsdp", "fsdp2")):
+        assert len(parts[part]) == 2 * len(KERNELS)
+        for r in parts[part]:
+            assert r["status"] == "pass" and r["kind"] == "correctness", r
+        records = [r for r in parts[part] if " records " in r["name"]]
+        assert [r["name"].rsplit("=", 1)[1] for r in records] == KERNELS and all(r["name"].startswith(transport) for r in records)
+        for r in records:
+            assert r["figures"]["steps"] == 4 and r["figures"]["floats_compared"] > 400 and r["figures"]["max_rel_diff"] < 1e-4
+        for r in parts[part]:
+            if "bitwise" in r["name"]:
+                assert r["figures"]["bitwise_equal"] == r["figures"]["tensors"] == 6
+    # sync: the control and every kernel ran their checked steps, skipped for want of CUDA
+    assert len(parts["sync"]) == 1 + len(KERNELS)
+    for r in parts["sync"]:
+        assert r["status"] == "skipped" and r["reason"].startswith("no CUDA") and r["figures"]["checked_steps"] == 3, r
+    assert all(r["figures"]["summary_ok"] for r in parts["sync"][1:])
+    # stats: four layouts, both paths timed against the read pass, launches counted
+    assert [(r["figures"]["dtype"], r["figures"]["params"]) for r in parts["stats"]] == [("float32", 8), ("float32", 160), ("bfloat16", 8), ("bfloat16", 160)]
+    for r in parts["stats"]:
+        assert r["status"] == "skipped" and r["reason"].startswith("no CUDA"), r
+        assert sorted(r["figures"]["x_read"]) == sorted(KERNELS) and all(x["median"] > 0 for x in r["figures"]["x_read"].values())
+        assert all(n > 0 for n in r["figures"]["launches"].values())
+    # cost: the tiny Llama under DDP with several buckets, per kernel against allreduce_hook
+    assert [r["name"].rsplit("=", 1)[1] for r in parts["cost"]] == KERNELS
+    for r in parts["cost"]:
+        f = r["figures"]
+        assert r["status"] == "skipped" and f["buckets"] > 1 and f["step_s"] > 0 and f["hook_host_s"] > 0 and f["rounds"] == 3, r
+        assert f["state_persistent_bytes"] > 0 and f["extra_peak_bytes"] is None  # no device memory on the CPU
+        assert {"median", "iqr"} <= set(f["extra_gpu_fraction_of_step"]) and {"median", "iqr"} <= set(f["extra_host_fraction_of_step"])
+    assert "default stats_kernel on CUDA: not decided" in stdout and stdout.count("\n") == 3 + len(rows) + 1
+
+
+def test_the_comparisons_and_the_exit_code_catch_a_broken_part():
+    check = _device_check()
+    record = [{"step": 0, "transport": "piggyback", "grad_norms": [1.0, 2.0], "cosine": [[1.0, 0.5], [0.5, 1.0]], "noise": None}]
+    same = json.loads(json.dumps(record))
+    assert check.compare_records(same, record)["ok"] and check.compare_records(same, record)["compared"] == 6
+    perturbed = json.loads(json.dumps(record))
+    perturbed[0]["cosine"][1][0] = 0.5 + 1e-3
+    found = check.compare_records(perturbed, record)
+    assert not found["ok"] and found["mismatch"].startswith("[0].cosine[1][0]") and found["worst"] == "[0].cosine[1][0]"
+    assert not check.compare_records([{**record[0], "transport": "separate"}], record)["ok"]
+    assert not check.compare_records([{k: v for k, v in record[0].items() if k != "noise"}], record)["ok"]
+    assert not check.compare_records([{**record[0], "grad_norms": [1.0]}], record)["ok"]
+    # Training: one ulp in one tensor is not bitwise equal
+    params = [np.arange(6, dtype=np.float32), np.ones(3, dtype=np.float32)]
+    changed = [params[0].copy(), np.nextafter(params[1], np.float32(2))]
+    assert check.bitwise(params, params)["ok"] and not check.bitwise(changed, params)["ok"]
+    # A device run that raised fails its rows; a broken correctness row or part sets the exit code,
+    # a missed performance goal does not.
+    ok_run = {"records": record, "params": params, "kernels": ["BucketStatsKernel"]}
+    ranks = [{"cpu/silent/torch": ok_run, "device/plain/None": ok_run, "device/silent/torch": {"error": "RuntimeError: boom", "traceback": ""}}] * 2
+    rows = check.correctness_rows("correctness", ranks, ["torch"], "cuda", "gloo")
+    assert [r["status"] for r in rows] == ["fail", "fail"] and "boom" in rows[0]["reason"] and check.exit_code(rows) == 1
+    assert check.exit_code([check.row("stats", "x", "goal", "fail", "goal missed: torch 3.00x read")]) == 0
+    assert check.exit_code([check.row("stats", "x", "goal", "fail", "error: RuntimeError")]) == 1
+    assert check.exit_code([check.row("cost", "x", "goal", "skipped", "no CUDA"), check.row("sync", "y", "correctness", "pass")]) == 0
