@@ -49,7 +49,7 @@ from ddphooks.replicas import ReplicaTensors
 from ddphooks.sinks import Sink
 from ddphooks.sketch import ACCELERATOR_CHUNK_ELEMS, CPU_CHUNK_ELEMS, BucketPlan
 from ddphooks.state import BaseSilentState, agree_across_ranks, stats_kernel_problem
-from ddphooks.stats import BucketLayout, SilentStats, slot_size
+from ddphooks.stats import BucketLayout, SilentStats
 
 #: What this transport measures, for the one-line refusals.
 SUPPORTED = (
@@ -108,7 +108,7 @@ def unsupported_configuration(engine: torch.nn.Module) -> str | None:
     if getattr(engine, "is_deepcompile_enabled", lambda: False)():
         return refuse("DeepCompile (compiled graphs may bypass the Python gradient hooks)")
     if not callable(getattr(engine, "_backward_epilogue", None)):
-        return refuse(f"this DeepSpeed version (no DeepSpeedEngine._backward_epilogue; tested with 0.19): upgrade deepspeed")
+        return refuse("this DeepSpeed version (no DeepSpeedEngine._backward_epilogue; tested with 0.19): upgrade deepspeed")
     return None
 
 
@@ -371,15 +371,8 @@ class DeepSpeedSilentState(BaseSilentState):
         n_params = len(self._params)
         if self._losses.first_missing():
             self._warn_no_loss(record.step)
-        fingerprinted, fingerprint = [], None
-        if self._replica_tensors and (record.step // self.config.every) % self.config.check_replicas_every == 0:
-            fingerprinted = self._replica_tensors.names
-            fingerprint = self._replica_tensors.fingerprint(record.step).to(device)
-        slot = slot_size(n_params, self.bins, len(fingerprinted))
-        widest = slot_size(n_params, self.bins, len(self._replica_tensors or ()))  # a replica check's slot: the buffer's capacity
-        slots = self._stats_buffer("_slots", self.world_size * (slot + n_params), torch.float32, device, self.world_size * (widest + n_params))
+        fingerprinted, fingerprint, slot, slots = self._slots_of_step(record.step, n_params, device)
         rows = slots.view(self.world_size, slot + n_params)
-        slots.zero_()
         mine = rows[self.rank]
         try:
             if record.error is None:

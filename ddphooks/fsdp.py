@@ -36,7 +36,7 @@ from ddphooks.replicas import ReplicaTensors
 from ddphooks.sinks import Sink
 from ddphooks.sketch import ACCELERATOR_CHUNK_ELEMS, CPU_CHUNK_ELEMS, BucketPlan, squared_norms
 from ddphooks.state import BaseSilentState, agree_across_ranks, stats_kernel_problem
-from ddphooks.stats import BucketLayout, SilentStats, slot_size
+from ddphooks.stats import BucketLayout, SilentStats
 
 
 @dataclass
@@ -303,15 +303,8 @@ class ShardedSilentState(BaseSilentState):
         if self._losses.first_missing():
             self._warn_no_loss(record.step)
         n_params = sum(len(layout.names) for layout in record.layouts)
-        fingerprinted, fingerprint = [], None
-        if self._replica_tensors and (record.step // self.config.every) % self.config.check_replicas_every == 0:
-            fingerprinted = self._replica_tensors.names
-            fingerprint = self._replica_tensors.fingerprint(record.step).to(device)
-        slot = slot_size(n_params, self.bins, len(fingerprinted))
-        widest = slot_size(n_params, self.bins, len(self._replica_tensors or ()))  # a replica check's slot: the buffer's capacity
-        slots = self._stats_buffer("_slots", self.world_size * (slot + n_params), torch.float32, device, self.world_size * (widest + n_params))
+        fingerprinted, fingerprint, slot, slots = self._slots_of_step(record.step, n_params, device)
         rows = slots.view(self.world_size, slot + n_params)
-        slots.zero_()
         mine = rows[self.rank]
         try:
             self._pack_slot(record.local_sq, fingerprint, mine[:slot])

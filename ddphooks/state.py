@@ -21,7 +21,7 @@ from ddphooks.pipeline import StepPipeline
 from ddphooks.records import RecordBuilder
 from ddphooks.sinks import Sink
 from ddphooks.sketch import BucketStatsKernel, SignTable, sketch_bins
-from ddphooks.stats import SilentStats
+from ddphooks.stats import SilentStats, slot_size
 from ddphooks.writer import RecordWriter
 
 logger = logging.getLogger("ddphooks")
@@ -263,6 +263,23 @@ class BaseSilentState:
             buffer = torch.empty(max(numel, capacity), dtype=dtype, device=device)
             setattr(self, attribute, buffer)
         return buffer[:numel]
+
+    def _slots_of_step(self, step: int, n_params: int, device: torch.device) -> tuple[list[str], torch.Tensor | None, int, torch.Tensor]:
+        """The zeroed ``W x (slot + n_params)`` buffer of a transport whose slots travel in one
+        all-reduce of their own (FSDP2, DeepSpeed): each rank's slot, then its part of the
+        reduced squared norms. Returns the fingerprinted names and this rank's fingerprint (on a
+        replica-check step, else ``[]`` and None), the slot's size and the buffer (sized once
+        for a replica check's wider slot)."""
+        replicas = self._replica_tensors
+        fingerprinted, fingerprint = [], None
+        if replicas and (step // self.config.every) % self.config.check_replicas_every == 0:
+            fingerprinted = replicas.names
+            fingerprint = replicas.fingerprint(step).to(device)
+        slot = slot_size(n_params, self.bins, len(fingerprinted))
+        widest = slot_size(n_params, self.bins, len(replicas or ()))
+        slots = self._stats_buffer("_slots", self.world_size * (slot + n_params), torch.float32, device, self.world_size * (widest + n_params))
+        slots.zero_()
+        return fingerprinted, fingerprint, slot, slots
 
     def _publish(self, step: int, result: SilentStats | BaseException) -> None:
         """Make ``result`` the latest statistics (or the error that stopped them) and hand it to
