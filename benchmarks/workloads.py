@@ -1,0 +1,584 @@
+"""Workload zoo: false alarms and detection delays of ddphooks' defaults on models the detector was never tuned on.
+
+Eight small training setups outside the project's experiment, each trained as people train it, on
+gloo CPU processes (``ddphooks.launch.spawn``) with ``ddphooks.attach(ddp)`` at its defaults
+(detector on, replica check every 100 steps). Healthy runs must raise no alert; fault runs inject
+one fault on one rank from FAULT_STEP and measure the steps until an alert names that rank.
+
+    python benchmarks/workloads.py --smoke                          # every family, a few steps, W = 2
+    python benchmarks/workloads.py --worlds 4 --healthy-runs 2      # a campaign (results appended, resumable)
+    python benchmarks/workloads.py --summarize /work/runs/zoo/results.jsonl --json zoo.json
+    python benchmarks/detection.py /work/runs/zoo/files              # d' and --oracle on the run files (--records)
+
+Families (FAMILIES): cnn (BatchNorm, SGD momentum, step LR), gpt2 (transformers GPT-2, AdamW, warmup
++ cosine, dropout, clipping), bert (transformers BERT masked LM, linear warmup/decay), lora (peft LoRA
+on a frozen tiny Llama), bf16 (MLP under bf16 autocast), moe (top-1 experts + a task head chosen per
+batch, find_unused_parameters=True), heavy (regression with Student-t noise, df 1.5), mixture (Llama
+LM on three domains drawn per rank per step). Faults (FAULTS), on FAULT_RANK from FAULT_STEP:
+bitflip (an exponent bit flipped in 1e-3 of the largest trainable tensor's local gradient, through
+``param.register_hook``), labels (labels misaligned: shifted by one position or class, regression
+targets permuted), stuck (the loader repeats the fault step's batch), precision (the rank trains
+under bf16 autocast, or without it in the bf16 family), eval (the rank left in eval mode: dropout
+off, BatchNorm on running statistics; families with dropout or BatchNorm), stale (the rank's
+parameters reset to their copy of STALE_BACK steps earlier; the replica check, every 100 steps
+by default, should name it at step 200).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import statistics
+import sys
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import ddphooks
+from ddphooks.launch import spawn
+
+# -- configuration (chosen before any result) -------------------------------------------------------
+FAMILIES = ("cnn", "gpt2", "bert", "lora", "bf16", "moe", "heavy", "mixture")
+FAULTS = ("bitflip", "labels", "stuck", "precision", "eval", "stale")
+DROPOUT_FAMILIES = ("cnn", "gpt2", "bert", "lora", "mixture")  # where the eval fault changes anything
+WORLDS = (2, 4, 8)
+FAULT_STEP = 150  # first faulty step of every fault run
+FAULT_STEPS = 230  # fault runs' length: 80 steps after the fault (the replica check at step 200 included)
+HEALTHY_STEPS = 800  # healthy runs' length
+FAULT_RANK = 1
+STALE_BACK = 50  # the stale rank's weights are those of step FAULT_STEP - STALE_BACK
+BITFLIP_FRACTION = 1e-3
+# Held-out seeds, fixed before the campaign ran: healthy run r of a family uses HEALTHY_SEEDS[r];
+# fault run r of fault kind k uses FAULT_SEEDS[r] + 10 * k (each fault run is a different run before
+# its fault, so every pre-fault step is a distinct healthy step).
+HEALTHY_SEEDS = tuple(range(300, 310))
+FAULT_SEEDS = tuple(range(400, 410))
+OUT = "/work/runs/zoo"
+VOCAB = 64
+SEQ = 16
+
+
+# -- synthetic data: learnable, shared "world" per seed, batches per (seed, rank, step) -------------
+def markov_chain(seed: int, successors: int, vocab: int = VOCAB) -> np.ndarray:
+    """A transition matrix in which each token has a few likely successors."""
+    rng = np.random.default_rng([seed, 7, successors])
+    matrix = np.full((vocab, vocab), 1e-3)
+    for token in range(vocab):
+        nxt = rng.choice(vocab, size=successors, replace=False)
+        matrix[token, nxt] += rng.dirichlet(np.ones(successors))
+    return matrix / matrix.sum(axis=1, keepdims=True)
+
+
+def sample_chain(matrix: np.ndarray, rng: np.random.Generator, batch: int, length: int) -> np.ndarray:
+    cumulative = matrix.cumsum(axis=1)
+    out = np.empty((batch, length), dtype=np.int64)
+    out[:, 0] = rng.integers(0, matrix.shape[0], size=batch)
+    for position in range(1, length):
+        u = rng.random(batch)[:, None]
+        out[:, position] = np.minimum((cumulative[out[:, position - 1]] < u).sum(axis=1), matrix.shape[0] - 1)
+    return out
+
+
+def teacher(seed: int, inputs: int, outputs: int, hidden: int = 32) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng([seed, 11, inputs, outputs])
+    return rng.normal(size=(inputs, hidden)) / math.sqrt(inputs), rng.normal(size=(hidden, outputs)) / math.sqrt(hidden)
+
+
+def apply_teacher(weights, x: np.ndarray) -> np.ndarray:
+    w1, w2 = weights
+    return np.tanh(x @ w1 * 2.0) @ w2
+
+
+# -- models -----------------------------------------------------------------------------------------
+class SmallCNN(nn.Module):
+    def __init__(self, classes: int = 10) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 3, padding=1, bias=False), nn.BatchNorm2d(32), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+        )  # fmt: skip
+        self.head = nn.Linear(32, classes)
+
+    def forward(self, x):
+        return self.head(self.features(x).flatten(1))
+
+
+class MLP(nn.Module):
+    def __init__(self, inputs: int, hidden: int, outputs: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(inputs, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, outputs))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class TaskMoE(nn.Module):
+    """A trunk, a top-1 mixture of experts, and one head per task (the batch's task picks it)."""
+
+    def __init__(self, inputs: int = 16, hidden: int = 32, experts: int = 4, tasks: int = 3, classes: int = 5) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(inputs, hidden)
+        self.router = nn.Linear(hidden, experts)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(hidden, hidden), nn.GELU()) for _ in range(experts))
+        self.heads = nn.ModuleList(nn.Linear(hidden, classes) for _ in range(tasks))
+
+    def forward(self, x, task: int):
+        h = F.gelu(self.trunk(x))
+        gates = self.router(h).softmax(-1)
+        top, choice = gates.max(-1)
+        mixed = torch.zeros_like(h)
+        for index, expert in enumerate(self.experts):
+            chosen = choice == index
+            if chosen.any():  # an expert no sample chose gets no gradient on this rank this step
+                mixed[chosen] = expert(h[chosen]) * top[chosen, None]
+        return self.heads[task](h + mixed)
+
+
+def build_model(family: str, seed: int) -> nn.Module:
+    torch.manual_seed(seed)  # the same initial weights on every rank (DDP broadcasts rank 0's anyway)
+    if family == "cnn":
+        return SmallCNN()
+    if family == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(
+            vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=None, eos_token_id=None
+        )  # fmt: skip
+        return GPT2LMHeadModel(config)
+    if family == "bert":
+        from transformers import BertConfig, BertForMaskedLM
+
+        config = BertConfig(vocab_size=VOCAB + 1, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, max_position_embeddings=32)
+        return BertForMaskedLM(config)  # dropout 0.1 (hidden and attention), the default
+    if family in ("lora", "mixture"):
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+            max_position_embeddings=32, attention_dropout=0.1,
+        )  # fmt: skip
+        model = LlamaForCausalLM(config)
+        if family == "mixture":
+            return model
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], task_type="CAUSAL_LM")
+        return get_peft_model(model, lora)  # the base model frozen
+    if family == "bf16":
+        return MLP(32, 128, 10)
+    if family == "moe":
+        return TaskMoE()
+    if family == "heavy":
+        return MLP(8, 64, 1)
+    raise ValueError(family)
+
+
+def optimizer_for(family: str, model: nn.Module, steps: int):
+    from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    warmup = max(1, steps // 10)
+    if family == "cnn":
+        opt = torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=5e-4)
+        return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=max(1, steps // 3), gamma=0.1)
+    if family in ("gpt2", "mixture", "bf16"):
+        opt = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.01 if family != "bf16" else 0.0)
+        return opt, get_cosine_schedule_with_warmup(opt, warmup, steps)
+    if family in ("bert", "lora"):
+        opt = torch.optim.AdamW(params, lr=2e-3 if family == "bert" else 5e-3, weight_decay=0.01)
+        return opt, get_linear_schedule_with_warmup(opt, warmup, steps)
+    opt = torch.optim.Adam(params, lr=2e-3 if family == "moe" else 1e-3)  # moe, heavy: constant rate
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+
+
+CLIP = {"gpt2": 1.0, "bert": 1.0, "lora": 1.0, "mixture": 1.0, "heavy": 1.0}
+
+
+# -- batches ----------------------------------------------------------------------------------------
+class World:
+    """What every rank shares about a seed's data: templates, chains, teachers."""
+
+    def __init__(self, family: str, seed: int) -> None:
+        rng = np.random.default_rng([seed, 3])
+        self.family = family
+        if family == "cnn":
+            self.templates = rng.normal(size=(10, 3, 12, 12)).astype(np.float32)
+        elif family in ("gpt2", "bert", "lora"):
+            self.chain = markov_chain(seed, 3)
+        elif family == "mixture":
+            self.chains = [markov_chain(seed, 2), markov_chain(seed + 1, 8)]
+        elif family == "bf16":
+            self.teacher = teacher(seed, 32, 10)
+        elif family == "moe":
+            self.teachers = [teacher(seed + task, 16, 5) for task in range(3)]
+        elif family == "heavy":
+            self.teacher = teacher(seed, 8, 1)
+
+
+def make_batch(world: World, rng: np.random.Generator) -> dict:
+    family = world.family
+    if family == "cnn":  # class templates, randomly shifted, plus noise; normalised per channel
+        labels = rng.integers(0, 10, size=16)
+        shifts = rng.integers(-2, 3, size=(16, 2))
+        images = np.stack([np.roll(world.templates[y], tuple(s), axis=(1, 2)) for y, s in zip(labels, shifts)]) + rng.normal(scale=1.5, size=(16, 3, 12, 12))
+        images = (images - images.mean(axis=(0, 2, 3), keepdims=True)) / images.std(axis=(0, 2, 3), keepdims=True)
+        return {"x": torch.tensor(images, dtype=torch.float32), "y": torch.tensor(labels)}
+    if family in ("gpt2", "lora"):
+        ids = torch.tensor(sample_chain(world.chain, rng, 8, SEQ))
+        return {"input_ids": ids, "labels": ids.clone()}
+    if family == "bert":
+        ids = torch.tensor(sample_chain(world.chain, rng, 8, SEQ))
+        masked = torch.tensor(rng.random(ids.shape) < 0.15)
+        masked[:, 0] |= ~masked.any(dim=1)  # at least one masked token per sequence
+        labels = torch.where(masked, ids, torch.full_like(ids, -100))
+        return {"input_ids": torch.where(masked, torch.full_like(ids, VOCAB), ids), "labels": labels, "ids": ids, "masked": masked}
+    if family == "mixture":  # a domain per rank per step: low-entropy chain, high-entropy chain, copy task
+        domain = int(rng.choice(3, p=[0.5, 0.3, 0.2]))
+        if domain < 2:
+            ids = sample_chain(world.chains[domain], rng, 8, SEQ)
+        else:
+            half = rng.integers(0, VOCAB, size=(8, SEQ // 2))
+            ids = np.concatenate([half, half], axis=1)
+        ids = torch.tensor(ids)
+        return {"input_ids": ids, "labels": ids.clone(), "domain": domain}
+    if family == "bf16":
+        x = rng.normal(size=(32, 32))
+        return {"x": torch.tensor(x, dtype=torch.float32), "y": torch.tensor(apply_teacher(world.teacher, x).argmax(axis=1))}
+    if family == "moe":
+        task = int(rng.integers(0, 3))
+        x = rng.normal(size=(16, 16))
+        return {"x": torch.tensor(x, dtype=torch.float32), "y": torch.tensor(apply_teacher(world.teachers[task], x).argmax(axis=1)), "task": task}
+    if family == "heavy":
+        x = rng.normal(size=(32, 8))
+        y = apply_teacher(world.teacher, x) * 3.0 + 0.3 * rng.standard_t(1.5, size=(32, 1))
+        return {"x": torch.tensor(x, dtype=torch.float32), "y": torch.tensor(y, dtype=torch.float32)}
+    raise ValueError(family)
+
+
+def misalign(family: str, batch: dict) -> dict:
+    """The labels fault: the rank's labels no longer match its inputs."""
+    batch = dict(batch)
+    if family in ("cnn", "bf16", "moe"):
+        batch["y"] = (batch["y"] + 1) % (10 if family != "moe" else 5)
+    elif family == "heavy":
+        batch["y"] = batch["y"].roll(1, dims=0)  # targets of another example
+    elif family == "bert":
+        ids = batch["ids"].roll(-1, dims=1)  # off by one position
+        batch["labels"] = torch.where(batch["masked"], ids, torch.full_like(ids, -100))
+    else:  # causal LMs: labels shifted by one more position
+        batch["labels"] = batch["labels"].roll(-1, dims=1)
+    return batch
+
+
+def forward_loss(family: str, model: nn.Module, batch: dict) -> torch.Tensor:
+    if family in ("cnn", "bf16"):
+        return F.cross_entropy(model(batch["x"]).float(), batch["y"])
+    if family == "moe":
+        return F.cross_entropy(model(batch["x"], batch["task"]).float(), batch["y"])
+    if family == "heavy":
+        return F.mse_loss(model(batch["x"]).float(), batch["y"])
+    return model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+
+
+# -- one run ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Spec:
+    family: str
+    world: int
+    seed: int
+    kind: str | None  # None: healthy
+    steps: int
+    fault_step: int | None
+    fault_rank: int | None
+
+    @property
+    def name(self) -> str:
+        return f"{self.family}-{self.kind or 'healthy'}-w{self.world}-s{self.seed}"
+
+
+def flip_exponent_bits(seed: int, step_box: list, fault_step: int, fraction: float):
+    """A param.register_hook function: from fault_step, one random exponent bit of a random
+    ``fraction`` of the local gradient's entries flipped (a failing unit), seeded by (seed, step)."""
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        step = step_box[0]
+        if step < fault_step:
+            return grad
+        generator = torch.Generator().manual_seed(seed * 100_003 + step)
+        flat = grad.detach().float().clone().reshape(-1)
+        count = max(1, round(fraction * flat.numel()))
+        index = torch.randperm(flat.numel(), generator=generator)[:count]
+        bits = torch.randint(23, 31, (count,), generator=generator)
+        words = flat.view(torch.int32)
+        words[index] = torch.bitwise_xor(words[index], torch.bitwise_left_shift(torch.ones_like(bits, dtype=torch.int32), bits.int()))
+        return flat.reshape(grad.shape).to(grad.dtype)
+
+    return hook
+
+
+def train(rank: int, world: int, spec: Spec, records: str | None = None) -> dict:
+    """Train one run on this rank; return rank-local loss curve ends and (rank 0) the alerts."""
+    family = spec.family
+    faulty = spec.kind is not None and rank == spec.fault_rank
+    data = World(family, spec.seed)
+    model = build_model(family, spec.seed)
+    ddp = DDP(model, find_unused_parameters=(family == "moe"))
+    sinks = []
+    if records is not None:
+        header = {
+            "setting": "fault" if spec.kind else family, "world_size": world, "fault_kind": spec.kind, "fault_step": spec.fault_step,
+            "fault_rank": spec.fault_rank, "config": {**asdict(spec), "fault_kind": spec.kind}, "workload": family,
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        }  # fmt: skip
+        sinks = [ddphooks.JsonlSink(Path(records) / f"run-{spec.name}.jsonl", header=header)]
+    # Records in detail (per-parameter norms every step) only so benchmarks/detection.py can replay
+    # the layer CUSUM offline; the detector online is the same either way.
+    state = ddphooks.attach(ddp, sinks=sinks, **({"detail_every": 1} if records is not None else {}))
+    optimizer, schedule = optimizer_for(family, ddp, spec.steps)
+    torch.manual_seed(spec.seed * 1000 + rank)  # dropout masks: a stream per rank (nanoGPT's seed_offset)
+    step_box = [0]
+    trainable = [(n, p) for n, p in ddp.module.named_parameters() if p.requires_grad]
+    target_name, target = max(trainable, key=lambda item: item[1].numel())
+    if faulty and spec.kind == "bitflip":
+        target.register_hook(flip_exponent_bits(spec.seed, step_box, spec.fault_step, BITFLIP_FRACTION))
+    snapshot = None
+    losses, grads = [], []
+    ddp.train()
+    started = time.perf_counter()
+    for step in range(spec.steps):
+        step_box[0] = step
+        active = faulty and step >= spec.fault_step
+        data_step = spec.fault_step if active and spec.kind == "stuck" else step
+        batch = make_batch(data, np.random.default_rng([spec.seed, rank, data_step]))
+        if active and spec.kind == "labels":
+            batch = misalign(family, batch)
+        if faulty and spec.kind == "stale":
+            if step == max(0, spec.fault_step - STALE_BACK):
+                snapshot = [p.detach().clone() for p in ddp.module.parameters()]
+            if step == spec.fault_step:
+                with torch.no_grad():
+                    for p, old in zip(ddp.module.parameters(), snapshot):
+                        p.copy_(old)
+        if active and spec.kind == "eval" and step == spec.fault_step:
+            ddp.eval()
+        bf16 = (family == "bf16") != (active and spec.kind == "precision")
+        with torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
+            loss = forward_loss(family, ddp, batch)
+        state.observe_loss(loss)
+        loss.backward()
+        if family in CLIP:
+            torch.nn.utils.clip_grad_norm_(ddp.parameters(), CLIP[family])
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        latest = state.latest
+        grads.append({
+            "losses": None if latest.losses is None else latest.losses.tolist(), "grad_norms": latest.grad_norms.tolist(),
+            "cosine_previous": None if latest.cosine_previous is None else latest.cosine_previous.tolist(),
+        })  # fmt: skip
+    wall = time.perf_counter() - started
+    state.flush()
+    alerts = [{k: a[k] for k in ("step", "rank", "kind", "since", "score", "signals", "parameters")} for a in state.alerts]
+    state.close()
+    n = min(20, len(losses))
+    return {
+        **asdict(spec), "name": spec.name, "alerts": alerts, "wall_s": wall, "ms_per_step": 1000 * wall / spec.steps,
+        "healthy_steps": spec.steps if spec.kind is None else spec.fault_step, "target": target_name,
+        "loss_first": float(np.mean(losses[:n])), "loss_last": float(np.mean(losses[-n:])),
+        "parameters": sum(p.numel() for p in model.parameters()), "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "latest": grads,
+    }  # fmt: skip
+
+
+def train_many(rank: int, world: int, specs: list[Spec], results: str | None, records: str | None, keep_latest: bool) -> list[dict]:
+    """Several runs in one process group (saves the workers' start and imports); rank 0 appends one
+    line per finished run to ``results``."""
+    torch.set_num_threads(1)
+    done = []
+    for spec in specs:
+        out = train(rank, world, spec, records)
+        if not keep_latest:
+            out.pop("latest")
+        if rank == 0 and results is not None:
+            with open(results, "a") as file:
+                file.write(json.dumps({key: value for key, value in out.items() if key != "latest"}) + "\n")
+        done.append(out)
+    return done
+
+
+# -- the campaign -----------------------------------------------------------------------------------
+def fault_kinds(family: str) -> list[str]:
+    return [kind for kind in FAULTS if kind != "eval" or family in DROPOUT_FAMILIES]
+
+
+def plan(worlds, healthy_runs: int, fault_runs: int, families=FAMILIES) -> list[Spec]:
+    """Healthy and fault runs, interleaved by repetition so a partial campaign stays balanced."""
+    specs = []
+    for world in worlds:
+        for rep in range(max(healthy_runs, fault_runs)):
+            for family in families:
+                if rep < fault_runs:
+                    for index, kind in enumerate(FAULTS):
+                        if kind in fault_kinds(family):
+                            specs.append(Spec(family, world, FAULT_SEEDS[rep] + 10 * index, kind, FAULT_STEPS, FAULT_STEP, FAULT_RANK))
+                if rep < healthy_runs:
+                    specs.append(Spec(family, world, HEALTHY_SEEDS[rep], None, HEALTHY_STEPS, None, None))
+    return specs
+
+
+def summarize(rows: list[dict]) -> dict:
+    """False alarms per family and W (per 30,000 healthy steps) and delays per fault kind and family."""
+    healthy = defaultdict(lambda: [0, 0, []])  # (family, world) -> steps, alerts, details
+    faults = defaultdict(list)  # (kind, family) -> one entry per run
+    for row in rows:
+        fault_step = row["fault_step"]
+        early = [a for a in row["alerts"] if fault_step is None or a["step"] < fault_step]
+        cell = healthy[(row["family"], row["world"])]
+        cell[0] += row["healthy_steps"]
+        cell[1] += len(early)
+        cell[2] += [{"run": row["name"], **{k: a[k] for k in ("step", "rank", "kind", "signals", "score")}} for a in early]
+        if row["kind"] is None:
+            continue
+        after = [a for a in row["alerts"] if a["step"] >= fault_step]
+        right = [a for a in after if a["rank"] == row["fault_rank"]]
+        first = min(right, key=lambda a: a["step"]) if right else None
+        faults[(row["kind"], row["family"])].append({
+            "world": row["world"], "seed": row["seed"], "delay": None if first is None else first["step"] - fault_step,
+            "alert": None if first is None else f"{first['kind']}:{'+'.join(first['signals'])}",
+            "wrong_rank": sum(1 for a in after if a["rank"] != row["fault_rank"]),
+        })  # fmt: skip
+    return {"healthy": healthy, "faults": faults}
+
+
+def print_tables(rows: list[dict]) -> dict:
+    found = summarize(rows)
+    healthy, faults = found["healthy"], found["faults"]
+    worlds = sorted({w for _, w in healthy})
+    print("\nfalse alarms (alerts on healthy runs and before the fault in fault runs), per 30,000 healthy steps")
+    print(f"{'family':<9}" + "".join(f" {'W=' + str(w) + ' steps':>12} {'alarms':>6}" for w in worlds) + f" {'all steps':>10} {'alarms':>6} {'per 30k':>8}")
+    table = {"false_alarms": [], "delays": [], "alarm_details": []}
+    for family in [*FAMILIES, "pooled"]:
+        cells, total_steps, total_alarms = "", 0, 0
+        for world in worlds:
+            keys = [(f, world) for f in FAMILIES] if family == "pooled" else [(family, world)]
+            steps = sum(healthy[k][0] for k in keys if k in healthy)
+            alarms = sum(healthy[k][1] for k in keys if k in healthy)
+            total_steps, total_alarms = total_steps + steps, total_alarms + alarms
+            cells += f" {steps:>12} {alarms:>6}"
+            table["false_alarms"].append({"family": family, "world": world, "steps": steps, "alarms": alarms})
+        if total_steps:
+            print(f"{family:<9}{cells} {total_steps:>10} {total_alarms:>6} {30000 * total_alarms / total_steps:>8.2f}")
+    for (family, world), (_, _, details) in sorted(healthy.items()):
+        for d in details:
+            table["alarm_details"].append(d)
+            print(f"  false alarm: {d['run']} step {d['step']} rank {d['rank']} {d['kind']} ({'+'.join(d['signals'])}) score {d['score']:.1f}")
+    print("\ndelays (first alert naming the faulty rank - fault step), per fault kind and family, all W")
+    print(f"{'fault':<10} {'family':<8} {'runs':>4} {'named':>5} {'median':>6} {'worst':>5} {'by W (delays)':<34} {'wrong-rank':>10}  first alert kinds")
+    for kind in FAULTS:
+        for family in [*FAMILIES, "all"]:
+            entries = [e for (k, f), es in faults.items() if k == kind and (family == "all" or f == family) for e in es]
+            if not entries:
+                continue
+            named = [e["delay"] for e in entries if e["delay"] is not None]
+            by_world = " ".join(f"W{w}:" + ",".join("-" if e["delay"] is None else str(e["delay"]) for e in entries if e["world"] == w) for w in sorted({e["world"] for e in entries}))
+            alerts = defaultdict(int)
+            for e in entries:
+                alerts[e["alert"] or "missed"] += 1
+            median = statistics.median(named) if named else None
+            worst = max(named) if named else None
+            wrong = sum(e["wrong_rank"] for e in entries)
+            label = family if family != "all" else "ALL"
+            print(f"{kind:<10} {label:<8} {len(entries):>4} {len(named):>5} {'-' if median is None else median:>6} {'-' if worst is None else worst:>5} {by_world:<34} {wrong:>10}  {dict(alerts)}")
+            table["delays"].append({"kind": kind, "family": family, "runs": len(entries), "named": len(named), "median": median, "worst": worst, "wrong_rank_alerts": wrong, "alerts": dict(alerts), "entries": entries})
+    return table
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worlds", type=int, nargs="+", default=list(WORLDS))
+    parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
+    parser.add_argument("--healthy-runs", type=int, default=1, help=f"healthy runs per family and W ({HEALTHY_STEPS} steps each)")
+    parser.add_argument("--fault-runs", type=int, default=1, help=f"fault runs per fault kind, family and W ({FAULT_STEPS} steps, fault at {FAULT_STEP})")
+    parser.add_argument("--smoke", action="store_true", help="one short healthy run per family (dev seed 0), then the step times")
+    parser.add_argument("--smoke-world", type=int, default=2)
+    parser.add_argument("--smoke-steps", type=int, default=30)
+    parser.add_argument("--out", default=OUT, help="results.jsonl (one line per finished run, resumable) goes here")
+    parser.add_argument("--records", action="store_true", help="also write each run's records (JsonlSink, detail every step) under OUT/files for detection.py")
+    parser.add_argument("--group", type=int, default=8, help="runs per spawn (one process group)")
+    parser.add_argument("--ms-per-step", type=float, default=60.0, help="step time estimate at W = 4 for the spawn timeouts")
+    parser.add_argument("--check", nargs="+", default=None, metavar="FAMILY:KIND", help="W = 2, a short healthy run and its faulty twin per pair (tests/test_workloads.py); --json gets their per-step statistics")
+    parser.add_argument("--check-steps", type=int, default=6)
+    parser.add_argument("--check-fault-step", type=int, default=3)
+    parser.add_argument("--summarize", default=None, metavar="RESULTS", help="only print the tables of an existing results.jsonl")
+    parser.add_argument("--json", default=None, help="also write the tables to this file")
+    args = parser.parse_args()
+
+    if args.check:
+        specs = []
+        for pair in args.check:
+            family, kind = pair.split(":")
+            specs += [Spec(family, 2, 0, None, args.check_steps, None, None), Spec(family, 2, 0, kind, args.check_steps, args.check_fault_step, 1)]
+        rows = spawn(train_many, 2, args=(specs, None, None, True), timeout=600)
+        out = rows[0]  # state.latest is the same on every rank: every rank's loss and gradient norm
+        for row in out:
+            print(f"{row['name']:<28} {row['ms_per_step']:6.1f} ms/step losses {row['loss_first']:.3f} -> {row['loss_last']:.3f}")
+        if args.json:
+            Path(args.json).write_text(json.dumps(out))
+        return 0
+    if args.summarize:
+        rows = [json.loads(line) for line in Path(args.summarize).read_text().splitlines() if line.strip()]
+    elif args.smoke:
+        specs = [Spec(f, args.smoke_world, 0, None, args.smoke_steps, None, None) for f in args.families]
+        rows = spawn(train_many, args.smoke_world, args=(specs, None, None, False), timeout=1200)[0]
+        for row in rows:
+            print(f"{row['family']:<8} params {row['parameters']:>7} trainable {row['trainable']:>7} {row['ms_per_step']:7.1f} ms/step loss {row['loss_first']:.3f} -> {row['loss_last']:.3f} alerts {len(row['alerts'])}")
+        return 0
+    else:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        results = out / "results.jsonl"
+        done = {json.loads(line)["name"] for line in results.read_text().splitlines() if line.strip()} if results.exists() else set()
+        specs = [s for s in plan(args.worlds, args.healthy_runs, args.fault_runs, args.families) if s.name not in done]
+        print(f"{len(specs)} runs to go ({len(done)} already in {results})", flush=True)
+        records = str(out / "files") if args.records else None
+        groups = [specs[i : i + args.group] for i in range(0, len(specs), args.group)]
+        for number, group in enumerate(groups):
+            world = group[0].world
+            same = [s for s in group if s.world == world]
+            rest = [s for s in group if s.world != world]
+            for batch in (same, rest):
+                if not batch:
+                    continue
+                w = batch[0].world
+                estimate = sum(s.steps for s in batch) * args.ms_per_step / 1000 * (w / 4) * 3 + 120
+                started = time.time()
+                try:
+                    spawn(train_many, w, args=(batch, str(results), records, False), timeout=estimate)
+                    status = "ok"
+                except Exception as error:  # a failed or hung group: report it, keep the campaign going
+                    status = f"FAILED ({type(error).__name__}: {str(error)[-300:]})"
+                print(f"group {number + 1}/{len(groups)} W={w} {len(batch)} runs {time.time() - started:.0f} s {status}", flush=True)
+        rows = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
+    table = print_tables(rows)
+    steps = defaultdict(int)
+    for row in rows:
+        steps[row["world"]] += row["healthy_steps"]
+    print("\nhealthy steps per W: " + ", ".join(f"W = {w}: {n}" for w, n in sorted(steps.items())) + f"; runs: {len(rows)}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"healthy_steps": dict(steps), **table}, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

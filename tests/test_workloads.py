@@ -1,0 +1,55 @@
+"""Small forms of the workload zoo (benchmarks/workloads.py): every family trains a few steps at
+W = 2 with ddphooks attached, once healthy and once with one fault on rank 1 from step 3.
+
+The two runs are twins (same seed, same data, same dropout streams): before the fault every rank's
+statistics are bitwise identical, and on the first step the fault can show (the fault step; the
+next one for a stuck loader, which repeats the fault step's own batch) rank 0's local loss and
+gradient norm are still identical while rank 1's differ: the fault changes the faulty rank's local
+statistics, before DDP's allreduce, and nothing else.
+"""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "workloads.py"
+#: One fault per family, every fault kind at least once.
+PAIRS = {
+    "cnn": "eval", "gpt2": "bitflip", "bert": "labels", "lora": "stale",
+    "bf16": "precision", "moe": "stuck", "heavy": "labels", "mixture": "stuck",
+}  # fmt: skip
+STEPS, FAULT_STEP = 6, 3
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("zoo") / "check.json"
+    command = [sys.executable, "-W", "ignore", str(SCRIPT), "--check", *(f"{f}:{k}" for f, k in PAIRS.items())]
+    command += ["--check-steps", str(STEPS), "--check-fault-step", str(FAULT_STEP), "--json", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    return {row["family"]: (healthy, row) for healthy, row in zip(rows[0::2], rows[1::2])}
+
+
+@pytest.mark.parametrize("family", list(PAIRS))
+def test_fault_changes_only_the_faulty_rank(runs, family):
+    healthy, faulty = runs[family]
+    assert healthy["kind"] is None and faulty["kind"] == PAIRS[family] and faulty["fault_rank"] == 1
+    h, f = healthy["latest"], faulty["latest"]
+    assert len(h) == len(f) == STEPS
+    for step in range(STEPS):  # training ran with the hook: every rank's loss and gradient norm measured
+        assert all(math.isfinite(v) for v in h[step]["losses"]) and all(v > 0 for v in h[step]["grad_norms"])
+    assert h[:FAULT_STEP] == f[:FAULT_STEP], "twin runs differ before the fault"
+    shows = FAULT_STEP + 1 if PAIRS[family] == "stuck" else FAULT_STEP
+    assert f[shows]["losses"][0] == h[shows]["losses"][0] and f[shows]["grad_norms"][0] == h[shows]["grad_norms"][0]
+    changed = (f[shows]["losses"][1] != h[shows]["losses"][1], f[shows]["grad_norms"][1] != h[shows]["grad_norms"][1])
+    assert any(changed), f"{family}: the {PAIRS[family]} fault left rank 1's local statistics unchanged"
+    if PAIRS[family] == "bitflip":  # the gradient, after the forward: the loss as in the twin, the norm not
+        assert changed == (False, True)
+    if PAIRS[family] in ("labels", "eval", "stale"):  # the forward itself differs on that rank
+        assert changed[0]
