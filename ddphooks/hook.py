@@ -246,7 +246,10 @@ class SilentState(BaseSilentState):
     def _capture_broadcast_buffers(self, module: torch.nn.Module, args: tuple) -> None:
         """Forward pre-hook of the wrapped module: DDP has just broadcast rank 0's buffers."""
         if self._replica_tensors is not None and self._replica_due(self.step):
-            self._replica_tensors.capture_broadcast(self.step)
+            try:
+                self._replica_tensors.capture_broadcast(self.step)
+            except Exception as error:  # never raise into the forward: this step compares unchanged buffers only
+                self._warn("ddphooks: the replica check could not fingerprint the broadcast buffers at step %d: %r", self.step, error)
 
     def _before_flush(self) -> None:
         if self._watchdog is not None:

@@ -124,3 +124,29 @@ def test_buffers_captured_after_a_broadcast_are_compared_even_when_the_forward_m
     # step 6 had no capture (no forward through the wrapper): what moved since the broadcast is left out
     assert {name for name, ok in _compared(replicas, 6).items() if not ok} == BATCHNORM_BUFFERS
     assert all(_compared(replicas, 7).values())  # not for good: the next broadcast makes them identical again
+
+
+def _check_capture_failure(rank: int, world: int) -> tuple[list, list]:
+    """A failing broadcast capture never reaches the forward: the step falls back to the buffers
+    that did not move, and says so."""
+    import logging
+
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("ddphooks").addHandler(handler)
+
+    def broken(self, step):
+        raise RuntimeError("capture failed")
+
+    ReplicaTensors.capture_broadcast = broken
+    torch.manual_seed(0)
+    alerts, replicas = _train(rank, DDP(_ConvNet()), None)
+    return alerts, replicas, [m for m in messages if "could not fingerprint the broadcast buffers" in m]
+
+
+def test_a_failing_broadcast_capture_never_raises_into_the_forward():
+    alerts, replicas, messages = spawn(_check_capture_failure, 2, timeout=TIMEOUT)[0]
+    assert [a for a in alerts if a[2] == "replica"] == [] and len(replicas) == STEPS
+    assert all(r["not_compared"] == len(BATCHNORM_BUFFERS) for r in replicas[1:]), replicas
+    assert messages and "capture failed" in messages[0]
