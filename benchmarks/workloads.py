@@ -8,6 +8,7 @@ one fault on one rank from FAULT_STEP and measure the steps until an alert names
     python benchmarks/workloads.py --smoke                          # every family, a few steps, W = 2
     python benchmarks/workloads.py --worlds 4 --healthy-runs 2      # a campaign (results appended, resumable)
     python benchmarks/workloads.py --summarize /work/runs/zoo/results.jsonl --json zoo.json
+    python benchmarks/workloads.py --summarize /work/runs/zoo/results.jsonl --redetect   # this checkout's detector, offline
     python benchmarks/detection.py /work/runs/zoo/files              # d' and --oracle on the run files (--records)
 
 Families (FAMILIES): cnn (BatchNorm, SGD momentum, step LR), gpt2 (transformers GPT-2, AdamW, warmup
@@ -15,7 +16,7 @@ Families (FAMILIES): cnn (BatchNorm, SGD momentum, step LR), gpt2 (transformers 
 on a frozen tiny Llama), bf16 (MLP under bf16 autocast), moe (top-1 experts + a task head chosen per
 batch, find_unused_parameters=True), heavy (regression with Student-t noise, df 1.5), mixture (Llama
 LM on three domains drawn per rank per step). Faults (FAULTS), on FAULT_RANK from FAULT_STEP:
-bitflip (an exponent bit flipped in 1e-3 of the largest trainable tensor's local gradient, through
+bitflip (an exponent bit flipped in 1e-3 of the largest trainable tensor's local gradient (moe: the trunk's), through
 ``param.register_hook``), labels (labels misaligned: shifted by one position or class, regression
 targets permuted), stuck (the loader repeats the fault step's batch), precision (the rank trains
 under bf16 autocast, or without it in the bf16 family), eval (the rank left in eval mode: dropout
@@ -44,6 +45,8 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddphooks
+from ddphooks.detect import DetectorConfig, detect_run
+from ddphooks.experiment.report import read_run
 from ddphooks.launch import spawn
 
 # -- configuration (chosen before any result) -------------------------------------------------------
@@ -57,6 +60,10 @@ HEALTHY_STEPS = 800  # healthy runs' length
 FAULT_RANK = 1
 STALE_BACK = 50  # the stale rank's weights are those of step FAULT_STEP - STALE_BACK
 BITFLIP_FRACTION = 1e-3
+# The bitflip's tensor where the largest is not used by every step: moe's largest are its experts,
+# and the first of them was routed no sample in any run of the first campaign (no gradient, so the
+# fault never ran); the trunk is what every sample passes through.
+BITFLIP_TARGETS = {"moe": "trunk.weight"}
 # Held-out seeds, fixed before the campaign ran: healthy run r of a family uses HEALTHY_SEEDS[r];
 # fault run r of fault kind k uses FAULT_SEEDS[r] + 10 * k (each fault run is a different run before
 # its fault, so every pre-fault step is a distinct healthy step).
@@ -348,7 +355,7 @@ def train(rank: int, world: int, spec: Spec, records: str | None = None) -> dict
     torch.manual_seed(spec.seed * 1000 + rank)  # dropout masks: a stream per rank (nanoGPT's seed_offset)
     step_box = [0]
     trainable = [(n, p) for n, p in ddp.module.named_parameters() if p.requires_grad]
-    target_name, target = max(trainable, key=lambda item: item[1].numel())
+    target_name, target = next(((n, p) for n, p in trainable if n == BITFLIP_TARGETS.get(family)), max(trainable, key=lambda item: item[1].numel()))
     if faulty and spec.kind == "bitflip":
         target.register_hook(flip_exponent_bits(spec.seed, step_box, spec.fault_step, BITFLIP_FRACTION))
     snapshot = None
@@ -389,7 +396,7 @@ def train(rank: int, world: int, spec: Spec, records: str | None = None) -> dict
         })  # fmt: skip
     wall = time.perf_counter() - started
     state.flush()
-    alerts = [{k: a[k] for k in ("step", "rank", "kind", "since", "score", "signals", "parameters")} for a in state.alerts]
+    alerts = [brief(a) for a in state.alerts]
     state.close()
     n = min(20, len(losses))
     return {
@@ -399,6 +406,24 @@ def train(rank: int, world: int, spec: Spec, records: str | None = None) -> dict
         "parameters": sum(p.numel() for p in model.parameters()), "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "latest": grads,
     }  # fmt: skip
+
+
+def brief(alert: dict) -> dict:
+    """What results.jsonl keeps of an alert."""
+    return {k: alert[k] for k in ("step", "rank", "kind", "since", "score", "signals", "parameters")}
+
+
+def redetect(rows: list[dict], files: Path, config: DetectorConfig | None = None) -> list[dict]:
+    """The rows with their alerts detected again, offline, from each run's records (written with
+    ``--records``: every step in detail, all the detector reads) by the detector of this checkout:
+    the same alerts as online for the same detector, so a changed rule is measured on finished runs."""
+    out = []
+    for row in rows:
+        path = files / f"run-{row['name']}.jsonl"
+        if not path.exists():
+            raise SystemExit(f"--redetect: {path} is missing (the campaign ran without --records?)")
+        out.append({**row, "alerts": [brief(a) for a in detect_run(read_run(path).records, config)]})
+    return out
 
 
 def train_many(rank: int, world: int, specs: list[Spec], results: str | None, records: str | None, keep_latest: bool) -> list[dict]:
@@ -422,11 +447,12 @@ def fault_kinds(family: str) -> list[str]:
     return [kind for kind in FAULTS if kind != "eval" or family in DROPOUT_FAMILIES]
 
 
-def plan(worlds, healthy_runs: int, fault_runs: int, families=FAMILIES) -> list[Spec]:
-    """Healthy and fault runs, interleaved by repetition so a partial campaign stays balanced."""
+def plan(worlds, healthy_runs: int, fault_runs: int, families=FAMILIES, skip_runs: int = 0) -> list[Spec]:
+    """Healthy and fault runs, interleaved by repetition so a partial campaign stays balanced; the
+    first ``skip_runs`` repetitions left out (a set held out from an earlier campaign's seeds)."""
     specs = []
     for world in worlds:
-        for rep in range(max(healthy_runs, fault_runs)):
+        for rep in range(skip_runs, max(healthy_runs, fault_runs)):
             for family in families:
                 if rep < fault_runs:
                     for index, kind in enumerate(FAULTS):
@@ -510,6 +536,7 @@ def main() -> int:
     parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
     parser.add_argument("--healthy-runs", type=int, default=1, help=f"healthy runs per family and W ({HEALTHY_STEPS} steps each)")
     parser.add_argument("--fault-runs", type=int, default=1, help=f"fault runs per fault kind, family and W ({FAULT_STEPS} steps, fault at {FAULT_STEP})")
+    parser.add_argument("--skip-runs", type=int, default=0, help="leave out the first N repetitions of every kind (seeds of an earlier campaign: --healthy-runs 6 --fault-runs 4 --skip-runs 3 runs healthy seeds 303-305 and fault seeds 403-405)")
     parser.add_argument("--smoke", action="store_true", help="one short healthy run per family (dev seed 0), then the step times")
     parser.add_argument("--smoke-world", type=int, default=2)
     parser.add_argument("--smoke-steps", type=int, default=30)
@@ -521,6 +548,8 @@ def main() -> int:
     parser.add_argument("--check-steps", type=int, default=6)
     parser.add_argument("--check-fault-step", type=int, default=3)
     parser.add_argument("--summarize", default=None, metavar="RESULTS", help="only print the tables of an existing results.jsonl")
+    parser.add_argument("--redetect", action="store_true", help="with --summarize: detect every run again from its records (RESULTS' folder/files) with this checkout's detector")
+    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="with --redetect: a DetectorConfig field (repeatable), e.g. --set scale_quantile=0.5")
     parser.add_argument("--json", default=None, help="also write the tables to this file")
     args = parser.parse_args()
 
@@ -538,6 +567,8 @@ def main() -> int:
         return 0
     if args.summarize:
         rows = [json.loads(line) for line in Path(args.summarize).read_text().splitlines() if line.strip()]
+        if args.redetect:
+            rows = redetect(rows, Path(args.summarize).parent / "files", DetectorConfig.from_overrides(args.set))
     elif args.smoke:
         specs = [Spec(f, args.smoke_world, 0, None, args.smoke_steps, None, None) for f in args.families]
         rows = spawn(train_many, args.smoke_world, args=(specs, None, None, False), timeout=1200)[0]
@@ -549,7 +580,7 @@ def main() -> int:
         out.mkdir(parents=True, exist_ok=True)
         results = out / "results.jsonl"
         done = {json.loads(line)["name"] for line in results.read_text().splitlines() if line.strip()} if results.exists() else set()
-        specs = [s for s in plan(args.worlds, args.healthy_runs, args.fault_runs, args.families) if s.name not in done]
+        specs = [s for s in plan(args.worlds, args.healthy_runs, args.fault_runs, args.families, args.skip_runs) if s.name not in done]
         print(f"{len(specs)} runs to go ({len(done)} already in {results})", flush=True)
         records = str(out / "files") if args.records else None
         groups = [specs[i : i + args.group] for i in range(0, len(specs), args.group)]

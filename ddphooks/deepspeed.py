@@ -228,9 +228,14 @@ class DeepSpeedSilentState(BaseSilentState):
         self._local_sum_in_grad = (
             self._stage == 1 and type(optimizer).__name__ == "DeepSpeedZeroOptimizer" and not getattr(optimizer, "use_grad_accum_attribute", False)
         )  # fmt: skip
-        self._plans: list[BucketPlan | None] = [None] * len(self._params)
+        # Made at the first step on the gradients' device (and again only if it changes): each
+        # parameter's plan and its one-element views of the norms, so that a hook only indexes.
+        self._plans: list[BucketPlan] = []
+        self._per_param: list[tuple[BucketPlan, torch.Tensor, torch.Tensor]] = []
+        self._step_kernel = None  # the statistics kernel of that device
         self._local_sq: torch.Tensor | None = None  # fp32, |G_p|^2 of this step per parameter
         self._scratch: torch.Tensor | None = None  # fp32, one micro-batch's |g_p|^2 per parameter
+        self._partition_index: tuple[tuple[int, ...], torch.Tensor] | None = None  # the last _reduced_partitions indices, as a tensor
         self._slots: torch.Tensor | None = None
         self._current: _Step | None = None
         self._said: set[str] = set()
@@ -268,39 +273,44 @@ class DeepSpeedSilentState(BaseSilentState):
                 record.seen = [False] * len(self._params)
                 self._reset_sketch(device)
                 if self._local_sq is None or self._local_sq.device != device:
-                    self._local_sq = torch.zeros(len(self._params), dtype=torch.float32, device=device)
-                    self._scratch = torch.zeros(len(self._params), dtype=torch.float32, device=device)
-                    # one-element views, made once: the hooks write each parameter's norm in place
-                    self._views = [(self._local_sq[j : j + 1], self._scratch[j : j + 1]) for j in range(len(self._params))]
-                    self._plans = [None] * len(self._params)
+                    self._prepare_device(device)
                 else:
                     self._local_sq.zero_()
         return record
 
-    def _plan(self, index: int, device: torch.device) -> BucketPlan:
-        plan = self._plans[index]
-        if plan is None:
-            chunk = self.config.chunk_elems or (CPU_CHUNK_ELEMS if device.type == "cpu" else ACCELERATOR_CHUNK_ELEMS)
-            base = 0 if index == 0 else self._plan(index - 1, device).end  # parameters one after the other
-            plan = self._plans[index] = BucketPlan([self._numels[index]], self.bins, base, device, chunk)
-        return plan
+    def _prepare_device(self, device: torch.device) -> None:
+        """The per-parameter plans and norms of ``device``, once: parameter ``j``'s plan starts
+        where parameter ``j - 1``'s ends (the same positions, so the same signs, on every rank)."""
+        n_params = len(self._params)
+        self._local_sq = torch.zeros(n_params, dtype=torch.float32, device=device)
+        self._scratch = torch.zeros(n_params, dtype=torch.float32, device=device)
+        chunk = self.config.chunk_elems or (CPU_CHUNK_ELEMS if device.type == "cpu" else ACCELERATOR_CHUNK_ELEMS)
+        plans, base = [], 0
+        for numel in self._numels:
+            plans.append(BucketPlan([numel], self.bins, base, device, chunk))
+            base = plans[-1].end
+        self._plans = plans
+        # one-element views, made once: the hooks write each parameter's norm in place
+        self._per_param = [(plans[j], self._local_sq[j : j + 1], self._scratch[j : j + 1]) for j in range(n_params)]
+        self._step_kernel = self._kernel(device)
 
     def _measure(self, index: int, grad: torch.Tensor) -> None:
-        record = self._current if self._current is not None else self._open(grad.device)
+        record = self._current
+        if record is None:
+            record = self._open(grad.device)
         if not record.instrumented or record.error is not None:
             return
         try:
             flat = grad.reshape(-1)  # a view (a gradient handed to a hook does not require grad)
+            plan, total, scratch = self._per_param[index]
             earlier = self._params[index].grad if self._local_sum_in_grad else None
             if earlier is not None and earlier.numel() != flat.numel():
                 earlier = None
             first = not record.seen[index]
-            total, scratch = self._views[index]
             # The first contribution of the step goes straight into the step's norms (the kernel
             # overwrites them); later ones (micro-batches, reentrant checkpointing) add up.
             out = total if first and earlier is None else scratch
-            plan = self._plans[index] or self._plan(index, flat.device)
-            self._kernel(flat.device).run(flat, plan, self._sketch if self.bins else None, out)
+            self._step_kernel.run(flat, plan, self._sketch, out)  # _sketch: None without a sketch
             if earlier is not None:
                 # |A + g|^2 = |A|^2 + |g|^2 + 2 <A, g>, with |A|^2 already in total
                 a = earlier.detach().reshape(-1)
@@ -366,6 +376,14 @@ class DeepSpeedSilentState(BaseSilentState):
                 parts.append(fragment)
         return indices, parts
 
+    def _index_tensor(self, indices: list[int], device: torch.device) -> torch.Tensor:
+        """``indices`` as a tensor on ``device``, made again only when they change (the parameters
+        whose partition lies on this rank are the same at every step)."""
+        cached = self._partition_index
+        if cached is None or cached[1].device != device or cached[0] != tuple(indices):
+            cached = self._partition_index = (tuple(indices), torch.tensor(indices, dtype=torch.long, device=device))
+        return cached[1]
+
     def _gather(self, record: _Step) -> SilentStats | BaseException:
         device = self._local_sq.device
         n_params = len(self._params)
@@ -379,8 +397,11 @@ class DeepSpeedSilentState(BaseSilentState):
                 self._pack_slot([self._local_sq], fingerprint, mine[:slot])
                 indices, parts = self._reduced_partitions()
                 if parts:  # one multi-tensor norm over every partition, accumulated in fp32
-                    norms = torch.stack(torch._foreach_norm(parts, 2, dtype=torch.float32)).square_()
-                    mine[slot:].index_copy_(0, torch.tensor(indices, device=device), norms.to(device))
+                    norms = torch._foreach_norm(parts, 2, dtype=torch.float32)
+                    if len(indices) == n_params and norms[0].device == device:  # a part of every parameter, in order (ZeRO-3)
+                        torch.stack(norms, out=mine[slot:]).square_()
+                    else:
+                        mine[slot:].index_copy_(0, self._index_tensor(indices, device), torch.stack(norms).square_().to(device))
         except Exception as error:  # still join the all-reduce: every rank waits in it
             record.error = error
         if record.error is not None:

@@ -32,7 +32,9 @@ itself:
 1. **against the other ranks** (W >= 3), each as the distance from the median over all ranks
    (robust to the one rank that is off); at W = 2 the two distances are opposite, and only
    ``cosine_previous``, where a rise alone is suspicious, says which rank it is:
-   - ``loss``: ``loss_i - median_j loss_j``,
+   - ``loss``: ``log loss_i - median_j log loss_j`` (``loss_scale``: the log while every loss seen
+     is positive, relative changes as for the gradient norm; the loss itself from the first loss
+     <= 0 on),
    - ``grad_norm``: ``log|g_i| - median_j log|g_j|``,
    - ``cosine``: the leave-one-out cosine ``cos(s_i, sum_{j != i} s_j)`` minus the median of
      those (only a drop counts: the rank disagrees with the rest);
@@ -74,15 +76,22 @@ itself:
    parameter needs five steps at the cap to alert at level 1, however wild, while a corrupted
    layer's steady rise of a few standard deviations loses little to the cap), so that a lasting
    change in one layer is not lost among the hundreds of parameters that did not change; the
-   rank's level is its largest. The scale of a parameter's rises is learned on every step,
+   rank's level is its largest. A zero norm is unknown, as a non-finite one: a parameter the
+   rank's batch did not use (an expert or a task head under conditional computation,
+   ``find_unused_parameters=True``) has no local gradient to compare. The scale of a parameter's rises is learned on every step,
    pooled over ranks (an exponential average of their median absolute rise, which the one rank
    that is off cannot move; W >= 3). A scale learned only on calm steps would be too small by
    the steps it skips, and healthy runs would raise per-parameter alerts. At W = 2, with no
    majority, each rank's scale is its own average absolute rise, learned on the steps when its
    evidence on that parameter is not accumulating.
 
-Baselines are the median and the scaled median absolute deviation (``1.4826 * MAD``) of the last
-``window`` steps, never including the steps of a rank with a CUSUM past half its threshold or
+Baselines are the median and a standard deviation of the last ``window`` steps: the larger of
+the scaled median absolute deviation (``1.4826 * MAD``) and the shoulders of the noise, the median
+rank's ``scale_quantile`` (0.8) of its absolute deviations over a normal's (``_shoulders``; the
+smaller of the two ranks' at W = 2). The two agree for normal noise; for noise with a second mode
+(ranks whose batches come from different domains) or heavy shoulders (a loss with outlier batches)
+the quantile's is the larger, so what is routine in the run scores as routine. Both are learned
+never including the steps of a rank with a CUSUM past half its threshold or
 that is under alert (a lasting fault does not become the new normal before it is reported), with
 floors so that a constant signal does not divide by zero; a baseline of fewer than
 ``MIN_BASELINE_STEPS`` (8) steps scores nothing (a rank kept out of its own for a whole window is
@@ -132,11 +141,14 @@ no warm-up: bitwise-identical replicas are never flagged, so there is nothing to
 Non-finite values (records' ``nonfinite`` key) need no baseline either: a rank whose loss or local
 gradient went NaN or Inf on a step where the other ranks' were finite is named (kind ``nonfinite``,
 ``since`` that step, the parameters whose gradients were not finite, ``score`` how many of them a
-record lists) on the next step if its values are still not finite there, with no warm-up. Without a
+record lists) on the next step if its values are still not finite there, or on its third step
+non-finite alone within ``quiet_steps`` (a failing unit that corrupts some steps and not others),
+with no warm-up. Without a
 loss scaler the averaged gradient carries the NaN to every replica, and from the next step on every
 rank is non-finite: the alert says which rank it came from. With one (fp16 ``GradScaler``) an
 overflow on one rank makes every rank skip that step and the next step is finite again: that is the
-scaler's routine and raises nothing. Every rank non-finite from the same step (a learning rate that
+scaler's routine and raises nothing (the scale is halved each time, so the same rank does not
+overflow three times within a few steps). Every rank non-finite from the same step (a learning rate that
 blows up everywhere) names no rank and raises nothing; the records show it. Non-finite values score
 nothing in the other signals (they are unknown there), online as offline, where a record holds them
 as null.
@@ -185,6 +197,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field, fields
+from statistics import NormalDist
 
 import numpy as np
 
@@ -240,6 +253,10 @@ PARAMETER_RATE = 0.1  # weight of a new step in the per-parameter exponential av
 #: and a rank kept out of its own baseline for a whole window (while it is suspect, see
 #: ``Detector.update``) would otherwise score its next steps against the scale's floor.
 MIN_BASELINE_STEPS = 8
+#: Lone non-finite steps of one rank within ``quiet_steps`` that name it (see ``_nonfinite_alerts``):
+#: a workload-zoo rank with a failing unit (exponent bits flipped in its gradient) went Inf alone on
+#: steps 151, 153, 156 and 163 and was named at 164 by the next-step rule alone.
+NONFINITE_AGAIN = 3
 #: Fewest parameters whose median is a rank's common factor (see ``Detector._parameter_changes``):
 #: with one or two, a corrupted parameter would move it.
 COMMON_FACTOR_PARAMETERS = 3
@@ -315,6 +332,34 @@ class DetectorConfig:
     per-parameter CUSUM on the eleventh session's 13,030 held-out healthy steps (11.2, at W = 2;
     at W = 4 0.7 of that); on 17,770 healthy steps held out from the choice the per-parameter
     CUSUMs stayed under 10.1 (W = 2) and 6.3 (W = 4)."""
+
+    scale_quantile: float = 0.8
+    """Every baseline's scale (own history and across ranks; not the per-parameter ones) is the
+    larger of two estimates of the standard deviation: ``1.4826 * MAD``, and this quantile of the
+    absolute deviations from the median over a normal's (1.2816 at 0.8). For normal noise they
+    agree. Where a signal's healthy noise has shoulders or a second mode, the quantile's is the
+    larger, and what is routine scores as routine: ranks whose batches come from different
+    domains (losses, gradient norms and cosines several MADs apart on a third of the steps), a
+    rank whose batch often draws an outlier. 0.5: the MAD alone (before). Chosen on the workload
+    zoo's development seeds (benchmarks/README.md "Workload zoo"): with the MAD alone and the
+    loss on a log scale, a domain mixture raised 37 false alarms in 5,900 healthy steps at
+    W = 2, 4 and 8; 0 at 0.8 (the highest CUSUM 1.10 times its level-1 threshold at W = 4, where
+    an alert needs 1.25). Not 0.9: a stuck loader on a LoRA run (a weak repeat: its cosine to its
+    previous step 0.3, the healthy ranks' up to 0.27) was named in 48 steps (24 at 0.8, 10 with
+    the MAD alone). Each rank's quantile, then the median rank's: a quantile pooled over ranks
+    would take in the one rank that is off (a quarter of the values at W = 4), and a lasting shift
+    of 5 standard deviations in one rank's loss raised its scale until it scored nothing."""
+
+    loss_scale: str = "log"
+    """How the loss signal reads each rank's loss: ``"log"``, its log (relative changes, as the
+    gradient norm's), or ``"linear"``, the loss itself. Under ``"log"`` a run whose loss is ever
+    <= 0 (an ELBO, a GAN's, a policy objective) is read linearly from that step on, its loss
+    baselines started afresh. A log because a loss is positive and its noise grows with it: on a
+    regression with heavy-tailed noise (Student-t, df 1.5) a rank's batch loss was many MADs
+    above the others' every few dozen steps, and the linear reading raised 98 false alarms in
+    5,450 healthy steps at W = 2, 4 and 8, the log 2 (with ``scale_quantile`` 0.5). Its cost:
+    misaligned labels were named a step later at W = 4 in six of the seven zoo families that
+    named them (2-3 steps instead of 1-2)."""
 
     cosine_floor: float = 2.0
     """Cosine deviations smaller than this many ``cosine_noise`` units score zero."""
@@ -454,6 +499,10 @@ class DetectorConfig:
         for name in ("duplicate_tolerance", "duplicate_cosine_tolerance"):
             if getattr(self, name) >= 1:
                 raise ValueError(f"DetectorConfig.{name}={getattr(self, name)!r} must be < 1 (a relative difference: equality to rounding)")
+        if isinstance(self.scale_quantile, bool) or not isinstance(self.scale_quantile, (int, float)) or not 0.5 <= self.scale_quantile < 1:
+            raise ValueError(f"DetectorConfig.scale_quantile={self.scale_quantile!r} must be a number from 0.5 (the MAD alone) to below 1")
+        if self.loss_scale not in ("log", "linear"):
+            raise ValueError(f"DetectorConfig.loss_scale={self.loss_scale!r} must be 'log' or 'linear'")
         if self.recent > self.window:
             raise ValueError(f"DetectorConfig.recent={self.recent} must be <= window={self.window} (the recent steps are the window's last)")
 
@@ -569,19 +618,27 @@ class _History:
         self.filled = min(self.filled + 1, self.window)
 
 
-def _column_medians(values: np.ndarray) -> np.ndarray:
-    """Median of each column of a 2-D array, ignoring NaN (NaN for an all-NaN column).
+def _column_quantiles(values: np.ndarray, q: float) -> np.ndarray:
+    """The ``q`` quantile of each column of a 2-D array (linear interpolation between the two
+    nearest values, as ``np.nanquantile``), ignoring NaN (NaN for an all-NaN column).
 
-    One sort instead of ``np.nanmedian``, whose masked-array path costs a millisecond a call on
+    One sort instead of ``np.nanquantile``, whose masked-array path costs a millisecond a call on
     the small arrays the detector has (the detector runs on every step of every rank).
     """
     ordered = np.sort(values, axis=0)  # NaN sorts last
     count = np.sum(~np.isnan(values), axis=0)
     columns = np.arange(values.shape[1])
-    low, high = np.maximum((count - 1) // 2, 0), np.maximum(count // 2, 0)
+    position = q * np.maximum(count - 1, 0)
+    low = np.floor(position).astype(int)
+    high = np.minimum(low + 1, np.maximum(count - 1, 0))
     with np.errstate(invalid="ignore"):
-        median = 0.5 * (ordered[low, columns] + ordered[high, columns])
-    return np.where(count > 0, median, np.nan)
+        quantile = ordered[low, columns] + (position - low) * (ordered[high, columns] - ordered[low, columns])
+    return np.where(count > 0, quantile, np.nan)
+
+
+def _column_medians(values: np.ndarray) -> np.ndarray:
+    """Median of each column of a 2-D array, ignoring NaN (NaN for an all-NaN column)."""
+    return _column_quantiles(values, 0.5)
 
 
 def _robust(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -589,6 +646,22 @@ def _robust(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     median = _column_medians(values)
     mad = _column_medians(np.abs(values - median))
     return median, MAD_TO_STD * np.nan_to_num(mad, nan=0.0)
+
+
+def _shoulders(values: np.ndarray, center: np.ndarray, quantile: float) -> np.ndarray:
+    """Per signal, a standard deviation from the shoulders of its noise (see
+    ``DetectorConfig.scale_quantile``): each rank's ``quantile`` of ``|value - center|`` over the
+    window, over a normal's, and of those the median rank's, which the one rank that is off
+    cannot move (W >= 3; the smaller at W = 2). ``values`` is signals x steps x W, ``center`` signals x W (or x 1);
+    zeros at ``quantile`` 0.5 (the MAD alone)."""
+    signals, steps, world = values.shape
+    if quantile <= 0.5:
+        return np.zeros(signals)
+    distance = np.abs(values - center[:, None, :]).transpose(1, 0, 2).reshape(steps, signals * world)
+    per_rank = _column_quantiles(distance, quantile).reshape(signals, world)
+    # No majority at W = 2: the smaller of the two, as the rank that is off raises its own.
+    typical = _column_medians(per_rank.T) if world >= 3 else np.fmin(per_rank[:, 0], per_rank[:, 1])
+    return np.nan_to_num(typical, nan=0.0) / NormalDist().inv_cdf(0.5 + quantile / 2)
 
 
 def _growth(deviations: np.ndarray, recent: int) -> np.ndarray:
@@ -730,6 +803,7 @@ class Detector:
         self.raw = {name: _History(window, world) for name in SIGNALS}  # own-history values
         # The losses themselves, at W = 2 only: which of the two ranks' losses moved (see _scores).
         self.raw_losses = _History(window, world) if world == 2 else None
+        self.log_losses = self.config.loss_scale == "log"  # until a loss <= 0 (see _loss_scale)
         self.cross = {name: _History(window, world) for name in SIGNALS}  # deviations from the others
         self.cusum = {(kind, name): np.zeros(world) for kind in ("own", "cross") for name in SIGNALS}
         if world >= 3:
@@ -782,6 +856,7 @@ class Detector:
         # Non-finite values are unknown here, as in a record (null) read offline; _nonfinite_alerts
         # reports them.
         losses = np.where(np.isfinite(obs.losses), obs.losses, np.nan) if obs.losses is not None else np.full(obs.world_size, np.nan)
+        losses = self._loss_scale(losses)  # from here on as the loss signal reads them (log or linear)
         values = self._values(obs, losses)
         deviations = self._deviations(values)
         self._parameter_changes(obs)
@@ -820,6 +895,22 @@ class Detector:
                 "cosine_previous": _fisher(obs.cosine_previous) if obs.cosine_previous is not None else nan,
             }
 
+    def _loss_scale(self, losses: np.ndarray) -> np.ndarray:
+        """The losses on the scale the loss signal reads them (``DetectorConfig.loss_scale``): their
+        logs while every loss seen was positive, the losses themselves from the first step with
+        a loss <= 0 on (a loss that may be negative: an ELBO, a GAN's, a policy objective), when
+        the loss baselines start afresh rather than mix the two scales."""
+        if self.log_losses and (losses <= 0).any():
+            self.log_losses = False
+            for history in (self.raw["loss"], self.cross["loss"], self.raw_losses):
+                if history is not None:
+                    history.values[:] = np.nan
+                    history.filled = 0
+        if not self.log_losses:
+            return losses
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.log(losses)
+
     @staticmethod
     def _deviations(values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         # From the median of all ranks, the rank itself included: at W = 3 the median of the
@@ -846,10 +937,11 @@ class Detector:
         # Baselines in batched sorts (per kind, over every signal and rank at once), since the
         # detector runs on every step of every rank; the scales grow with the recent spread (see the
         # module docstring).
-        recent = self.config.recent
+        recent, quantile = self.config.recent, self.config.scale_quantile
         own = np.stack([self.raw[name].values for name in SIGNALS])  # signals x steps x W
         own_median, own_scale = _robust(own.transpose(1, 0, 2).reshape(own.shape[1], -1))
         own_median, own_scale = own_median.reshape(len(SIGNALS), -1), own_scale.reshape(len(SIGNALS), -1)
+        own_scale = np.maximum(own_scale, _shoulders(own, own_median, quantile)[:, None])
         own_median[np.sum(np.isfinite(own), axis=1) < MIN_BASELINE_STEPS] = np.nan  # no baseline: no score
         if self.world >= 3:  # at W = 2 the spread across ranks is the gap that the rank that is off makes
             own_scale = own_scale * _growth(own - own_median[:, None, :], recent)[:, None]
@@ -858,6 +950,7 @@ class Detector:
             # Pooled over ranks: healthy ranks are exchangeable.
             cross = np.stack([self.cross[name].values for name in crossed])
             cross_median, cross_scale = _robust(cross.reshape(len(crossed), -1).T)
+            cross_scale = np.maximum(cross_scale, _shoulders(cross, cross_median[:, None], quantile))
             cross_median[np.sum(np.isfinite(cross), axis=(1, 2)) < MIN_BASELINE_STEPS] = np.nan
             growth = _growth(cross, recent) if self.world >= 3 else 1.0
             combined_scale = cross_scale * growth**self.config.combined_growth
@@ -1012,8 +1105,8 @@ class Detector:
         usual = float(np.nanmedian(history)) if np.isfinite(history).any() else math.nan
         now = float((self._deviations(values) if kind == "cross" else values)[name][rank])
         describe = {
-            ("cross", "loss"): "loss minus the median rank's",
-            ("own", "loss"): "loss minus the step's mean loss",
+            ("cross", "loss"): f"{'log ' if self.log_losses else ''}loss minus the median rank's",
+            ("own", "loss"): f"{'log ' if self.log_losses else ''}loss minus the step's mean {'log ' if self.log_losses else ''}loss",
             ("cross", "grad_norm"): "log gradient norm minus the median rank's",
             ("own", "grad_norm"): "log gradient norm",
             ("cross", "cosine"): "gradient cosine to the others minus the median rank's",
@@ -1063,23 +1156,46 @@ class Detector:
         bad_loss = {int(rank) for rank in report.get("losses", [])}
         bad_gradient = set(np.flatnonzero(~np.isfinite(obs.grad_norms)).tolist())
         bad = bad_loss | bad_gradient
-        alerts = [self._nonfinite_alert(obs, rank, first, bad) for rank, first in sorted(self.nonfinite_first.items()) if rank in bad]
+        alone = len(bad) < obs.world_size  # every rank at once names none
+        # Named: still not finite on the step after it went non-finite alone (its NaN reached every
+        # replica, or it stays non-finite), or non-finite alone for the NONFINITE_AGAIN-th time
+        # within quiet_steps steps (a failing unit that corrupts some steps only). A loss scaler's
+        # overflow on one rank is finite on the next step, and does not come back twice so soon on
+        # the same rank: the scale is halved each time.
+        window = self.config.quiet_steps
+        self.nonfinite_first = {
+            rank: kept for rank, lone in self.nonfinite_first.items() if (kept := [first for first in lone if obs.step - first["step"] < window])
+        }  # fmt: skip
+        alerts = []
+        for rank, lone in sorted(self.nonfinite_first.items()):
+            if rank not in bad:
+                continue
+            if lone[-1]["step"] == obs.step - 1:
+                alerts.append(self._nonfinite_alert(obs, rank, lone[-1], bad))
+            elif alone and len(lone) + 1 >= NONFINITE_AGAIN:
+                alerts.append(self._nonfinite_alert(obs, rank, lone[0], bad))
         self.nonfinite_episodes.update((alert["rank"], 0) for alert in alerts)  # a new episode per alert
         for rank in list(self.nonfinite_episodes):
+            self.nonfinite_first.pop(rank, None)
             self.nonfinite_episodes[rank] = 0 if rank in bad else self.nonfinite_episodes[rank] + 1
             if self.nonfinite_episodes[rank] >= self.config.quiet_steps:
                 del self.nonfinite_episodes[rank]
-        self.nonfinite_first = {}
-        if len(bad) < obs.world_size:  # every rank at once names none
+        if alone:
             for rank in sorted(bad - set(self.nonfinite_episodes)):
                 what = " and ".join(part for part, hit in (("loss", rank in bad_loss), ("local gradient", rank in bad_gradient)) if hit)
                 names = [g["parameter"] for g in report.get("gradients", []) if g.get("rank") == rank]
-                self.nonfinite_first[rank] = {"step": obs.step, "what": what, "parameters": names, "finite": sorted(set(range(obs.world_size)) - bad)}
+                first = {"step": obs.step, "what": what, "parameters": names, "finite": sorted(set(range(obs.world_size)) - bad)}
+                self.nonfinite_first.setdefault(rank, []).append(first)
         return alerts
 
     def _nonfinite_alert(self, obs: Observation, rank: int, first: dict, bad: set[int]) -> dict:
         names = first["parameters"][: self.config.top_parameters]
-        now = "every rank's values are" if len(bad) == obs.world_size else "its values are still"
+        if len(bad) == obs.world_size:
+            now = "every rank's values are not finite"
+        elif obs.step == first["step"] + 1:
+            now = "its values are still not finite"
+        else:
+            now = f"its values are not finite again while the others' are ({NONFINITE_AGAIN} times in {obs.step - first['step'] + 1} steps)"
         return {
             "step": obs.step,
             "rank": rank,
@@ -1092,7 +1208,7 @@ class Detector:
                 f"rank {rank}'s {first['what']} went non-finite (NaN or Inf) at step {first['step']} while rank(s) "
                 f"{', '.join(map(str, first['finite']))} had finite values"
                 + (f", in {', '.join(names[:3])}" if names else "")
-                + f"; at step {obs.step} {now} not finite; typical of {LIKELY_CAUSES['nonfinite']}; {reference('nonfinite')}"
+                + f"; at step {obs.step} {now}; typical of {LIKELY_CAUSES['nonfinite']}; {reference('nonfinite')}"
             ),
         }
 
@@ -1190,8 +1306,12 @@ class Detector:
         if obs.parameter_norms is None or obs.parameter_names is None:
             return
         with np.errstate(divide="ignore", invalid="ignore"):
-            # Non-finite norms are unknown, as offline (null); _nonfinite_alerts reports them.
-            logs = np.log(np.where(np.isfinite(obs.parameter_norms), obs.parameter_norms, np.nan))
+            # Non-finite norms are unknown, as offline (null); _nonfinite_alerts reports them. So is a
+            # zero norm: a parameter the rank's batch did not use (conditional computation, an
+            # expert or a head no sample was routed to) has no local gradient to compare, and its
+            # log, -inf, would make every rank that used it look infinitely far above the median.
+            norms = obs.parameter_norms
+            logs = np.log(np.where(np.isfinite(norms) & (norms > 0), norms, np.nan))
             deviation = logs - _column_medians(logs)
             if deviation.shape[1] >= COMMON_FACTOR_PARAMETERS:
                 # A batch that makes one rank's whole gradient larger moves every parameter alike;

@@ -283,31 +283,54 @@ class BucketStatsKernel:
         The scratch only grows, and on the CPU it starts at a full default chunk: a bucket
         rebuild or a new plan reuses it rather than freeing one buffer for another (a freed
         block of the host allocator moves later allocations of its size to the heap, see
-        ``ddphooks.memory``)."""
+        ``ddphooks.memory``). ``plans[-1]`` is the plan being added: the others keep their
+        prepared views unless the scratch or the row-sign tiles had to grow (one preparation per
+        new plan, not one of every plan: DeepSpeed adds its per-parameter plans one by one)."""
         f32 = dict(dtype=torch.float32, device=self.device)
         floor = CPU_CHUNK_ELEMS if self.device.type == "cpu" else 0
         needed = max(floor, *(plan.chunk_elems for plan in plans))
+        grew = False
         if needed > self._scratch_elems:
             self._scratch_elems = needed
             self._product = torch.empty(needed, **f32)  # sign * gradient, one chunk
+            grew = True
         segments = max(plan.n_segments for plan in plans)
         if self._partials is None or segments > self._partials.numel():
             self._partials = torch.empty(segments, **f32)
-        self._prepared = {id(plan): (plan, *self._prepare(plan)) for plan in plans}
+            grew = True
+        if self.signs is not None:
+            tiles = self.signs._row_tiles
+            self.signs.row_signs(ROW_PERIOD - 1, needed // self.bins)  # tiles the row signs for any chunk, once
+            grew = grew or self.signs._row_tiles is not tiles
+        if grew or len(plans) == 1:
+            self._prepared = {id(plan): (plan, *self._prepare(plan)) for plan in plans}
+        else:
+            self._prepared[id(plans[-1])] = (plans[-1], *self._prepare(plans[-1]))
 
     def _prepare(self, plan: BucketPlan) -> tuple:
-        """What a plan's run needs beyond its arrays: views of the scratch for a full and for the
-        last chunk, whether norms can go straight to the output, and the sign of the last row."""
+        """What a plan's run needs beyond its arrays, all views of the kernel's scratch and tables
+        made once (none of them per element): views of the scratch for a full and for the last
+        chunk; whether norms can go straight to the output (one chunk, segment j is parameter j);
+        the sign and the number of entries of the last, partial row and its view of the scratch;
+        and for a plan of one chunk, its table signs and row signs (None for more chunks, whose
+        signs are sliced per chunk: a plan keeps nothing per chunk)."""
         if plan.chunk_elems > self.signs.page:
             raise ValueError(f"chunks of {plan.chunk_elems} elements exceed the sign table's {self.signs.page} entries; use chunk_elems <= {self.signs.page}")
         views = {}
-        for length in {plan.chunk_elems, plan.numel - (plan.n_chunks - 1) * plan.chunk_elems}:
+        last_length = plan.numel - (plan.n_chunks - 1) * plan.chunk_elems
+        for length in {plan.chunk_elems, last_length}:
             full = length - length % self.bins
             views[length] = (self._product[:length], self._product[:full].view(-1, self.bins).t())
         self.signs.row_signs(ROW_PERIOD - 1, plan.chunk_elems // self.bins)  # tiles the row signs for any chunk, once
-        direct = self.fused and plan.n_chunks == 1 and plan.n_segments == len(plan.lengths)  # segment j is parameter j
+        direct = plan.n_chunks == 1 and plan.n_segments == len(plan.lengths)  # segment j is parameter j
         tail_row = (plan.base + plan.numel) // self.bins  # the last, partial row (if any)
-        return views, direct, self.signs.row_table[tail_row % ROW_PERIOD].item()
+        tail = plan.numel % self.bins if plan.n_chunks else 0
+        tail_product = self._product[last_length - tail : last_length] if tail else None
+        one_chunk = None
+        if plan.n_chunks == 1:
+            start = plan.base % self.signs.page
+            one_chunk = (self.signs.values[start : start + plan.numel], self.signs.row_signs(plan.base // self.bins, views[plan.numel][1].shape[1]))
+        return views, direct, self.signs.row_table[tail_row % ROW_PERIOD].item(), tail, tail_product, one_chunk
 
     def persistent_bytes(self) -> int:
         """Bytes kept between calls: the scratch and the sign tables (fixed, whatever the model)."""
@@ -342,22 +365,40 @@ class BucketStatsKernel:
         if entry is None or entry[0] is not plan:
             self._allocate([p for p, *_ in self._prepared.values()] + [plan])
             entry = self._prepared[id(plan)]
-        _, views, direct, tail_sign = entry
+        _, views, direct, tail_sign, tail, tail_product, one_chunk = entry
+        if one_chunk is not None and direct and plan.n_segments == 1 and not self.fused:
+            # One parameter in one chunk (most small tensors): the loop below with every view made
+            # once, the same operations in the same order.
+            product, rows_t = views[plan.numel]
+            signs, row_signs = one_chunk
+            product.copy_(signs)
+            product.mul_(flat)
+            sketch_acc.addmv_(rows_t, row_signs)
+            torch.dot(product, product, out=sq_norms[0])
+            if tail:
+                sketch_acc[:tail].add_(tail_product, alpha=tail_sign)
+            return
         table, page, bins, chunk_elems = self.signs.values, self.signs.page, self.bins, plan.chunk_elems
         starts, seg_begin, seg_end = plan.segment_start.tolist(), plan.segment_begin.tolist(), plan.segment_end.tolist()
+        norms = sq_norms if direct else self._partials  # one chunk: segment k is parameter k
         for c in range(plan.n_chunks):
             begin = c * chunk_elems
             end = min(begin + chunk_elems, plan.numel)
-            position = plan.base + begin
             product, rows_t = views[end - begin]
-            signs = table[position % page : position % page + end - begin]
+            if one_chunk is None:
+                position = plan.base + begin
+                signs = table[position % page : position % page + end - begin]
+                row_signs = self.signs.row_signs(position // bins, rows_t.shape[1])
+                chunk = flat[begin:end]
+            else:
+                (signs, row_signs), chunk = one_chunk, flat
             if self.fused:  # one launch: sign * gradient, promoted to fp32
-                torch.mul(signs, flat[begin:end], out=product)
+                torch.mul(signs, chunk, out=product)
             else:  # measured faster on the CPU than the mixed-dtype multiply
                 product.copy_(signs)
-                product.mul_(flat[begin:end])
+                product.mul_(chunk)
             # rows weighted by their signs, summed into bins: s += rows^T v
-            sketch_acc.addmv_(rows_t, self.signs.row_signs(position // bins, rows_t.shape[1]))
+            sketch_acc.addmv_(rows_t, row_signs)
             first, last = starts[c], starts[c + 1]
             whole = last - first == 1 and seg_end[first] - seg_begin[first] == end - begin
             parts = [product] if whole else [product[seg_begin[k] : seg_end[k]] for k in range(first, last)]
@@ -366,13 +407,11 @@ class BucketStatsKernel:
                 torch.stack(torch._foreach_norm(parts, 2), out=out).square_()
             else:  # one dot per segment: measured fastest on the CPU, where a call costs no launch
                 for k, part in enumerate(parts, first):
-                    torch.dot(part, part, out=self._partials[k])
+                    torch.dot(part, part, out=norms[k])
         if not direct:  # a parameter split over chunks sums its segments
             sq_norms.zero_().index_add_(0, plan.segment_owner, self._partials[: plan.n_segments])
-        tail = plan.numel % bins if plan.n_chunks else 0
         if tail:  # the bucket may end in the middle of a row
-            last_length = plan.numel - (plan.n_chunks - 1) * chunk_elems
-            sketch_acc[:tail].add_(self._product[last_length - tail : last_length], alpha=tail_sign)
+            sketch_acc[:tail].add_(tail_product, alpha=tail_sign)
 
 
 def squared_norms(flat: torch.Tensor, lengths: list[int], out: torch.Tensor, fused: bool = False) -> None:

@@ -53,3 +53,32 @@ def test_fault_changes_only_the_faulty_rank(runs, family):
         assert changed == (False, True)
     if PAIRS[family] in ("labels", "eval", "stale"):  # the forward itself differs on that rank
         assert changed[0]
+
+
+def test_redetect_tables_come_from_the_run_files_with_this_detector(tmp_path):
+    # A finished campaign measured again offline (--summarize --redetect): each row's alerts are
+    # those of detect_run on its run file, with --set fields applied; a missing file is an error.
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_detect import _stream
+
+    from ddphooks.detect import detect_run
+
+    records = _stream(4, 120, seed=0, fault_rank=2, fault_step=60)
+    (tmp_path / "files").mkdir()
+    lines = [json.dumps({"header": {"setting": "fault"}})] + [json.dumps(record) for record in records]
+    (tmp_path / "files" / "run-heavy-labels-w4-s1.jsonl").write_text("\n".join(lines) + "\n")
+    row = {"family": "heavy", "world": 4, "seed": 1, "kind": "labels", "steps": 120, "fault_step": 60, "fault_rank": 2,
+           "name": "heavy-labels-w4-s1", "alerts": [], "healthy_steps": 60}  # fmt: skip
+    (tmp_path / "results.jsonl").write_text(json.dumps(row) + "\n")
+    command = [sys.executable, "-W", "ignore", str(SCRIPT), "--summarize", str(tmp_path / "results.jsonl"), "--redetect", "--json", str(tmp_path / "t.json")]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    first = detect_run(records)[0]
+    delays = json.loads((tmp_path / "t.json").read_text())["delays"]
+    assert [(d["kind"], d["family"], d["named"], d["median"]) for d in delays if d["family"] == "heavy"] == [("labels", "heavy", 1, first["step"] - 60)]
+    # Another detector setting gives its own alerts: none at an alert level nothing reaches.
+    result = subprocess.run(command + ["--set", "alert_level=1000"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and json.loads((tmp_path / "t.json").read_text())["delays"][0]["named"] == 0, result.stderr[-3000:]
+    (tmp_path / "files" / "run-heavy-labels-w4-s1.jsonl").unlink()
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "run-heavy-labels-w4-s1.jsonl is missing" in result.stderr, result.stderr[-3000:]
