@@ -208,14 +208,19 @@ class Breakdown:
     THREAD_PARTS = (("detector", "pipeline"), ("submit to the writer", "pipeline"))  # once per step; submit on rank 0
     RECORD_PARTS = (("record building", "writer"), ("writing (JsonlSink)", "writer"))
 
-    def __init__(self, state, device):
+    def _time_kernel(self, state, device) -> None:
+        """The timing tables of every part, and the statistics pass timed: the kernel of ``device``
+        (cached per device: the hook or transport gets this instance back)."""
         self.state = state
         self.lock = threading.Lock()  # parts are timed on the training, gloo, pipeline and writer threads
         self.current = {part: 0.0 for part, _ in self.STEP_PARTS}
         self.samples = {part: [] for part, _ in self.STEP_PARTS + self.THREAD_PARTS + self.RECORD_PARTS}
-        self._pack_start = 0.0
-        kernel = state._kernel(device)  # cached per device: the hook gets this instance back
+        kernel = state._kernel(device)
         kernel.run = self._timed("statistics pass", kernel.run)
+
+    def __init__(self, state, device):
+        self._time_kernel(state, device)
+        self._pack_start = 0.0
         open_step = state._open_step
         state._open_step = lambda device: self._mark(open_step(device))
         stats_buffer, pack_slot = state._stats_buffer, state._pack_slot
@@ -317,12 +322,7 @@ class FsdpBreakdown(Breakdown):
     )
 
     def __init__(self, state, device):
-        self.state = state
-        self.lock = threading.Lock()
-        self.current = {part: 0.0 for part, _ in self.STEP_PARTS}
-        self.samples = {part: [] for part, _ in self.STEP_PARTS + self.THREAD_PARTS + self.RECORD_PARTS}
-        kernel = state._kernel(device)
-        kernel.run = self._timed("statistics pass", kernel.run)
+        self._time_kernel(state, device)
         state._gather = self._timed("end of backward: slot all-reduce + SilentStats", state._gather)
         self._time_pipeline(state)
 
@@ -341,12 +341,7 @@ class DeepSpeedBreakdown(Breakdown):
     )
 
     def __init__(self, state, device):
-        self.state = state
-        self.lock = threading.Lock()
-        self.current = {part: 0.0 for part, _ in self.STEP_PARTS}
-        self.samples = {part: [] for part, _ in self.STEP_PARTS + self.THREAD_PARTS + self.RECORD_PARTS}
-        kernel = state._kernel(device)
-        kernel.run = self._timed("statistics pass", kernel.run)
+        self._time_kernel(state, device)
         measure = state._measure
 
         def timed_measure(*args):

@@ -140,39 +140,32 @@ def _attach_sharded(root: torch.nn.Module, state, loss_from: LossFrom | None, se
     """``attach`` for an FSDP2 root: a ``ShardedSilentState`` measuring its reduce-scatters."""
     from ddphooks.fsdp import ShardedSilentState
 
-    if state is not None and settings:
-        raise TypeError(f"attach takes either state= or settings, not both (got state and {sorted(settings)})")
-    if state is not None and not isinstance(state, ShardedSilentState):
-        raise TypeError(f"state must be a ddphooks.fsdp.ShardedSilentState for an FSDP2 model, got {type(state).__name__}")
-    ddp_only = sorted(set(settings) & DDP_ONLY_SETTINGS)
-    if ddp_only:
-        raise TypeError(f"{', '.join(ddp_only)} appl{'ies' if len(ddp_only) == 1 else 'y'} to DDP only; under FSDP2 the statistics travel in one all-reduce per step: drop {'it' if len(ddp_only) == 1 else 'them'}")
-    if getattr(root, "_ddphooks_state", None) is not None:
-        raise RuntimeError("ddphooks is already attached to this model; attach once per model and reuse the returned state")
-    state = state if state is not None else ShardedSilentState(**settings)
-    state.bind(root)
-    root.register_forward_hook(partial(_capture_loss, state, loss_from or _default_loss_from, set()), with_kwargs=True)
-    root._ddphooks_state = state
-    return state
+    return _attach_per_step(root, state, loss_from, settings, ShardedSilentState, "ddphooks.fsdp", "an FSDP2 model", "FSDP2", "model")
 
 
 def _attach_deepspeed(engine: torch.nn.Module, state, loss_from: LossFrom | None, settings: dict):
     """``attach`` for a DeepSpeed engine: a ``DeepSpeedSilentState`` measuring in gradient hooks."""
     from ddphooks.deepspeed import DeepSpeedSilentState
 
+    return _attach_per_step(engine, state, loss_from, settings, DeepSpeedSilentState, "ddphooks.deepspeed", "a DeepSpeed engine", "DeepSpeed", "engine")
+
+
+def _attach_per_step(target: torch.nn.Module, state, loss_from, settings: dict, state_class, module: str, what: str, stack: str, noun: str):
+    """The shared part of ``attach`` for the transports that gather a step in one all-reduce
+    (FSDP2, DeepSpeed): check the arguments, bind ``state_class``, capture the loss."""
     if state is not None and settings:
         raise TypeError(f"attach takes either state= or settings, not both (got state and {sorted(settings)})")
-    if state is not None and not isinstance(state, DeepSpeedSilentState):
-        raise TypeError(f"state must be a ddphooks.deepspeed.DeepSpeedSilentState for a DeepSpeed engine, got {type(state).__name__}")
+    if state is not None and not isinstance(state, state_class):
+        raise TypeError(f"state must be a {module}.{state_class.__name__} for {what}, got {type(state).__name__}")
     ddp_only = sorted(set(settings) & DDP_ONLY_SETTINGS)
     if ddp_only:
-        raise TypeError(f"{', '.join(ddp_only)} appl{'ies' if len(ddp_only) == 1 else 'y'} to DDP only; under DeepSpeed the statistics travel in one all-reduce per step: drop {'it' if len(ddp_only) == 1 else 'them'}")
-    if getattr(engine, "_ddphooks_state", None) is not None:
-        raise RuntimeError("ddphooks is already attached to this engine; attach once per engine and reuse the returned state")
-    state = state if state is not None else DeepSpeedSilentState(**settings)
-    state.bind(engine)
-    engine.register_forward_hook(partial(_capture_loss, state, loss_from or _default_loss_from, set()), with_kwargs=True)
-    engine._ddphooks_state = state
+        raise TypeError(f"{', '.join(ddp_only)} appl{'ies' if len(ddp_only) == 1 else 'y'} to DDP only; under {stack} the statistics travel in one all-reduce per step: drop {'it' if len(ddp_only) == 1 else 'them'}")
+    if getattr(target, "_ddphooks_state", None) is not None:
+        raise RuntimeError(f"ddphooks is already attached to this {noun}; attach once per {noun} and reuse the returned state")
+    state = state if state is not None else state_class(**settings)
+    state.bind(target)
+    target.register_forward_hook(partial(_capture_loss, state, loss_from or _default_loss_from, set()), with_kwargs=True)
+    target._ddphooks_state = state
     return state
 
 
