@@ -53,7 +53,7 @@ from ddphooks.detect import Detector, DetectorConfig, Observation
 from ddphooks.pipeline import StepPipeline
 from ddphooks.records import RecordBuilder
 from ddphooks.sketch import sketch_bins
-from ddphooks.stats import BucketLayout, SilentStats, slot_size
+from ddphooks.stats import LOSS_COUNT, LOSS_SUM, PARAMS_BEGIN, STATUS, BucketLayout, SilentStats, slot_size
 from ddphooks.writer import RecordWriter
 
 # -- config ----------------------------------------------------------------------------------------
@@ -103,11 +103,12 @@ def gathered_slots(world, n_params, bins, seed=0):
     component shared by all ranks (pairwise cosines around 0.4)."""
     rng = np.random.default_rng(seed)
     rows = np.empty((world, slot_size(n_params, bins)), dtype=np.float32)
-    rows[:, 0] = 2.0 + 0.05 * rng.standard_normal(world)
-    rows[:, 1] = 1.0
+    rows[:, LOSS_SUM] = 2.0 + 0.05 * rng.standard_normal(world)
+    rows[:, LOSS_COUNT] = 1.0
+    rows[:, STATUS] = 0.0
     scale = np.exp(rng.standard_normal(n_params) - 8)
-    rows[:, 2 : 2 + n_params] = scale * np.exp(0.1 * rng.standard_normal((world, n_params)))
-    rows[:, 2 + n_params :] = rng.standard_normal(bins) + 1.2 * rng.standard_normal((world, bins))
+    rows[:, PARAMS_BEGIN : PARAMS_BEGIN + n_params] = scale * np.exp(0.1 * rng.standard_normal((world, n_params)))
+    rows[:, PARAMS_BEGIN + n_params :] = rng.standard_normal(bins) + 1.2 * rng.standard_normal((world, bins))
     return torch.from_numpy(rows), torch.from_numpy((0.4 * scale).astype(np.float32))
 
 

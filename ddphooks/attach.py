@@ -12,8 +12,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from ddphooks.deepspeed import deepspeed_engine, managed_by_deepspeed
-from ddphooks.hook import PYTHON_REDUCER, SilentState, python_reducer, silent_hook
-from ddphooks.loss import loss_of
+from ddphooks.hook import DDP_MIXED_PRECISION, PYTHON_REDUCER, SilentState, python_reducer, silent_hook
+from ddphooks.loss import describe_output, loss_of
 
 #: Settings of ``SilentState`` that only DDP's hook has.
 DDP_ONLY_SETTINGS = {"transport", "piggyback_limit_mb", "comm_hook", "comm_state", "watch_sync"}
@@ -39,7 +39,9 @@ def ddp_module(model: torch.nn.Module) -> DistributedDataParallel:
         raise TypeError(
             f"attach needs a DistributedDataParallel module or an FSDP2 (fully_shard) root, got {type(model).__name__}"
             f"{unsupported_wrapper(inner)}: wrap the model first (DistributedDataParallel(model), fully_shard(model), the "
-            "engine deepspeed.initialize returns, or the object accelerator.prepare(model) returns in a distributed run)"
+            "engine deepspeed.initialize returns, or the object accelerator.prepare(model) returns in a distributed run). "
+            "Under Accelerate on CPU, launch with Accelerator(cpu=True) or ACCELERATE_USE_CPU=true: otherwise every "
+            "process trains alone and prepare returns the model unwrapped"
         )
     return inner
 
@@ -84,10 +86,12 @@ def attach(model: torch.nn.Module, *, state: SilentState | None = None, loss_fro
        CUDA): then attaching only adds the loss capture, it never registers twice.
     4. A forward hook takes the loss of every training forward (``module.training`` and grad
        enabled, so evaluation forwards do not count): ``loss_from(module, args, kwargs, output)``,
-       by default the output itself if it is a scalar tensor, ``output.loss`` or
-       ``output["loss"]``. With gradient accumulation the step's loss is the mean over the
+       by default what ``ddphooks.loss.loss_of`` finds: a 0-dim tensor that requires grad,
+       ``output.loss``, ``output["loss"]``, or the one such tensor of a tuple such as nanoGPT's
+       ``(logits, loss)``. With gradient accumulation the step's loss is the mean over the
        micro-batches; an explicit ``state.observe_loss`` in a step wins. A forward without a
-       loss records none. The capture never raises into training: a failing ``loss_from`` is
+       loss records none, and the first step without one logs what the output was and the line
+       to add. The capture never raises into training: a failing ``loss_from`` is
        reported once and ignored.
 
     Args:
@@ -119,6 +123,8 @@ def attach(model: torch.nn.Module, *, state: SilentState | None = None, loss_fro
         raise TypeError(f"state must be a SilentState, got {type(state).__name__}")
     if getattr(ddp, "_ddphooks_state", None) is not None:
         raise RuntimeError("ddphooks is already attached to this model; attach once per DDP model and reuse the returned state")
+    if getattr(ddp, "mixed_precision", None) is not None:
+        raise ValueError("attach: " + DDP_MIXED_PRECISION)
     hooks = list(getattr(ddp, "_comm_hooks", []))
     registered = any(hook is silent_hook and hook_state is state for hook, hook_state in hooks) if state is not None else False
     if hooks and not registered:
@@ -182,6 +188,9 @@ def _capture_loss(
         loss = loss_from(module, args, kwargs, output)
         if loss is not None:
             state._losses.observe(loss, explicit=False)
+        elif state._losses.skipped is None:  # described once, for the warning that no loss was recorded
+            default = loss_from is _default_loss_from
+            state._losses.skipped = describe_output(output) if default else f"{describe_output(output)}, for which loss_from returned None"
     except Exception as error:  # the capture must never break a forward
         if not warned:
             warned.add(True)

@@ -213,7 +213,7 @@ class DeepSpeedSilentState(BaseSilentState):
             raise TypeError(f"DeepSpeedSilentState needs the DeepSpeedEngine deepspeed.initialize returns, got {type(engine).__name__}")
         problem = self._problem or unsupported_configuration(engine) or stats_kernel_problem(self.config, engine.module)
         group = getattr(getattr(engine, "optimizer", None), "dp_process_group", None) or getattr(engine, "seq_data_parallel_group", None)
-        agree_across_ranks(group, self._settings, problem)
+        agree_across_ranks(group, self._settings, problem, self.sinks)
         self._bind_common(group if group is not None else dist.group.WORLD)
         self._engine = engine
         self._stage = engine.zero_optimization_stage()

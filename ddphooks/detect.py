@@ -544,6 +544,7 @@ class Observation:
     parameter_names: list[str] | None = None
     parameter_norms: np.ndarray | None = None  # W x P, only where the step carries them
     nonfinite: dict | None = None  # a record's ``nonfinite``: ``losses`` (ranks), ``gradients`` ({rank, parameter, ...})
+    absent: list[int] = field(default_factory=list)  # ranks that did not train on the step (joined under Join): all NaN
 
     @classmethod
     def from_record(cls, record: dict) -> "Observation":
@@ -574,6 +575,7 @@ class Observation:
             parameter_names=names,
             parameter_norms=norms,
             nonfinite=record.get("nonfinite"),
+            absent=list(record.get("absent") or []),
         )
 
     @classmethod
@@ -589,8 +591,9 @@ class Observation:
             cosine_previous=stats.cosine_previous,
             replicas=stats.replicas,
             parameter_names=stats.parameter_names,
-            parameter_norms=np.sqrt(stats.param_sq),
+            parameter_norms=np.where(stats.absent[:, None], np.nan, np.sqrt(stats.param_sq)),
             nonfinite=stats.nonfinite,
+            absent=stats.absent_ranks,
         )
 
 
@@ -847,8 +850,8 @@ class Detector:
     # -- the step ------------------------------------------------------------------------------
     def update(self, obs: Observation) -> list[dict]:
         """Read one step; return the alerts it raises (also appended to ``self.alerts``)."""
-        if obs.world_size < 2:
-            return []  # nothing to compare
+        if obs.world_size - len(obs.absent) < 2:
+            return []  # nothing to compare (ranks that joined under Join are absent, not zero)
         if self.world != obs.world_size:
             self._start(obs.world_size)
         if self.step_scores is not None:
@@ -1154,7 +1157,7 @@ class Detector:
         named on the next step if they are still not finite (see the module docstring)."""
         report = obs.nonfinite or {}
         bad_loss = {int(rank) for rank in report.get("losses", [])}
-        bad_gradient = set(np.flatnonzero(~np.isfinite(obs.grad_norms)).tolist())
+        bad_gradient = set(np.flatnonzero(~np.isfinite(obs.grad_norms)).tolist()) - set(obs.absent)  # an absent rank's NaN is no fault
         bad = bad_loss | bad_gradient
         alone = len(bad) < obs.world_size  # every rank at once names none
         # Named: still not finite on the step after it went non-finite alone (its NaN reached every

@@ -160,7 +160,7 @@ class ShardedSilentState(BaseSilentState):
             raise RuntimeError("torch.distributed is not initialized: call init_process_group(...) and fully_shard the model first")
         modules, mesh_info = _fsdp_modules(model)
         group = _data_parallel_group(mesh_info)
-        agree_across_ranks(group, self._settings, self._problem or stats_kernel_problem(self.config, model))
+        agree_across_ranks(group, self._settings, self._problem or stats_kernel_problem(self.config, model), self.sinks)
         self._bind_common(group)
         self._model = model
         self._module_names = {id(module): name for name, module in model.named_modules()}

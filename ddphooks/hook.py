@@ -22,7 +22,7 @@ from ddphooks.replicas import ReplicaTensors
 from ddphooks.sinks import Sink
 from ddphooks.sketch import ACCELERATOR_CHUNK_ELEMS, CPU_CHUNK_ELEMS, BucketPlan, squared_norms
 from ddphooks.state import BaseSilentState, agree_across_ranks, stats_kernel_problem
-from ddphooks.stats import BucketLayout, SilentStats, slot_size
+from ddphooks.stats import ABSENT, REPLICA_CHECK_REQUESTED, BucketLayout, SilentStats, slot_size
 from ddphooks.watchdog import SyncWatchdog
 
 CommHook = Callable[[object, dist.GradBucket], torch.futures.Future]
@@ -33,6 +33,16 @@ PYTHON_REDUCER = (
     "with (grad, param) and ignores what they return, so silent_hook cannot carry or measure the step there; use "
     "the default optimize_ddp = True ('ddp_optimizer', which keeps DDP's buckets and works with ddphooks) or eager "
     "DistributedDataParallel"
+)
+
+
+#: Why DDP's own mixed precision is refused.
+DDP_MIXED_PRECISION = (
+    "DistributedDataParallel(mixed_precision=...) cannot be measured: DDP registers its own communication hook for it "
+    "in its constructor (_reducer_allreduce_and_upcast_hook, which all-reduces in reduce_dtype, then upcasts parameters "
+    "and gradients back), and a DDP model takes one communication hook, registered once, so silent_hook can neither "
+    "replace nor wrap it. Keep the DDP model in fp32 and use torch.autocast for mixed precision (measured), or FSDP2's "
+    "fully_shard(model, mp_policy=MixedPrecisionPolicy(...)) with ddphooks.attach on the root"
 )
 
 
@@ -70,6 +80,8 @@ class _Step:
         self.fingerprint: torch.Tensor | None = None
         self.gathered: torch.Tensor | None = None
         self.transport = ""
+        self.absent = False  # this rank has joined under Join: it contributes zeros and is left out
+        self.divided_by_present = False  # the sum was divided by the ranks present (Join, divide_by_initial_world_size=False)
         self.n_buckets: int | None = None  # set before the last bucket is launched
         self.done = 0
         self.error: BaseException | None = None
@@ -190,6 +202,7 @@ class SilentState(BaseSilentState):
             self._names = {id(p): name for name, p in model.module.named_parameters()}
             self._replica_tensors = self._replica_set(model)
             self._watchdog = self._watch(model)
+            self._watch_forwards(model)
             return self
         self._bind(model, None)
         return self
@@ -210,7 +223,7 @@ class SilentState(BaseSilentState):
         settings = dict(self._settings, comm_hook=None if self.comm_hook is None else getattr(self.comm_hook, "__qualname__", repr(self.comm_hook)))
         # Exchange over a group every rank derives the same way, even where its own checks failed.
         exchange_group = self.process_group if self.process_group is not None else getattr(model, "process_group", None)
-        agree_across_ranks(exchange_group, settings, problem)
+        agree_across_ranks(exchange_group, settings, problem, self.sinks)
 
         self._bind_common(group if group is not None else dist.group.WORLD)
         self._model = model
@@ -222,7 +235,41 @@ class SilentState(BaseSilentState):
         self._replica_tensors = self._replica_set(model)
         self._replica_warned = False
         self._watchdog = self._watch(model)
+        # -- the step's ranks: DDP's Join ----------------------------------------------------------
+        self._synced_steps = 0  # steps this state has seen DDP synchronise (the same on every rank)
+        self._forward_since_step = False  # a training forward ran on this rank since the last step
+        self._joined = False  # this rank has joined under Join: DDP's join hook reduces zeros for it
+        self._divisor: torch.Tensor | None = None  # the ranks present this step, where the average is over them
+        self._watch_forwards(model)
         self._bound = True
+
+    def _watch_forwards(self, model: torch.nn.Module | None) -> None:
+        """Note every training forward of ``model``: under DDP's ``Join`` a rank whose hook runs
+        with no forward since the last step has joined (DDP's join hook reduces zeros for it)."""
+        if model is not None:
+            model.register_forward_pre_hook(torch.compiler.disable(lambda module, args: self._note_forward()))
+
+    def _note_forward(self) -> None:
+        if torch.is_grad_enabled():
+            self._forward_since_step = True
+
+    def _start_step(self, buffer: torch.Tensor) -> None:
+        """At a step's first bucket: whether this rank has joined, and what the gradients are
+        divided by (every step, instrumented or not: it is part of the training).
+
+        Under ``Join`` a joined rank's hook is called by DDP's join hook with zero buckets for
+        every step the others train. With ``divide_by_initial_world_size=False`` plain DDP averages
+        over the ranks that have not joined, a number it does not hand to a communication hook:
+        one 1-element all-reduce of each rank's presence gives it (only in that configuration).
+        """
+        model = self._model
+        join = model is not None and model._join_config.enable
+        self._joined = join and not self._forward_since_step
+        self._divisor = None
+        if join and self.comm_hook is None and not getattr(model, "_divide_by_initial_world_size", True):
+            present = torch.full((1,), 0.0 if self._joined else 1.0, dtype=buffer.dtype, device=buffer.device)
+            dist.all_reduce(present, group=self.process_group)
+            self._divisor = present
 
     def _watch(self, model: torch.nn.Module | None) -> SyncWatchdog | None:
         """The synchronisation watchdog of ``model`` (None without a model or with watch_sync off)."""
@@ -257,16 +304,27 @@ class SilentState(BaseSilentState):
 
     # -- helpers used by silent_hook -----------------------------------------------------------
     def _replica_due(self, step: int) -> bool:
-        """Whether ``step`` checks the replicas (no side effect)."""
+        """Whether ``step`` checks the replicas (no side effect). The same on every rank by
+        construction, since it changes the slot's size: on schedule, or when a rank asked for it
+        in the previous instrumented step's slot (every rank holds the same gathered slots)."""
         every = self.config.check_replicas_every
-        resumed = self._watchdog is not None and self._watchdog.replica_check_due
-        return bool(every) and self._instrumented(step) and (resumed or (step // self.config.every) % every == 0)
+        if not (every and self._instrumented(step)):
+            return False
+        requested = self._previous_stats is not None and self._previous_stats.replica_check_requested
+        return requested or (step // self.config.every) % every == 0
+
+    def _slot_status(self, record: "_Step") -> int:
+        """The status flags of this rank's slot: absent (joined), and a replica check asked for
+        when the watchdog saw DDP synchronise again after unsynchronised backward passes (the
+        replicas may have drifted: every rank checks them on the next instrumented step)."""
+        status = ABSENT if record.absent else 0
+        if self._watchdog is not None and self._watchdog.replica_check_due:
+            self._watchdog.replica_check_due = False
+            status |= REPLICA_CHECK_REQUESTED
+        return status
 
     def _replica_check(self, step: int) -> bool:
-        due = self._replica_due(step)
-        if self._watchdog is not None:  # the replicas drifted while DDP did not synchronise: checked now
-            self._watchdog.replica_check_due = False
-        if not due:
+        if not self._replica_due(step):
             return False
         if self._replica_tensors is None and not self._replica_warned:
             self._replica_warned = True
@@ -279,18 +337,25 @@ class SilentState(BaseSilentState):
 
     def _buckets_final(self) -> bool:
         """Whether DDP's bucket layout is the one it keeps: DDP rebuilds its buckets once, in the
-        forward after the first synchronised backward (in the order the gradients became ready),
-        unless it finds unused parameters without a static graph. Unknown (no model): final."""
+        forward after the first synchronised backward (in the order the gradients became ready;
+        a joined rank in DDP's join hook), unless it finds unused parameters without a static
+        graph. It decides the transport, so the size of a collective: it is read from what every
+        rank shares (the steps this state has seen synchronised, the model's settings), never
+        from DDP's own flag, which a rank that has joined under ``Join`` never sets."""
         model = self._model
-        if model is None or getattr(model, "_has_rebuilt_buckets", True):
+        if self._synced_steps >= 1:
             return True
-        return bool(model.find_unused_parameters and not model.static_graph)
+        return model is not None and bool(model.find_unused_parameters and not model.static_graph)
 
     def _communicate(self, bucket: dist.GradBucket) -> torch.futures.Future:
         """The gradient communication itself: ``allreduce_hook`` or the wrapped hook."""
-        if self.comm_hook is None:
+        if self.comm_hook is not None:
+            return self.comm_hook(self.comm_state, bucket)
+        if self._divisor is None:
             return allreduce_hook(self.process_group, bucket)
-        return self.comm_hook(self.comm_state, bucket)
+        # allreduce_hook's steps with the present ranks' count for W (see _start_step).
+        buffer = bucket.buffer().div_(self._divisor)
+        return dist.all_reduce(buffer, group=self.process_group, async_op=True).get_future().then(lambda future: future.value()[0])
 
     def _entry(self, bucket: dist.GradBucket, buffer: torch.Tensor) -> _BucketEntry:
         """The plan of this bucket's layout; rebuilt when DDP rebuilds its buckets."""
@@ -322,12 +387,16 @@ class SilentState(BaseSilentState):
 
     def _open_step(self, device: torch.device) -> _Step:
         self._current = _Step(self.step, device)
+        self._current.absent = self._joined
+        self._current.divided_by_present = self._divisor is not None
         self._reset_sketch(device)
         return self._current
 
     def _end_step(self, last_index: int) -> None:
         """After the last bucket: advance the step, reset the loss, drop stale bucket plans."""
         self.step += 1
+        self._synced_steps += 1
+        self._forward_since_step = False
         self._current = None
         self._losses.reset()
         for index in [i for i in self._buckets if i > last_index]:
@@ -353,6 +422,7 @@ class SilentState(BaseSilentState):
                     record.transport,
                     record.fingerprinted,
                     previous=self._previous_stats,
+                    divided_by_present=record.divided_by_present,
                 )
             except Exception as error:  # never let a statistics bug break the gradient future
                 result = error
@@ -372,6 +442,8 @@ def _resolve_group(
             f"model must be the DistributedDataParallel module the hook is registered on, got {type(model).__name__}; "
             "pass model=DistributedDataParallel(module)"
         )
+    if getattr(model, "mixed_precision", None) is not None:
+        raise ValueError(DDP_MIXED_PRECISION)
     if process_group is not None and process_group is not model.process_group:
         raise ValueError(
             f"process_group {process_group!r} is not the process group of the DDP model ({model.process_group!r}); "
@@ -433,6 +505,7 @@ def silent_hook(state: SilentState, bucket: dist.GradBucket) -> torch.futures.Fu
                 "use one SilentState per DDP model"
             )
         state._pipeline.process()  # the previous step to the background thread, alerts of the one before; may raise from on_alert
+        state._start_step(bucket.buffer())
     if not state._instrumented(state.step):
         future = state._communicate(bucket)
         if bucket.is_last():
@@ -455,7 +528,7 @@ def silent_hook(state: SilentState, bucket: dist.GradBucket) -> torch.futures.Fu
 
     # The last bucket: every other bucket's statistics are known, pack this rank's slot.
     world = state.world_size
-    if state._losses.first_missing():
+    if not record.absent and state._losses.first_missing():
         state._warn_no_loss(record.step)
     if state._replica_check(record.step):
         record.fingerprinted = state._replica_tensors.names
@@ -472,6 +545,7 @@ def silent_hook(state: SilentState, bucket: dist.GradBucket) -> torch.futures.Fu
     if transport == "auto" and not state._buckets_final():
         piggyback = False  # DDP rebuilds its buckets after the first step: size the copy once, for the final last bucket
     record.transport = "piggyback" if piggyback else "separate"
+    status = state._slot_status(record)
     with record.lock:  # before launching: the last callback may run before this call returns
         record.n_buckets = position + 1
 
@@ -479,17 +553,17 @@ def silent_hook(state: SilentState, bucket: dist.GradBucket) -> torch.futures.Fu
         numel = buffer.numel()
         combined = state._stats_buffer("_piggyback", numel + world * slot, buffer.dtype, buffer.device, numel + world * widest)
         # Same division as allreduce_hook (divide first to avoid overflow), into the big buffer.
-        torch.div(buffer, world, out=combined[:numel])
+        torch.div(buffer, world if state._divisor is None else state._divisor, out=combined[:numel])
         slots = combined[numel:]
         slots.zero_()
-        state._pack_slot(record.local_sq, record.fingerprint, slots[state.rank * slot : (state.rank + 1) * slot])
+        state._pack_slot(record.local_sq, record.fingerprint, slots[state.rank * slot : (state.rank + 1) * slot], status)
         future = dist.all_reduce(combined, group=state.process_group, async_op=True).get_future()
         future = future.then(partial(_reduced_piggyback, state, record, position, numel, slot))
     else:
         gradient_future = state._communicate(bucket)
         slots = state._stats_buffer("_separate", world * slot, torch.float32, buffer.device, world * widest)
         slots.zero_()
-        state._pack_slot(record.local_sq, record.fingerprint, slots[state.rank * slot : (state.rank + 1) * slot])
+        state._pack_slot(record.local_sq, record.fingerprint, slots[state.rank * slot : (state.rank + 1) * slot], status)
         slots_future = dist.all_reduce(slots, group=state.process_group, async_op=True).get_future()
         both = torch.futures.collect_all([gradient_future, slots_future])
         future = both.then(partial(_reduced_separate, state, record, position, slot))

@@ -22,6 +22,7 @@ class LossTracker:
         self._sums: dict[bool, torch.Tensor] = {}  # explicit? -> fp32 scalar on the loss's device
         self._counts = {True: 0, False: 0}
         self._missing_reported = False
+        self.skipped: str | None = None  # the last forward output the capture found no loss in
 
     def first_missing(self) -> bool:
         """True the first time a step ends with no loss observed (then never again): the
@@ -57,17 +58,57 @@ class LossTracker:
 
 
 def loss_of(output: object) -> torch.Tensor | None:
-    """The scalar loss in a forward output, or None.
+    """The rank's loss in a forward output, or None where the output holds none unambiguously.
 
-    Accepts a scalar tensor, an object with a tensor ``.loss`` attribute (a transformers
-    ``ModelOutput``), or a mapping with a ``"loss"`` entry (a Lightning ``training_step`` dict).
+    What counts as a loss:
+
+    1. a 0-dim floating tensor that requires grad (a model that returns its loss);
+    2. ``output.loss`` (a transformers ``ModelOutput``) or ``output["loss"]`` (a Lightning
+       ``training_step`` dict): a floating tensor of one element, the key says it is the loss;
+    3. in a tuple or list (nanoGPT's ``(logits, loss)``, transformers' ``return_dict=False``
+       ``(loss, logits, ...)``), its one element of the first kind, if exactly one is.
+
+    Anything else (logits; a one-element prediction such as a value head's ``(1, 1)`` output at
+    batch 1; a tuple with two scalar losses) gives None: ``describe_output`` says what it was.
     """
+    if isinstance(output, Mapping):
+        return _keyed(output.get("loss"))
+    if isinstance(output, (tuple, list)):
+        scalars = [item for item in output if _is_scalar_loss(item)]
+        return scalars[0] if len(scalars) == 1 else None
     if isinstance(output, torch.Tensor):
-        candidate = output
-    elif isinstance(output, Mapping):
-        candidate = output.get("loss")
-    else:
-        candidate = getattr(output, "loss", None)
-    if isinstance(candidate, torch.Tensor) and candidate.numel() == 1 and candidate.is_floating_point():
-        return candidate
+        return output if _is_scalar_loss(output) else None
+    return _keyed(getattr(output, "loss", None))
+
+
+def _is_scalar_loss(value: object) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point() and value.requires_grad
+
+
+def _keyed(value: object) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point():
+        return value
     return None
+
+
+def describe_output(output: object) -> str:
+    """A short description of a forward output that gave no loss, for the warning that says so."""
+
+    def one(value: object) -> str:
+        if isinstance(value, torch.Tensor):
+            grad = ", requires grad" if value.requires_grad else ""
+            return f"a {str(value.dtype).removeprefix('torch.')} tensor of shape {tuple(value.shape)}{grad}"
+        return type(value).__name__
+
+    if isinstance(output, (tuple, list)):
+        scalars = sum(_is_scalar_loss(item) for item in output)
+        items = ", ".join(one(item) for item in output[:4]) + (", ..." if len(output) > 4 else "")
+        why = f"{scalars} 0-dim tensors that require grad: ambiguous" if scalars > 1 else "no 0-dim tensor that requires grad"
+        return f"a {type(output).__name__} of {len(output)} ({items}), with {why}"
+    if isinstance(output, torch.Tensor):
+        if output.numel() == 1 and output.dim() > 0:
+            return f"{one(output)}: one element but not 0-dim, so not taken for a loss (a prediction at batch size 1?)"
+        return f"{one(output)} (not a 0-dim loss that requires grad: logits or predictions?)"
+    if isinstance(output, Mapping):
+        return f"a {type(output).__name__} with keys {sorted(map(str, output))[:8]} and no tensor 'loss'"
+    return f"a {type(output).__name__} with no tensor .loss"

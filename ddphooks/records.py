@@ -31,13 +31,16 @@ class RecordBuilder:
         every: the state's instrumentation period.
         detail_every: instrumented steps between detailed records (0: never).
         detail_max_world: see ``SilentConfig.detail_max_world``.
+        global_ranks: where the data-parallel group is a subgroup of the job, the global rank of
+            each of its ranks: every record carries it as ``global_ranks``.
 
     Example::
         >>> builder = RecordBuilder(every=1, detail_every=100, detail_max_world=64)
         >>> record = builder.build(state.latest, alerts=[])
     """
 
-    def __init__(self, every: int, detail_every: int, detail_max_world: int) -> None:
+    def __init__(self, every: int, detail_every: int, detail_max_world: int, global_ranks: list[int] | None = None) -> None:
+        self.global_ranks = global_ranks
         self.every = every
         self.detail_every = detail_every
         self.detail_max_world = detail_max_world
@@ -52,6 +55,8 @@ class RecordBuilder:
         outside the detector since the last record)."""
         record = stats.to_dict(detail=self.is_detailed(stats.step), detail_max_world=self.detail_max_world, alerts=alerts)
         record["noise_scale_smoothed"] = _float(self._smoothed_noise_scale(*stats.noise_scale_terms))
+        if self.global_ranks is not None:  # a subgroup of the job: which group, which global ranks
+            record["global_ranks"] = self.global_ranks
         return record
 
     def _smoothed_noise_scale(self, trace: float, signal: float) -> float:

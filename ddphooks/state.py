@@ -20,6 +20,7 @@ from ddphooks.loss import LossTracker
 from ddphooks.pipeline import StepPipeline
 from ddphooks.records import RecordBuilder
 from ddphooks.sinks import Sink
+from ddphooks.sinks.base import bind_sink
 from ddphooks.sketch import BucketStatsKernel, SignTable, sketch_bins
 from ddphooks.stats import SilentStats, slot_size
 from ddphooks.writer import RecordWriter
@@ -71,10 +72,14 @@ class BaseSilentState:
         self.process_group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        ranks = dist.get_process_group_ranks(group)
+        self.global_ranks: list[int] | None = None if len(ranks) == dist.get_world_size() else list(ranks)
+        """The global rank of each rank of the group where it is a subgroup of the job (every
+        record carries it then); None where the group is the whole job."""
         self.bins = sketch_bins(self.config.sketch_dim)
         self._kernels: dict[torch.device, BucketStatsKernel] = {}
         self._sketch: torch.Tensor | None = None  # this step's sketch accumulator (fp32, bins)
-        self._loss_pair: torch.Tensor | None = None  # [loss_sum, loss_count] packed into the slot
+        self._slot_head: torch.Tensor | None = None  # [loss_sum, loss_count, status] packed into the slot
         self._latest: SilentStats | BaseException | None = None
         self._latest_lock = threading.Lock()
         self._previous_stats: SilentStats | None = None  # for the next step's cosine_previous
@@ -82,10 +87,8 @@ class BaseSilentState:
         writes = self.config.log_rank is None or self.config.log_rank == self.rank
         if writes and self.sinks:  # no sinks: no writer thread, no records built
             for sink in self.sinks:
-                bind_rank = getattr(sink, "bind_rank", None)
-                if bind_rank is not None:
-                    bind_rank(self.rank)
-            self._records = RecordBuilder(self.config.every, self.config.detail_every, self.config.detail_max_world)
+                bind_sink(sink, self.rank, dist.get_rank())
+            self._records = RecordBuilder(self.config.every, self.config.detail_every, self.config.detail_max_world, self.global_ranks)
             if getattr(self, "_restored_records", None):
                 self._records.load_state_dict(self._restored_records)
             records = self._records  # the writer thread must not hold the state itself
@@ -108,7 +111,10 @@ class BaseSilentState:
     def observe_loss(self, loss: torch.Tensor) -> None:
         """Record this rank's loss for the current step, without synchronising the device.
 
-        Call it before ``backward()``. With gradient accumulation (``no_sync()`` micro-steps,
+        Call it before ``backward()`` with the loss as the model computed it, unscaled: with
+        gradient accumulation many loops call ``(loss / accumulation_steps).backward()``; pass
+        ``loss``, not the scaled one, or the records hold the loss divided by the number of
+        micro-steps. With gradient accumulation (``no_sync()`` micro-steps,
         or ``set_requires_gradient_sync(False)`` under FSDP2), the rank's loss of a step is the
         mean of the losses observed since the previous synchronised step. Losses given here win
         over those ``attach`` captures from the forward output. On steps that are not
@@ -207,11 +213,17 @@ class BaseSilentState:
         self._pipeline.warn(message, *args)
 
     def _warn_no_loss(self, step: int) -> None:
+        skipped = self._losses.skipped
+        seen = (
+            f"the forward output was {skipped}"
+            if skipped is not None
+            else "no training forward output reached ddphooks' loss capture (it is installed by attach, not by register_comm_hook)"
+        )
         self._warn(
             "ddphooks: no loss was recorded for step %d on rank %d, so its records hold no loss (null) and the detector "
-            "has no loss signal: the forward output is not a scalar loss and has no .loss or ['loss'] (a model that "
-            "returns logits). Pass attach(model, loss_from=lambda module, args, kwargs, output: <the loss>), or call "
-            "state.observe_loss(loss) before backward(). Said once.", step, self.rank,
+            "has no loss signal: %s. Add one line before backward(): state.observe_loss(loss), with the unscaled loss "
+            "(not loss / accumulation_steps); or pass attach(model, loss_from=lambda module, args, kwargs, output: "
+            "<the loss>). Said once.", step, self.rank, seen,
         )  # fmt: skip
 
     def _instrumented(self, step: int) -> bool:
@@ -238,12 +250,14 @@ class BaseSilentState:
             else:
                 self._sketch.zero_()
 
-    def _pack_slot(self, local_sq: list[torch.Tensor], fingerprint: torch.Tensor | None, slot: torch.Tensor) -> None:
-        """Write ``[loss_sum, loss_count, |g_p|^2 ..., sketch, fingerprints]`` of this rank into ``slot``."""
-        if self._loss_pair is None or self._loss_pair.device != slot.device:
-            self._loss_pair = torch.zeros(2, dtype=torch.float32, device=slot.device)
-        self._losses.pack(self._loss_pair)
-        parts = [self._loss_pair, *local_sq]
+    def _pack_slot(self, local_sq: list[torch.Tensor], fingerprint: torch.Tensor | None, slot: torch.Tensor, status: int = 0) -> None:
+        """Write ``[loss_sum, loss_count, status, |g_p|^2 ..., sketch, fingerprints]`` of this rank
+        into ``slot`` (``status``: the flags of ``ddphooks.stats``, ``ABSENT`` ...)."""
+        if self._slot_head is None or self._slot_head.device != slot.device:
+            self._slot_head = torch.zeros(3, dtype=torch.float32, device=slot.device)
+        self._losses.pack(self._slot_head[:2])
+        self._slot_head[2].fill_(status)
+        parts = [self._slot_head, *local_sq]
         if self.bins:
             parts.append(self._sketch)
         if fingerprint is not None:
@@ -308,9 +322,14 @@ def stats_kernel_problem(config: SilentConfig, model: torch.nn.Module | None) ->
     return None
 
 
-def agree_across_ranks(group: dist.ProcessGroup | None, settings: dict, problem: str | None) -> None:
-    """Gather every rank's settings and local problem; raise the same error on every rank."""
+def agree_across_ranks(group: dist.ProcessGroup | None, settings: dict, problem: str | None, sinks: list[Sink] = ()) -> None:
+    """Gather every rank's settings and local problem; raise the same error on every rank.
+
+    ``sinks`` are checked too where ``group`` is a subgroup of the job: every group's log rank
+    writes records then, and a sink they would share (one JSON-lines file) is refused."""
     world = dist.get_world_size(group)
+    if problem is None and world < dist.get_world_size():
+        problem = next((f"ValueError: {p}" for sink in sinks if (p := sink.subgroup_problem()) is not None), None)
     gathered: list = [None] * world
     dist.all_gather_object(gathered, (settings, problem), group=group)
     problems = [f"rank {rank}: {p}" for rank, (_, p) in enumerate(gathered) if p is not None]

@@ -2,7 +2,13 @@
 
 Every rank packs its local statistics of one step into a *slot* of fp32 numbers::
 
-    [ loss_sum, loss_count, |g_p|^2 for every parameter p (bucket order), sketch (bins) ]
+    [ loss_sum, loss_count, status, |g_p|^2 for every parameter p (bucket order), sketch (bins) ]
+
+``status`` holds flags the other ranks must see, so that every rank makes the same decision from
+the same gathered slots: ``ABSENT`` (the rank did not train on this step: it has joined under
+DDP's ``Join`` and contributes zeros, so it is left out of every statistic) and
+``REPLICA_CHECK_REQUESTED`` (the rank saw DDP stop synchronising and asks every rank to check the
+replicas on the next instrumented step).
 
 The slots of all ranks travel through one allreduce (each rank fills its own slot, the others
 are zero, so the sum is a gather). Together with the squared norms of the *reduced* gradient
@@ -46,7 +52,12 @@ from ddphooks.devices import recorded_event
 
 LOSS_SUM = 0
 LOSS_COUNT = 1
-PARAMS_BEGIN = 2
+STATUS = 2
+PARAMS_BEGIN = 3
+#: Status flag: the rank did not train on this step (joined under ``Join``); its slot is zeros.
+ABSENT = 1
+#: Status flag: the rank asks for a replica check on the next instrumented step (see ``ddphooks.watchdog``).
+REPLICA_CHECK_REQUESTED = 2
 #: Non-finite (rank, parameter) pairs listed in a record; ``gradient_count`` gives the total, so a
 #: run that blows up everywhere does not write W x parameters entries per step.
 MAX_NONFINITE_LISTED = 64
@@ -96,6 +107,12 @@ class PendingHost:
         for host, tensor in zip(self._host, tensors):
             host.copy_(tensor, non_blocking=True)
         self._event = recorded_event(device)
+
+    def column(self, index: int) -> np.ndarray:
+        """Column ``index`` of the first (W x slot) tensor, without converting the rest."""
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host[0][:, index].to(torch.float64).numpy()
 
     def arrays(self) -> list[np.ndarray]:
         """The tensors as float64 numpy arrays (waits for the copy on an accelerator)."""
@@ -285,6 +302,14 @@ class SilentStats:
             (only its gathered slots are kept, and only where its sketch used the same signs).
         replica_groups: the groups of ranks whose fingerprints must agree (HSDP: the replicas of
             each shard); None: all ranks.
+        divided_by_present: the transport divided the gradient sum by the number of ranks that
+            trained on the step rather than by W (DDP's ``Join`` with
+            ``divide_by_initial_world_size=False``), so ``gbar`` is the mean of the present ranks.
+
+    Ranks whose slot says ``ABSENT`` (joined under ``Join``) are left out of every statistic:
+    their losses, norms and cosines are NaN (null in a record), dispersion, cosines and the noise
+    scale are those of the present ranks, and no replica comparison is made on the step (a
+    joined rank's weights are stale by DDP's design until every rank has joined).
 
     Example::
         >>> stats = state.latest
@@ -303,8 +328,10 @@ class SilentStats:
         fingerprinted: list[str] | None = None,
         previous: "SilentStats | None" = None,
         replica_groups: list[list[int]] | None = None,
+        divided_by_present: bool = False,
     ) -> None:
         self.fingerprinted = fingerprinted or []
+        self.divided_by_present = divided_by_present
         self.replica_groups = replica_groups
         self.step = step
         self.world_size = world_size
@@ -331,9 +358,40 @@ class SilentStats:
             raise ValueError(f"gathered slots have shape {gathered.shape}, expected {(self.world_size, expected)}")
         return gathered, reduced
 
+    @cached_property
+    def status(self) -> np.ndarray:
+        """Per rank, the status flags of its slot (``ABSENT``, ``REPLICA_CHECK_REQUESTED``)."""
+        return self._arrays[0][:, STATUS].astype(np.int64)
+
+    @cached_property
+    def absent(self) -> np.ndarray:
+        """Per rank, whether it did not train on this step (joined under DDP's ``Join``)."""
+        return (self.status & ABSENT) != 0
+
+    @property
+    def absent_ranks(self) -> list[int]:
+        return [int(r) for r in np.flatnonzero(self.absent)]
+
+    @cached_property
+    def replica_check_requested(self) -> bool:
+        """Whether a rank asked every rank to check the replicas on the next instrumented step
+        (read by the transport on the training thread: the status column alone)."""
+        with self._lock:
+            status = self._host.column(STATUS).astype(np.int64)
+        return bool(((status & REPLICA_CHECK_REQUESTED) != 0).any())
+
+    def _present_reduced(self, reduced_sq: np.ndarray | float) -> np.ndarray | float:
+        """Squared norms of the present ranks' mean gradient from those of ``gbar``: the same
+        unless ranks were absent and the sum was divided by W (then ``gbar`` is scaled by
+        ``present / W``)."""
+        present = int((~self.absent).sum())
+        if self.divided_by_present or present in (0, self.world_size):
+            return reduced_sq
+        return np.asarray(reduced_sq) * (self.world_size / present) ** 2
+
     @property
     def param_sq(self) -> np.ndarray:
-        """W x P squared norms of each rank's local gradient per parameter."""
+        """W x P squared norms of each rank's local gradient per parameter (zeros for an absent rank)."""
         gathered, _ = self._arrays
         return gathered[:, PARAMS_BEGIN : PARAMS_BEGIN + sum(len(b.numels) for b in self.buckets)]
 
@@ -370,7 +428,7 @@ class SilentStats:
         observed none while others did)."""
         gathered, _ = self._arrays
         counts = gathered[:, LOSS_COUNT]
-        if not counts.any():
+        if not (counts > 0).any():
             return None
         with np.errstate(divide="ignore", invalid="ignore"):
             return np.where(counts > 0, gathered[:, LOSS_SUM] / np.where(counts > 0, counts, 1.0), np.nan)
@@ -382,8 +440,9 @@ class SilentStats:
 
     @property
     def grad_norms(self) -> np.ndarray:
-        """Per-rank L2 norm of the local gradient (before averaging), over all buckets."""
-        return np.sqrt(self.rank_sq)
+        """Per-rank L2 norm of the local gradient (before averaging), over all buckets (NaN for
+        an absent rank)."""
+        return np.where(self.absent, np.nan, np.sqrt(self.rank_sq))
 
     @property
     def reduced_grad_norm(self) -> float:
@@ -392,27 +451,40 @@ class SilentStats:
 
     @property
     def weighted_mean_cosine(self) -> float:
-        return float(weighted_mean_cosine(self.rank_sq, self.reduced_param_sq.sum()))
+        present = ~self.absent
+        return float(weighted_mean_cosine(self.rank_sq[present], self._present_reduced(self.reduced_param_sq.sum())))
 
     @property
     def cosine(self) -> np.ndarray | None:
         """W x W sketched cosine matrix of the local gradients; None without a sketch."""
         if not self.bins:
             return None
-        gathered, _ = self._arrays
-        return cosine_from_sketches(self._sketches)
+        return self._over_present(cosine_from_sketches, matrix=True)
 
     @cached_property
     def cosine_to_others(self) -> np.ndarray | None:
         """Per rank, its mean sketched cosine to the other ranks; None without a sketch."""
         if not self.bins:
             return None
-        gathered, _ = self._arrays
-        return np.clip(cosine_to_others(self._sketches), -1.0, 1.0)
+        return np.clip(self._over_present(cosine_to_others), -1.0, 1.0)
 
     @property
     def _sketches(self) -> np.ndarray:
         return self._sketch_columns(self._arrays[0])
+
+    def _over_present(self, function, *others: np.ndarray, matrix: bool = False) -> np.ndarray:
+        """``function`` of the present ranks' sketches (and rows of ``others``), NaN for the absent."""
+        present = ~self.absent
+        if present.all():
+            return function(self._sketches, *others)
+        values = function(self._sketches[present], *(o[present] for o in others))
+        if matrix:
+            result = np.full((self.world_size, self.world_size), np.nan)
+            result[np.ix_(present, present)] = values
+        else:
+            result = np.full(self.world_size, np.nan)
+            result[present] = values
+        return result
 
     def _sketch_columns(self, gathered: np.ndarray) -> np.ndarray:
         begin = PARAMS_BEGIN + sum(len(b.numels) for b in self.buckets)
@@ -422,7 +494,7 @@ class SilentStats:
     def cosine_loo(self) -> np.ndarray | None:
         """Per rank, the sketched cosine between its gradient and the sum of the others'; None
         without a sketch."""
-        return cosine_leave_one_out(self._sketches) if self.bins else None
+        return self._over_present(cosine_leave_one_out) if self.bins else None
 
     @cached_property
     def cosine_previous(self) -> np.ndarray | None:
@@ -432,7 +504,7 @@ class SilentStats:
         if self._previous_host is None:
             return None
         previous = self._sketch_columns(self._previous_host.arrays()[0])
-        return cosine_to_previous(self._sketches, previous)
+        return self._over_present(cosine_to_previous, previous)
 
     @cached_property
     def replicas(self) -> dict | None:
@@ -440,6 +512,8 @@ class SilentStats:
         ``replica_differences``); None on other steps."""
         if not self.fingerprinted:
             return None
+        if self.absent.any():  # a joined rank's weights are stale until every rank has joined
+            return {"ranks": [], "tensors": 0, "parameters": [], "not_compared": len(self.fingerprinted), "absent": self.absent_ranks}
         gathered, _ = self._arrays
         begin = gathered.shape[1] - FINGERPRINT_WIDTH * len(self.fingerprinted)
         fingerprints = gathered[:, begin:].reshape(self.world_size, len(self.fingerprinted), FINGERPRINT_WIDTH)
@@ -461,9 +535,9 @@ class SilentStats:
         """Mean of the off-diagonal entries of ``cosine`` (NaN without a sketch or with W = 1),
         computed in O(W k) as the mean of ``cosine_to_others``."""
         per_rank = self.cosine_to_others
-        if per_rank is None or self.world_size < 2:
+        if per_rank is None or self.world_size < 2 or self.absent.all():
             return math.nan
-        return float(np.mean(per_rank))
+        return float(np.mean(per_rank[~self.absent]))
 
     @property
     def cosine_noise(self) -> float:
@@ -474,7 +548,8 @@ class SilentStats:
     @cached_property
     def noise_scale_terms(self) -> tuple[float, float]:
         """``(tr(Sigma), |G|^2)`` of this step (see ``noise_scale_terms``)."""
-        return noise_scale_terms(self.rank_sq, self.reduced_param_sq.sum())
+        present = ~self.absent
+        return noise_scale_terms(self.rank_sq[present], self._present_reduced(self.reduced_param_sq.sum()))
 
     @property
     def noise_scale(self) -> float:
@@ -487,10 +562,10 @@ class SilentStats:
 
     def summary(self) -> dict[str, float]:
         """The step's scalar signals (what integrations log): O(W k) work, no per-parameter table."""
-        losses = self.losses
-        finite = losses is not None and bool(np.isfinite(losses).all())
-        loss_stats = _dispersion(losses) if finite else dict.fromkeys(("mean", "std", "range", "cv"), math.nan)
-        norm_stats = _dispersion(self.grad_norms)
+        losses, present = self.losses, ~self.absent
+        finite = losses is not None and present.any() and bool(np.isfinite(losses[present]).all())
+        loss_stats = _dispersion(losses[present]) if finite else dict.fromkeys(("mean", "std", "range", "cv"), math.nan)
+        norm_stats = _dispersion(self.grad_norms[present]) if present.any() else dict.fromkeys(("mean", "std", "range", "cv"), math.nan)
         return {
             "loss_mean": loss_stats["mean"],
             "loss_std": loss_stats["std"],
@@ -545,6 +620,7 @@ class SilentStats:
         record = {
             "step": self.step,
             "world_size": self.world_size,
+            "absent": self.absent_ranks,
             "transport": self.transport,
             "sketch_dim": self.bins,
             "cosine_noise": _float(self.cosine_noise),
@@ -569,17 +645,22 @@ class SilentStats:
         """The layer view: cosine matrix, per-bucket and per-parameter norms and cosines."""
         per_rank = self.world_size <= detail_max_world
         cosine = self.cosine if per_rank else None
+        present = ~self.absent
         param_sq, reduced_param_sq = self.param_sq, self.reduced_param_sq
-        param_wmc = weighted_mean_cosine(param_sq, reduced_param_sq)
+        param_wmc = weighted_mean_cosine(param_sq[present], self._present_reduced(reduced_param_sq))
         bucket_sq, reduced_bucket_sq = self.bucket_sq, self.reduced_bucket_sq
-        bucket_wmc = weighted_mean_cosine(bucket_sq, reduced_bucket_sq)
+        bucket_wmc = weighted_mean_cosine(bucket_sq[present], self._present_reduced(reduced_bucket_sq))
 
         def over_ranks(sq: np.ndarray) -> dict:
-            norms = np.sqrt(sq)
+            norms = np.where(present, np.sqrt(sq), np.nan)
             if per_rank:
                 return {"grad_norms": _floats(norms)}
+            if not present.any():
+                return {"grad_norm_mean": None, "grad_norm_max": None, "grad_norm_argmax": None}
             with np.errstate(invalid="ignore"):
-                return {"grad_norm_mean": _float(np.mean(norms)), "grad_norm_max": _float(np.max(norms)), "grad_norm_argmax": int(np.argmax(norms))}
+                ranks = np.flatnonzero(present)
+                top = ranks[int(np.argmax(norms[ranks]))]
+                return {"grad_norm_mean": _float(np.mean(norms[ranks])), "grad_norm_max": _float(norms[top]), "grad_norm_argmax": int(top)}
 
         parameters = []
         p = 0

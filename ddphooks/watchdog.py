@@ -26,9 +26,10 @@ from outside the hook, at O(1) cost per backward pass:
    naming this rank (each rank judges itself: the ranks cannot agree without the communication
    that stopped), on ``state.alerts``, ``on_alert``, the log rank's ``"ddphooks"`` logger and the
    first record written after it; its message ends with ``see docs/alerts.md#unsynchronised``.
-   When ``silent_hook`` runs again the episode ends with one note on the logger, and the first
-   instrumented step after it checks the replicas (if the replica check is on): they drifted with
-   nothing comparing them.
+   When ``silent_hook`` runs again the episode ends with one note on the logger, and every rank
+   checks the replicas (if the replica check is on) on the instrumented step after the one whose
+   slot carries this rank's request: they drifted with nothing comparing them, and a check
+   widens every rank's slot, so no rank decides it alone.
 
 What never raises it: backward passes inside ``no_sync()``, evaluation forwards (no backward),
 steps where the sentinel receives no gradient (a frozen or unused sentinel leaves it blind, never
@@ -95,7 +96,8 @@ class SyncWatchdog:
         """Step (``SilentState.step``) of the first unsynchronised backward of the open episode."""
         self._episode_count = 0
         self.replica_check_due = False
-        """Set when synchronisation resumes: the next instrumented step checks the replicas."""
+        """Set when synchronisation resumes: this rank asks every rank, in its next statistics
+        slot, to check the replicas on the instrumented step after it (``SilentState._slot_status``)."""
         # The first trained parameter: in a transformer the embedding, used by every forward, and
         # in a fine-tuned model the first adapter; frozen parameters never get a gradient.
         sentinel = next((p for p in ddp.module.parameters() if p.requires_grad), None)
@@ -120,7 +122,7 @@ class SyncWatchdog:
             step = self._current_step()
             self._log_note(
                 "ddphooks: DDP synchronises again at step %d, after %d unsynchronised backward pass(es) since step %d; "
-                "the replicas are checked on the next instrumented step",
+                "the replicas are checked on the next instrumented step after it",
                 step, self._episode_count, self.episode_since,
             )  # fmt: skip
             self.episode_since = None

@@ -246,5 +246,6 @@ def test_a_model_that_returns_logits_is_told_once_how_to_give_its_loss():
         warnings, losses = said[False]
         assert len(warnings) == 1 and losses is None, said  # three steps, one warning
         assert f"step 0 on rank {rank}" in warnings[0] and "loss_from=" in warnings[0] and "state.observe_loss(loss)" in warnings[0]
+        assert "the forward output was a float32 tensor of shape (32, 8), requires grad (not a 0-dim loss" in warnings[0]
         warnings, losses = said[True]
         assert warnings == [] and len(losses) == 2  # observe_loss gives it: nothing to say

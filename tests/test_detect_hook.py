@@ -243,9 +243,10 @@ def test_a_logging_handler_that_blocks_never_slows_training():
         "ddphooks: statistics of step 6 failed: RuntimeError('planted statistics failure')",
         # the second state's loop records no loss (its model returns no loss, nothing observed)
         "ddphooks: no loss was recorded for step 0 on rank 0, so its records hold no loss (null) and the detector has no loss "
-        "signal: the forward output is not a scalar loss and has no .loss or ['loss'] (a model that returns logits). Pass "
-        "attach(model, loss_from=lambda module, args, kwargs, output: <the loss>), or call state.observe_loss(loss) before "
-        "backward(). Said once.",
+        "signal: no training forward output reached ddphooks' loss capture (it is installed by attach, not by "
+        "register_comm_hook). Add one line before backward(): state.observe_loss(loss), with the unscaled loss (not "
+        "loss / accumulation_steps); or pass attach(model, loss_from=lambda module, args, kwargs, output: <the loss>). "
+        "Said once.",
     ]), one_off
 
 

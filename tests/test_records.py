@@ -11,7 +11,7 @@ from ddphooks.records import NOISE_SCALE_DECAY, RecordBuilder
 from ddphooks.stats import BucketLayout, SilentStats, slot_size
 
 SUMMARY_KEYS = {
-    "step", "world_size", "transport", "sketch_dim", "cosine_noise", "losses", "loss_mean", "loss_std", "loss_range", "loss_cv",
+    "step", "world_size", "absent", "transport", "sketch_dim", "cosine_noise", "losses", "loss_mean", "loss_std", "loss_range", "loss_cv",
     "grad_norms", "grad_norm_mean", "grad_norm_std", "grad_norm_cv", "reduced_grad_norm", "cosine_to_others", "mean_cosine",
     "weighted_mean_cosine", "noise_scale", "nonfinite", "detail", "cosine_loo", "cosine_previous", "replicas", "alerts",
 }  # fmt: skip
@@ -27,7 +27,7 @@ def _stats_from_gradients(gradients: np.ndarray, step: int = 0, bins: int = 0, n
     rows = []
     for rank, g in enumerate(gradients):
         sq = [g[a:b] @ g[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
-        rows.append([1.0 + rank, 1.0, *sq, *(g[:bins] if bins else [])])
+        rows.append([1.0 + rank, 1.0, 0.0, *sq, *(g[:bins] if bins else [])])
     mean = gradients.mean(axis=0)
     reduced = [mean[a:b] @ mean[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
     gathered = torch.tensor(rows, dtype=torch.float64)
@@ -132,9 +132,9 @@ def test_record_sizes_stay_small_at_large_world_sizes():
     rng = np.random.default_rng(5)
     for world, limit in ((8, 16 * 1024), (1024, 256 * 1024)):
         bins, names = 251, 272
-        world_rows = rng.standard_normal((world, 2 + names + bins))
-        world_rows[:, 1] = 1.0
-        world_rows[:, 2 : 2 + names] = world_rows[:, 2 : 2 + names] ** 2
+        world_rows = rng.standard_normal((world, 3 + names + bins))
+        world_rows[:, 1], world_rows[:, 2] = 1.0, 0.0
+        world_rows[:, 3 : 3 + names] = world_rows[:, 3 : 3 + names] ** 2
         layout = BucketLayout(0, tuple(f"model.layers.{j}.weight" for j in range(names)), (100,) * names)
         stats = SilentStats(0, world, [layout], torch.tensor(world_rows), torch.rand(names, dtype=torch.float64), bins, "piggyback")
         size = len(json.dumps(stats.to_dict(detail=False)))

@@ -18,7 +18,7 @@ def _stats(gradients: list[np.ndarray], losses: list[float | None], bins: int = 
     rows = []
     for g, loss in zip(gradients, losses):
         sketch = g[:bins] if bins else []  # any vector works as a sketch for these checks
-        row = [loss or 0.0, 0.0 if loss is None else 1.0, g[:3] @ g[:3], g[3:] @ g[3:], *sketch]
+        row = [loss or 0.0, 0.0 if loss is None else 1.0, 0.0, g[:3] @ g[:3], g[3:] @ g[3:], *sketch]
         rows.append(row)
     mean = np.mean(gradients, axis=0)
     reduced = [mean[:3] @ mean[:3], mean[3:] @ mean[3:]]
@@ -108,7 +108,7 @@ def test_no_loss_observed_gives_null_losses():
 
 def test_a_slot_of_the_wrong_shape_is_rejected():
     stats = SilentStats(0, 2, [BucketLayout(0, ("a",), (3,))], torch.zeros(2, 5), torch.zeros(1), 0, "separate")
-    with pytest.raises(ValueError, match=r"gathered slots have shape \(2, 5\), expected \(2, 3\)"):
+    with pytest.raises(ValueError, match=r"gathered slots have shape \(2, 5\), expected \(2, 4\)"):
         stats.to_dict()
 
 

@@ -164,7 +164,7 @@ def test_resumed_synchronisation_is_noted_and_the_replicas_checked(watched):
     for rank, results in enumerate(watched):
         result = results["resume"]
         kinds = [a[:2] for a in result["alerts"]]
-        # The unsynchronised steps made the replicas drift: the first synchronised step checks
+        # The unsynchronised steps made the replicas drift: the synchronised steps after them check
         # them (check_replicas_every=1000 would not have until step 1000) and names both ranks.
         assert kinds[0] == ("unsynchronised", rank) and {k for k, _ in kinds[1:]} == {"replica"}, result
         assert result["unsynchronised"] == 2

@@ -151,7 +151,9 @@ class SilentCallback(TrainerCallback):
       numbering continues. Without DDP, FSDP2 or DeepSpeed ZeRO (one process, FSDP1) it warns once
       and does nothing else: training is unchanged.
     - ``on_step_end``: when the detector has found new alerts (``state.alerts``, the same on
-      every rank at this point), asks the Trainer to log at this step, so the alert count reaches
+      every rank at this point; the detector runs on a background thread, so a step's alerts
+      reach ``state.alerts`` when the step after next starts its backward, and this callback
+      at the end of that step), asks the Trainer to log at this step, so the alert count reaches
       the logs when it happens; with ``stop_on_alert``, also to save a checkpoint and stop
       (``control.should_save``, ``control.should_training_stop``): every rank stops after the
       same step, with the checkpoint of the weights the alert was found on.
@@ -164,8 +166,8 @@ class SilentCallback(TrainerCallback):
       so the records on disk match the checkpoint.
     - ``on_train_end``: ``state.close()`` (writes what is queued, flushes and closes the sinks).
 
-    Records go to ``<output_dir>/stats.jsonl`` (``stats-rank<r>.jsonl`` with ``log_rank=None``)
-    unless ``sinks`` is among ``settings``; on resume the file is appended to, after dropping the
+    Records go to ``<args.output_dir>/ddphooks/stats.jsonl`` (``output_dir=`` sets the folder;
+    ``stats-rank<r>.jsonl`` with ``log_rank=None``) unless ``sinks`` is among ``settings``; on resume the file is appended to, after dropping the
     records of steps from the checkpoint on (an interrupted run wrote them, the resumed run
     writes them again), so every step appears once.
 

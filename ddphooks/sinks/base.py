@@ -7,6 +7,7 @@ writer thread (``ddphooks.writer``): a slow or failing sink never blocks or brea
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable
 
 
@@ -31,6 +32,11 @@ class Sink:
     def close(self) -> None:
         """Flush and release resources; later writes are errors."""
 
+    def subgroup_problem(self) -> str | None:
+        """Why this sink cannot be written from two data-parallel groups of one job (the state's
+        process group is a subgroup: every group's log rank writes); None where it can."""
+        return None
+
 
 class SinkGroup(Sink):
     """Fans every call out to several sinks, in order."""
@@ -41,11 +47,12 @@ class SinkGroup(Sink):
             if not isinstance(sink, Sink):
                 raise TypeError(f"sinks must be ddphooks.Sink instances, got {type(sink).__name__}")
 
-    def bind_rank(self, rank: int) -> None:
+    def bind_rank(self, rank: int, global_rank: int | None = None) -> None:
         for sink in self.sinks:
-            bind = getattr(sink, "bind_rank", None)
-            if bind is not None:
-                bind(rank)
+            bind_sink(sink, rank, global_rank)
+
+    def subgroup_problem(self) -> str | None:
+        return next((problem for sink in self.sinks if (problem := sink.subgroup_problem()) is not None), None)
 
     def write(self, record: dict) -> None:
         for sink in self.sinks:
@@ -58,3 +65,15 @@ class SinkGroup(Sink):
     def close(self) -> None:
         for sink in self.sinks:
             sink.close()
+
+
+def bind_sink(sink: Sink, rank: int, global_rank: int) -> None:
+    """Tell ``sink`` the rank that writes to it: its rank in the data-parallel group (``{rank}``)
+    and in the whole job (``{global_rank}``), where the sink takes them (``bind_rank``)."""
+    bind = getattr(sink, "bind_rank", None)
+    if bind is None:
+        return
+    if "global_rank" in inspect.signature(bind).parameters:
+        bind(rank, global_rank=global_rank)
+    else:  # a sink of its own whose bind_rank takes the rank alone
+        bind(rank)

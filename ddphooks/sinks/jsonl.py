@@ -17,7 +17,9 @@ class JsonlSink(Sink):
     ``{"header": header}`` (settings, versions), followed by one line per step.
 
     Args:
-        path: file to write; ``{rank}`` in it is replaced by the writing rank's index.
+        path: file to write; ``{rank}`` in it is replaced by the writing rank's index in the
+            data-parallel group, ``{global_rank}`` by its rank in the whole job (needed where the
+            model's process group is a subgroup: each group's log rank writes).
         header: optional run description written once, first.
         append: append to an existing file instead of replacing it (a resumed run); the header
             is written only if the file is new or empty.
@@ -34,9 +36,22 @@ class JsonlSink(Sink):
     def name(self) -> str:
         return f"JsonlSink({str(self.path)!r})"
 
-    def bind_rank(self, rank: int) -> None:
-        """Called by ``SilentState`` with the writing rank (fills ``{rank}`` in the path)."""
-        self.path = Path(str(self.path).replace("{rank}", str(rank)))
+    def bind_rank(self, rank: int, global_rank: int | None = None) -> None:
+        """Called by ``SilentState`` with the writing rank (fills ``{rank}`` and ``{global_rank}`` in the path)."""
+        path = str(self.path).replace("{rank}", str(rank))
+        if global_rank is not None:
+            path = path.replace("{global_rank}", str(global_rank))
+        self.path = Path(path)
+
+    def subgroup_problem(self) -> str | None:
+        if "{global_rank}" in str(self.path):
+            return None
+        suggestion = self.path.with_name(f"{self.path.stem}-{{global_rank}}{self.path.suffix}")
+        return (
+            f"JsonlSink path {str(self.path)!r} has no {{global_rank}}: the model's process group is a subgroup, so the "
+            f"log rank of every data-parallel group writes records, and they would overwrite each other in one file; "
+            f"use JsonlSink({str(suggestion)!r})"
+        )
 
     def _open(self):
         if self._closed:
