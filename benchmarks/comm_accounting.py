@@ -6,7 +6,7 @@ buckets from DDP's greedy assignment (1 MB first bucket, then bucket_cap_mb), an
 from a ring allreduce, which sends and receives 2 (W-1)/W times the buffer per rank.
 
 With the piggyback transport the last bucket's allreduce carries W slots of
-(2 + parameters + sketch bins) fp32 numbers; every other bucket is untouched.
+(3 + parameters + sketch bins) fp32 numbers; every other bucket is untouched.
 
     python benchmarks/comm_accounting.py
 """

@@ -22,7 +22,8 @@ targets permuted), stuck (the loader repeats the fault step's batch), precision 
 under bf16 autocast, or without it in the bf16 family), eval (the rank left in eval mode: dropout
 off, BatchNorm on running statistics; families with dropout or BatchNorm), stale (the rank's
 parameters reset to their copy of STALE_BACK steps earlier; the replica check, every 100 steps
-by default, should name it at step 200).
+by default, should name it at step 200), scale1.25 / scale1.5 / scale2 (every local gradient of the rank
+multiplied by that factor, every step, all layers: a unit computing too large a result).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from ddphooks.launch import spawn
 
 # -- configuration (chosen before any result) -------------------------------------------------------
 FAMILIES = ("cnn", "gpt2", "bert", "lora", "bf16", "moe", "heavy", "mixture")
-FAULTS = ("bitflip", "labels", "stuck", "precision", "eval", "stale")
+FAULTS = ("bitflip", "labels", "stuck", "precision", "eval", "stale", "scale1.25", "scale1.5", "scale2")
 DROPOUT_FAMILIES = ("cnn", "gpt2", "bert", "lora", "mixture")  # where the eval fault changes anything
 WORLDS = (2, 4, 8)
 FAULT_STEP = 150  # first faulty step of every fault run
@@ -332,6 +333,15 @@ def flip_exponent_bits(seed: int, step_box: list, fault_step: int, fraction: flo
     return hook
 
 
+def scale_gradient(step_box: list, fault_step: int, factor: float):
+    """A param.register_hook function: from fault_step, the local gradient times ``factor``."""
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        return grad * factor if step_box[0] >= fault_step else grad
+
+    return hook
+
+
 def train(rank: int, world: int, spec: Spec, records: str | None = None) -> dict:
     """Train one run on this rank; return rank-local loss curve ends and (rank 0) the alerts."""
     family = spec.family
@@ -358,6 +368,9 @@ def train(rank: int, world: int, spec: Spec, records: str | None = None) -> dict
     target_name, target = next(((n, p) for n, p in trainable if n == BITFLIP_TARGETS.get(family)), max(trainable, key=lambda item: item[1].numel()))
     if faulty and spec.kind == "bitflip":
         target.register_hook(flip_exponent_bits(spec.seed, step_box, spec.fault_step, BITFLIP_FRACTION))
+    if faulty and spec.kind.startswith("scale"):
+        for _, parameter in trainable:
+            parameter.register_hook(scale_gradient(step_box, spec.fault_step, float(spec.kind.removeprefix("scale"))))
     snapshot = None
     losses, grads = [], []
     ddp.train()
@@ -447,7 +460,7 @@ def fault_kinds(family: str) -> list[str]:
     return [kind for kind in FAULTS if kind != "eval" or family in DROPOUT_FAMILIES]
 
 
-def plan(worlds, healthy_runs: int, fault_runs: int, families=FAMILIES, skip_runs: int = 0) -> list[Spec]:
+def plan(worlds, healthy_runs: int, fault_runs: int, families=FAMILIES, skip_runs: int = 0, faults=FAULTS) -> list[Spec]:
     """Healthy and fault runs, interleaved by repetition so a partial campaign stays balanced; the
     first ``skip_runs`` repetitions left out (a set held out from an earlier campaign's seeds)."""
     specs = []
@@ -456,7 +469,7 @@ def plan(worlds, healthy_runs: int, fault_runs: int, families=FAMILIES, skip_run
             for family in families:
                 if rep < fault_runs:
                     for index, kind in enumerate(FAULTS):
-                        if kind in fault_kinds(family):
+                        if kind in fault_kinds(family) and kind in faults:
                             specs.append(Spec(family, world, FAULT_SEEDS[rep] + 10 * index, kind, FAULT_STEPS, FAULT_STEP, FAULT_RANK))
                 if rep < healthy_runs:
                     specs.append(Spec(family, world, HEALTHY_SEEDS[rep], None, HEALTHY_STEPS, None, None))
@@ -534,6 +547,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=list(WORLDS))
     parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
+    parser.add_argument("--faults", nargs="+", default=list(FAULTS), choices=FAULTS, help="only these fault kinds (seeds do not depend on the choice)")
     parser.add_argument("--healthy-runs", type=int, default=1, help=f"healthy runs per family and W ({HEALTHY_STEPS} steps each)")
     parser.add_argument("--fault-runs", type=int, default=1, help=f"fault runs per fault kind, family and W ({FAULT_STEPS} steps, fault at {FAULT_STEP})")
     parser.add_argument("--skip-runs", type=int, default=0, help="leave out the first N repetitions of every kind (seeds of an earlier campaign: --healthy-runs 6 --fault-runs 4 --skip-runs 3 runs healthy seeds 303-305 and fault seeds 403-405)")
@@ -580,7 +594,7 @@ def main() -> int:
         out.mkdir(parents=True, exist_ok=True)
         results = out / "results.jsonl"
         done = {json.loads(line)["name"] for line in results.read_text().splitlines() if line.strip()} if results.exists() else set()
-        specs = [s for s in plan(args.worlds, args.healthy_runs, args.fault_runs, args.families, args.skip_runs) if s.name not in done]
+        specs = [s for s in plan(args.worlds, args.healthy_runs, args.fault_runs, args.families, args.skip_runs, args.faults) if s.name not in done]
         print(f"{len(specs)} runs to go ({len(done)} already in {results})", flush=True)
         records = str(out / "files") if args.records else None
         groups = [specs[i : i + args.group] for i in range(0, len(specs), args.group)]

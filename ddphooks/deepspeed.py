@@ -146,7 +146,7 @@ class DeepSpeedSilentState(BaseSilentState):
        multi-tensor norm (``_hp_mapping`` fragments under ZeRO-1/2, the grad partitions of
        ``safe_get_local_grad`` under ZeRO-3); the partitions are disjoint, so their sum over
        ranks is ``|gbar_p|^2``.
-    4. Each rank packs ``[loss_sum, loss_count, |G_p|^2, sketch, fingerprints | partition
+    4. Each rank packs ``[loss_sum, loss_count, status, |G_p|^2, sketch, fingerprints | partition
        |gbar_p|^2]`` into its row of a ``W x slot`` buffer, zeros elsewhere; one all-reduce (SUM)
        over ZeRO's data-parallel group gathers them, and ``state.latest`` becomes the step's
        ``SilentStats`` before ``backward()`` returns. The step count advances.

@@ -100,7 +100,7 @@ class ShardedSilentState(BaseSilentState):
     2. The reduce-scatter runs unchanged; its output becomes this rank's shard of the averaged
        gradient (after HSDP's all-reduce over the replicas and FSDP's post-divide).
     3. At the end of backward (an autograd final callback, after FSDP2's own): each rank packs
-       ``[loss_sum, loss_count, |g_p|^2, sketch, fingerprints | |gbar_p shard|^2]`` into its row
+       ``[loss_sum, loss_count, status, |g_p|^2, sketch, fingerprints | |gbar_p shard|^2]`` into its row
        of a ``W x slot`` buffer, zeros elsewhere, and one all-reduce (SUM) over the data-parallel
        mesh gathers them. ``|gbar_p|^2`` is the sum of the shards' squares over one replica.
     4. ``state.latest`` becomes the step's ``SilentStats``, before ``backward()`` returns.

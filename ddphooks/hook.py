@@ -472,7 +472,7 @@ def silent_hook(state: SilentState, bucket: dist.GradBucket) -> torch.futures.Fu
        shared by every rank) into the step's sketch.
     2. Every bucket but the last is averaged like ``allreduce_hook``: divide by W first (to avoid
        overflow), allreduce (SUM). Its callback computes ``|gbar_p|^2`` of the reduced gradient.
-    3. The last bucket also carries every rank's slot ``[loss_sum, loss_count, |g_p|^2, s]``:
+    3. The last bucket also carries every rank's slot ``[loss_sum, loss_count, status, |g_p|^2, s]``:
        with the fp32 "piggyback" transport the allreduce runs on one persistent buffer
        ``[bucket / W | W slots]`` where each rank filled its own slot and zeroed the rest, so the
        sum gathers all slots in the same collective; otherwise one small allreduce of the slots

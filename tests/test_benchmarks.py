@@ -193,7 +193,7 @@ def test_comm_accounting_fields(tmp_path):
     rows = json.loads(out.read_text())
     assert {r["world_size"] for r in rows} == {2, 8, 64, 1024}
     tiny = [r for r in rows if r["model"] == "tiny-llama-12M" and r["world_size"] == 8][0]
-    assert tiny["tensors"] == 93 and tiny["slot_bytes"] == 4 * (2 + 93 + 251)
+    assert tiny["tensors"] == 93 and tiny["slot_bytes"] == 4 * (3 + 93 + 251)
     assert tiny["launches"]["silent_piggyback"] == tiny["launches"]["allreduce_hook"]
 
 

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "workloads.py"
-#: One fault per family, every fault kind at least once.
+#: One fault per family, every fault kind at least once (the three gradient scales by one of them).
 PAIRS = {
     "cnn": "eval", "gpt2": "bitflip", "bert": "labels", "lora": "stale",
-    "bf16": "precision", "moe": "stuck", "heavy": "labels", "mixture": "stuck",
+    "bf16": "precision", "moe": "stuck", "heavy": "labels", "mixture": "scale1.5",
 }  # fmt: skip
 STEPS, FAULT_STEP = 6, 3
 
@@ -49,8 +49,11 @@ def test_fault_changes_only_the_faulty_rank(runs, family):
     assert f[shows]["losses"][0] == h[shows]["losses"][0] and f[shows]["grad_norms"][0] == h[shows]["grad_norms"][0]
     changed = (f[shows]["losses"][1] != h[shows]["losses"][1], f[shows]["grad_norms"][1] != h[shows]["grad_norms"][1])
     assert any(changed), f"{family}: the {PAIRS[family]} fault left rank 1's local statistics unchanged"
-    if PAIRS[family] == "bitflip":  # the gradient, after the forward: the loss as in the twin, the norm not
+    if PAIRS[family] == "bitflip" or PAIRS[family].startswith("scale"):  # the gradient, after the forward: the loss as in the twin, the norm not
         assert changed == (False, True)
+    if PAIRS[family].startswith("scale"):  # every local gradient times the factor: the norm too
+        factor = float(PAIRS[family].removeprefix("scale"))
+        assert f[shows]["grad_norms"][1] == pytest.approx(factor * h[shows]["grad_norms"][1], rel=1e-5)
     if PAIRS[family] in ("labels", "eval", "stale"):  # the forward itself differs on that rank
         assert changed[0]
 
