@@ -8,7 +8,6 @@ division) or to fp32 rounding where the reference divides in another order.
 """
 
 import json
-import logging
 
 import pytest
 import torch
@@ -17,23 +16,15 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from test_fsdp import _Messages
+from test_hook import _Net
+
 import ddphooks
 from ddphooks import JsonlSink
 from ddphooks.launch import spawn
 
 TIMEOUT = 180
 BUCKET_CAP_MB = 0.002  # about 500 fp32 elements a bucket: three buckets in the small model
-
-
-class _Net(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = torch.nn.Linear(16, 48)
-        self.hidden = torch.nn.Linear(48, 64)
-        self.out = torch.nn.Linear(64, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(torch.tanh(self.hidden(torch.tanh(self.inp(x)))))
 
 
 def _make(seed: int = 0, **ddp_kwargs) -> DDP:
@@ -48,18 +39,6 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _parameters(model: DDP) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.module.parameters()]
-
-
-class _Messages(logging.Handler):
-    """The "ddphooks" logger's messages on this rank."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.messages: list[str] = []
-        logging.getLogger("ddphooks").addHandler(self)
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
 
 
 def _read(path) -> list[dict]:
