@@ -439,6 +439,59 @@ def redetect(rows: list[dict], files: Path, config: DetectorConfig | None = None
     return out
 
 
+#: Healthy steps before the fault, and steps after it, over which ``norm_gap_dprime`` separates them.
+DPRIME_BEFORE, DPRIME_AFTER = 100, 20
+#: False-alarm rate the Lorden bound is computed at: one per this many healthy steps.
+BOUND_ARL0 = 30_000
+
+
+def norm_gap_dprime(records: list[dict], fault_step: int, fault_rank: int) -> float:
+    """The per-step separation a gradient-scale fault leaves in the plainest signal it moves: the
+    faulty rank's log gradient norm minus the median of the other ranks', ``(mean over the
+    DPRIME_AFTER steps from the fault - mean over the DPRIME_BEFORE steps before it) / its
+    standard deviation before it``. What the information allows: with this d' a CUSUM at one false
+    alarm per BOUND_ARL0 steps needs about ``ln(BOUND_ARL0) / (d'^2 / 2)`` steps (Lorden)."""
+    gaps = {}
+    for record in records:
+        norms = np.array([math.nan if v is None else v for v in record["grad_norms"]], dtype=float)
+        others = np.delete(norms, fault_rank)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            gaps[record["step"]] = math.log(norms[fault_rank]) - float(np.median(np.log(others)))
+    before = np.array([gaps[s] for s in range(fault_step - DPRIME_BEFORE, fault_step) if s in gaps])
+    after = np.array([gaps[s] for s in range(fault_step, fault_step + DPRIME_AFTER) if s in gaps])
+    before, after = before[np.isfinite(before)], after[np.isfinite(after)]
+    if len(before) < 10 or not len(after) or before.std() == 0:
+        return math.nan
+    return float((after.mean() - before.mean()) / before.std())
+
+
+def print_norm_dprimes(rows: list[dict], files: Path) -> list[dict]:
+    """Per fault kind, family and W: runs, named, median delay, median ``norm_gap_dprime`` and the
+    bound it implies (fault runs whose records are in ``files``)."""
+    cells = defaultdict(list)
+    for row in rows:
+        if row["kind"] is None:
+            continue
+        path = files / f"run-{row['name']}.jsonl"
+        if not path.exists():
+            raise SystemExit(f"--norm-dprime: {path} is missing (the campaign ran without --records?)")
+        dprime = norm_gap_dprime(read_run(path).records, row["fault_step"], row["fault_rank"])
+        named = [a["step"] - row["fault_step"] for a in row["alerts"] if a["rank"] == row["fault_rank"] and a["step"] >= row["fault_step"]]
+        cells[(row["kind"], row["family"], row["world"])].append((dprime, min(named) if named else None))
+    print(f"\nd' of the faulty rank's log gradient norm against the others' median ({DPRIME_AFTER} steps after the fault against {DPRIME_BEFORE} before)")
+    print(f"{'fault':<10} {'family':<8} {'W':>2} {'runs':>4} {'named':>5} {'delays':<12} {'median d_prime':>14} {'bound steps':>11}")
+    table = []
+    for (kind, family, world), entries in sorted(cells.items()):
+        dprimes = [d for d, _ in entries if math.isfinite(d)]
+        median = statistics.median(dprimes) if dprimes else math.nan
+        bound = math.log(BOUND_ARL0) / (median**2 / 2) if median > 0 else math.inf
+        delays = ",".join("-" if delay is None else str(delay) for _, delay in entries)
+        named = sum(delay is not None for _, delay in entries)
+        print(f"{kind:<10} {family:<8} {world:>2} {len(entries):>4} {named:>5} {delays:<12} {median:>14.2f} {bound:>11.1f}")
+        table.append({"kind": kind, "family": family, "world": world, "runs": len(entries), "named": named, "delays": [d for _, d in entries], "median_dprime": median, "bound_steps": bound})
+    return table
+
+
 def train_many(rank: int, world: int, specs: list[Spec], results: str | None, records: str | None, keep_latest: bool) -> list[dict]:
     """Several runs in one process group (saves the workers' start and imports); rank 0 appends one
     line per finished run to ``results``."""
@@ -563,6 +616,7 @@ def main() -> int:
     parser.add_argument("--check-fault-step", type=int, default=3)
     parser.add_argument("--summarize", default=None, metavar="RESULTS", help="only print the tables of an existing results.jsonl")
     parser.add_argument("--redetect", action="store_true", help="with --summarize: detect every run again from its records (RESULTS' folder/files) with this checkout's detector")
+    parser.add_argument("--norm-dprime", action="store_true", help="with --summarize: per fault run, d' of the faulty rank's log gradient norm against the others' (from RESULTS' folder/files) and the delay it allows")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="with --redetect: a DetectorConfig field (repeatable), e.g. --set scale_quantile=0.5")
     parser.add_argument("--json", default=None, help="also write the tables to this file")
     args = parser.parse_args()
@@ -616,6 +670,8 @@ def main() -> int:
                 print(f"group {number + 1}/{len(groups)} W={w} {len(batch)} runs {time.time() - started:.0f} s {status}", flush=True)
         rows = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
     table = print_tables(rows)
+    if args.summarize and args.norm_dprime:
+        table["norm_dprimes"] = print_norm_dprimes(rows, Path(args.summarize).parent / "files")
     steps = defaultdict(int)
     for row in rows:
         steps[row["world"]] += row["healthy_steps"]

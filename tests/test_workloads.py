@@ -85,3 +85,27 @@ def test_redetect_tables_come_from_the_run_files_with_this_detector(tmp_path):
     (tmp_path / "files" / "run-heavy-labels-w4-s1.jsonl").unlink()
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode != 0 and "run-heavy-labels-w4-s1.jsonl is missing" in result.stderr, result.stderr[-3000:]
+
+
+def test_norm_gap_dprime_against_the_plain_computation():
+    # Rank 1's gradient norm times 1.5 from step 150 at W = 3; d' by hand: the gaps of its log norm
+    # to the median of the others', after minus before over the spread before.
+    sys.path.insert(0, str(SCRIPT.parent))
+    from workloads import DPRIME_AFTER, DPRIME_BEFORE, norm_gap_dprime
+
+    rng = __import__("numpy").random.default_rng(0)
+    records = []
+    for step in range(200):
+        norms = [float(math.exp(0.1 * rng.standard_normal())) for _ in range(3)]
+        if step >= 150:
+            norms[1] *= 1.5
+        records.append({"step": step, "grad_norms": norms})
+    gaps = {r["step"]: math.log(r["grad_norms"][1]) - sorted([math.log(r["grad_norms"][0]), math.log(r["grad_norms"][2])])[0] * 0.5
+            - sorted([math.log(r["grad_norms"][0]), math.log(r["grad_norms"][2])])[1] * 0.5 for r in records}  # fmt: skip
+    before = [gaps[s] for s in range(150 - DPRIME_BEFORE, 150)]
+    after = [gaps[s] for s in range(150, 150 + DPRIME_AFTER)]
+    mean_before = sum(before) / len(before)
+    spread = math.sqrt(sum((g - mean_before) ** 2 for g in before) / len(before))
+    expected = (sum(after) / len(after) - mean_before) / spread
+    assert norm_gap_dprime(records, 150, 1) == pytest.approx(expected, rel=1e-9)
+    assert expected > 2  # log 1.5 = 0.41 against a spread of about 0.1 * sqrt(1.5)
