@@ -316,7 +316,7 @@ class SilentState(BaseSilentState):
     def _slot_status(self, record: "_Step") -> int:
         """The status flags of this rank's slot: absent (joined), and a replica check asked for
         when the watchdog saw DDP synchronise again after unsynchronised backward passes (the
-        replicas may have drifted: every rank checks them on the next instrumented step)."""
+        replicas may have drifted: every rank checks them on the instrumented step after this one)."""
         status = ABSENT if record.absent else 0
         if self._watchdog is not None and self._watchdog.replica_check_due:
             self._watchdog.replica_check_due = False
