@@ -19,7 +19,10 @@ warm-up, so it scores):
 
   in-hook ms       training thread: time inside the hook's calls per step (the futures complete at
                    once, so their callbacks, the reduced norms and building SilentStats, run inside
-                   them as well), ddphooks minus allreduce_hook
+                   them as well), ddphooks minus allreduce_hook; "slots": the part that handles the
+                   W slots (the last bucket's division into the piggyback buffer, the zeroed slots
+                   and this rank's slot; its callback: the copy of the W slots and the bucket's
+                   reduced norms; building SilentStats)
   detector ms      its thread: Detector.update on the step (reading the step's statistics included)
   slot bytes       what the W slots add to the step's all-reduce (W x slot x 4 B; a replica-check
                    step adds 8 B per parameter and buffer to each slot), and that against the
@@ -28,6 +31,8 @@ warm-up, so it scores):
                    serialised as JsonlSink writes it: compact, and detail (one every 100 steps)
   kept MB          everything the state keeps between steps (ddphooks.memory.retained_bytes: sign
                    tables, buffers, plans, the latest statistics, the detector's windows)
+  replica check    replica_differences on W x (the model's parameters and buffers) fingerprints
+                   with three ranks differing (the check every 100 steps; off the training thread)
 
     python benchmarks/scale.py                  # W = 8, 64, 256, 1024, 4096, a 16 M-parameter tiny Llama (273 tensors)
     python benchmarks/scale.py --quick          # W = 8 and 64, a 2-layer tiny Llama (seconds)
@@ -46,6 +51,7 @@ import time
 from datetime import date
 from functools import partial
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -59,9 +65,10 @@ from ddphooks.hook import silent_hook
 from ddphooks.memory import retained_bytes, retained_tensors
 from ddphooks.models import parameter_count, tiny_llama
 from ddphooks.records import RecordBuilder
-from ddphooks.stats import PARAMS_BEGIN
+from ddphooks.stats import PARAMS_BEGIN, replica_differences
 
 ATTACH = importlib.import_module("ddphooks.attach")  # the module (ddphooks.attach is the function)
+HOOK = importlib.import_module("ddphooks.hook")
 
 # -- config ----------------------------------------------------------------------------------------
 WORLDS, QUICK_WORLDS = (8, 64, 256, 1024, 4096), (8, 64)
@@ -164,6 +171,7 @@ class HookTimer:
         self.collectives = collectives
         self.current = {"allreduce": 0.0, "silent": 0.0}
         self.samples = {"allreduce": [], "silent": []}
+        self.slot_parts, self.slot_samples = 0.0, []  # the W slots' share of the silent hook's time
 
     def wrap(self, name: str, hook):
         def timed(state, bucket):  # no annotations: DDP checks them only where present
@@ -176,17 +184,52 @@ class HookTimer:
 
         return timed
 
+    def timed_part(self, fn):
+        """``fn`` with its time (less the fake collectives') added to the slot parts."""
+
+        def timed(*args):
+            excluded = self.collectives.excluded
+            start = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                self.slot_parts += time.perf_counter() - start - (self.collectives.excluded - excluded)
+
+        return timed
+
     def end_step(self, timed: bool) -> None:
         for name, seconds in self.current.items():
             if timed:
                 self.samples[name].append(seconds)
             self.current[name] = 0.0
+        if timed:
+            self.slot_samples.append(self.slot_parts)
+        self.slot_parts = 0.0
 
 
 def quartiles(samples: list[float]) -> list[float]:
     """First and third quartiles."""
     q = statistics.quantiles(samples, n=4, method="inclusive") if len(samples) >= 2 else [samples[0]] * 3
     return [q[0], q[2]]
+
+
+def replica_check_s(world: int, tensors: int, repeats: int = 5) -> float:
+    """Seconds of ``replica_differences`` on W x ``tensors`` fingerprints where three ranks differ
+    (one in every tensor, two in a third of them each): what a replica-check step adds where its
+    statistics are read (the detector's thread). Median of ``repeats``."""
+    rng = np.random.default_rng(0)
+    fingerprints = np.broadcast_to(rng.random((tensors, 2)) + 1.0, (world, tensors, 2)).copy()
+    fingerprints[world // 3] *= 1.001
+    fingerprints[world // 2, : tensors // 3] *= 0.999
+    fingerprints[world - 1, tensors // 3 : 2 * tensors // 3, 1] *= 1.01
+    names = [f"t{i}" for i in range(tensors)]
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        found = replica_differences(fingerprints, names)
+        times.append(time.perf_counter() - start)
+    assert found["ranks"] == sorted({world // 3, world // 2, world - 1}), found["ranks"]
+    return statistics.median(times)
 
 
 def record_bytes(record: dict) -> int:
@@ -209,6 +252,9 @@ def _measure(world: int, model_args: dict, steps: int, collectives: FakeCollecti
     plain, instrumented = DDP(copy.deepcopy(module)), DDP(module)
     timer = HookTimer(collectives)
     plain.register_comm_hook(None, timer.wrap("allreduce", allreduce_hook))
+    callbacks = {name: getattr(HOOK, name) for name in ("_reduced_piggyback", "_reduced_separate")}
+    for name, callback in callbacks.items():  # silent_hook looks them up when it runs
+        setattr(HOOK, name, timer.timed_part(callback))
     registered = ATTACH.silent_hook
     ATTACH.silent_hook = timer.wrap("silent", silent_hook)  # attach registers the timed wrapper
     try:
@@ -223,6 +269,21 @@ def _measure(world: int, model_args: dict, steps: int, collectives: FakeCollecti
         pack_slot(local_sq, fingerprint, slot)
 
     state._pack_slot = recorded_pack_slot
+    # The parts of the hook that handle the W slots: the last bucket's buffer (division, zeroed
+    # slots, this rank's slot), its callback (a copy of the W slots, the bucket's reduced norms)
+    # and publishing the step's SilentStats.
+    stats_buffer, pack = state._stats_buffer, state._pack_slot
+    marks = {}
+
+    def timed_stats_buffer(*args):
+        marks["start"] = time.perf_counter()
+        return stats_buffer(*args)
+
+    def timed_pack(*args):
+        pack(*args)
+        timer.slot_parts += time.perf_counter() - marks["start"]
+
+    state._stats_buffer, state._pack_slot = timed_stats_buffer, timed_pack
     detector_s, detect = [], state._pipeline._detect
 
     def timed_detect(stats):
@@ -265,6 +326,7 @@ def _measure(world: int, model_args: dict, steps: int, collectives: FakeCollecti
         "silent_hook_ms": 1e3 * statistics.median(timer.samples["silent"]),
         "in_hook_ms_beyond_allreduce": 1e3 * statistics.median(beyond),
         "in_hook_ms_beyond_allreduce_iqr": [1e3 * q for q in quartiles(beyond)],
+        "slot_parts_ms": 1e3 * statistics.median(timer.slot_samples),
         "detector_ms": 1e3 * statistics.median(detector_s),
         "slot_numel": statistics.median(slots),
         "slot_bytes_per_step": slot_bytes,
@@ -272,10 +334,14 @@ def _measure(world: int, model_args: dict, steps: int, collectives: FakeCollecti
         "compact_record_bytes": record_bytes(compact),
         "detail_record_bytes": record_bytes(detail),
         "kept_bytes": retained_bytes(state),
+        "replica_check_ms": 1e3 * replica_check_s(world, len(state._replica_tensors.names)),
+        "replica_tensors": len(state._replica_tensors.names),
         "kept_largest": [{"path": t.path, "bytes": t.nbytes, "shape": list(t.shape)} for t in kept[:5]],
         "alerts": len(state.alerts),
     }
     state.close()
+    for name, callback in callbacks.items():
+        setattr(HOOK, name, callback)
     return result
 
 
@@ -293,18 +359,19 @@ def main() -> None:
     print(f"\nddphooks at scale, {date.today()}, torch {torch.__version__}, {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} cores, 1 thread; one process on the fake process group (rank 0 of W), tiny Llama {model_args}, "
           f"{BATCH} x {TOKENS} tokens, attach() defaults; medians over {steps} steps after {WARMUP} warm-up steps\n")  # fmt: skip
-    print("in-hook: median [IQR] per step of ddphooks' calls less allreduce_hook's (their medians in brackets)\n")
+    print("in-hook: median [IQR] per step of ddphooks' calls less allreduce_hook's (their medians in brackets; slots: the\n"
+          "last bucket's buffer and slot, its callback with the copy of the W slots, and building SilentStats)\n")
     print("| W | DDP in-hook ms beyond allreduce_hook | detector ms (its thread) | slot bytes/step (% of gradient bytes) "
-          "| compact record bytes | detail record bytes | kept MB |")
-    print("|---|---|---|---|---|---|---|")
+          "| compact record bytes | detail record bytes | kept MB | replica check ms |")
+    print("|---|---|---|---|---|---|---|---|")
     rows = []
     for world in worlds:
         r = measure(world, model_args, steps)
         rows.append(r)
         q1, q3 = r["in_hook_ms_beyond_allreduce_iqr"]
-        print(f"| {world} | {r['in_hook_ms_beyond_allreduce']:.1f} [{q1:.1f}, {q3:.1f}] ({r['silent_hook_ms']:.1f} - {r['allreduce_hook_ms']:.1f}) "
+        print(f"| {world} | {r['in_hook_ms_beyond_allreduce']:.1f} [{q1:.1f}, {q3:.1f}] ({r['silent_hook_ms']:.1f} - {r['allreduce_hook_ms']:.1f}; slots {r['slot_parts_ms']:.1f}) "
               f"| {r['detector_ms']:.2f} | {r['slot_bytes_per_step']:,.0f} ({100 * r['slot_fraction_of_gradient_bytes']:.3f}%) "
-              f"| {r['compact_record_bytes']:,d} | {r['detail_record_bytes']:,d} | {r['kept_bytes'] / 2**20:.1f} |", flush=True)  # fmt: skip
+              f"| {r['compact_record_bytes']:,d} | {r['detail_record_bytes']:,d} | {r['kept_bytes'] / 2**20:.1f} | {r['replica_check_ms']:.1f} |", flush=True)  # fmt: skip
     if rows:
         last = rows[-1]
         print(f"\n{last['parameters'] / 1e6:.1f} M parameters, {last['tensors']} tensors, {last['buckets']} buckets, transport "

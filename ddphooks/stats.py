@@ -291,8 +291,9 @@ def replica_differences(fingerprints: np.ndarray, names: list[str]) -> dict:
                 ranks = np.argmax(~tried[:, open_], axis=0)  # rank 0 for a tensor where every rank was tried
                 row = fingerprints[ranks, columns[open_]]  # O x 2
             else:
-                found = fingerprints[:, columns[open_]]
-                row = np.stack([np.partition(np.ascontiguousarray(found[:, :, i].T), world // 2, axis=1)[:, world // 2] for i in range(FINGERPRINT_WIDTH)], axis=1)
+                found, half = fingerprints[:, columns[open_]], world // 2
+                middle = [np.partition(np.ascontiguousarray(found[:, :, i].T), half, axis=1)[:, half] for i in range(FINGERPRINT_WIDTH)]
+                row = np.stack(middle, axis=1)  # the majority's fingerprint wherever there is one
             candidates = fingerprints[0].copy()  # T x 2, a candidate per open tensor
             candidates[columns[open_]] = row
             equal = pairs(flat == candidates.reshape(-1))[:, columns[open_]]  # W x O, no copy of the fingerprints

@@ -204,7 +204,7 @@ def test_scale_quick_table_on_the_fake_process_group(tmp_path):
     assert set(rows) == {8, 64}
     for world, r in rows.items():
         assert r["transport"] == "piggyback" and r["tensors"] == 21 and r["steps"] == 3  # the real DDP path, its final buckets
-        for key in ("allreduce_hook_ms", "silent_hook_ms", "detector_ms", "kept_bytes", "slot_numel"):
+        for key in ("allreduce_hook_ms", "silent_hook_ms", "slot_parts_ms", "detector_ms", "kept_bytes", "slot_numel", "replica_check_ms"):
             assert math.isfinite(r[key]) and r[key] > 0, (world, key)
         assert r["slot_numel"] == 2 + 21 + 251  # loss pair, one norm per tensor, the sketch
         assert r["slot_bytes_per_step"] == 4 * world * r["slot_numel"]
