@@ -168,9 +168,11 @@ def measure_after(fresh, world, submits, detail_submits, folder):
     writer.close(600)
     if writer.dropped:
         raise RuntimeError(f"the writer dropped records: {writer.dropped}")
-    sizes = {True: [], False: []}
+    sizes, with_previous = {True: [], False: []}, []
     for line in sink.path.read_text(encoding="utf-8").splitlines():
-        sizes[json.loads(line)["detail"]].append(len(line.encode()) + 1)
+        record = json.loads(line)
+        sizes[record["detail"]].append(len(line.encode()) + 1)
+        with_previous.append(record["cosine_previous"] is not None)
     compact, detail = statistics.median(sizes[False]), statistics.median(sizes[True])
     writer_s = {kind: [b + w for b, w in zip(build_s[kind], write_s[kind])] for kind in (True, False)}
     per_step = lambda compact_value, detail_value: (detail_value + (builder.detail_every - 1) * compact_value) / builder.detail_every
@@ -186,6 +188,7 @@ def measure_after(fresh, world, submits, detail_submits, folder):
         "detail_bytes": int(detail),
         "writer_s_per_step": per_step(statistics.median(writer_s[False]), statistics.median(writer_s[True])),
         "bytes_per_step": per_step(compact, detail),
+        "cosine_previous_in_records": all(with_previous),
     }
 
 
@@ -229,9 +232,10 @@ def measure(world, n_params, settings, folder):
     bins = sketch_bins(SKETCH_DIM)
     layouts = llama_layout(n_params)
     gathered, reduced = gathered_slots(world, n_params, bins)
+    step_before = SilentStats(0, world, layouts, *gathered_slots(world, n_params, bins, seed=1), bins, "piggyback")
 
-    def fresh(step):
-        return SilentStats(step, world, layouts, gathered, reduced, bins, "piggyback")
+    def fresh(step):  # with the step before, as the hook builds it: the records carry cosine_previous
+        return SilentStats(step, world, layouts, gathered, reduced, bins, "piggyback", previous=step_before)
 
     variants = [gathered_slots(world, n_params, bins, seed) for seed in range(8)]
 

@@ -124,7 +124,7 @@ def test_records_quick_fields_and_size_goals(tmp_path):
         for key in timed:
             if r[key] is not None:
                 assert 0 < r[key]["iqr"][0] <= r[key]["median"] <= r[key]["iqr"][1], key
-        assert r["compact_bytes"] < r["detail_bytes"]
+        assert r["compact_bytes"] < r["detail_bytes"] and r["cosine_previous_in_records"]  # every key a real record has
         assert (r["detector_s"] is None) == (r["handoff_s"] is None) == (r["world_size"] > 64)  # --quick times the detector up to W = 64
         every = report["detail_every"]
         assert r["bytes_per_step"] == (r["detail_bytes"] + (every - 1) * r["compact_bytes"]) / every
@@ -195,6 +195,24 @@ def test_comm_accounting_fields(tmp_path):
     tiny = [r for r in rows if r["model"] == "tiny-llama-12M" and r["world_size"] == 8][0]
     assert tiny["tensors"] == 93 and tiny["slot_bytes"] == 4 * (3 + 93 + 251)
     assert tiny["launches"]["silent_piggyback"] == tiny["launches"]["allreduce_hook"]
+
+
+def test_scale_quick_table_on_the_fake_process_group(tmp_path):
+    out = tmp_path / "scale.json"
+    stdout = _run("scale.py", "--quick", "--json", str(out))
+    rows = {r["world_size"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {8, 64}
+    for world, r in rows.items():
+        assert r["transport"] == "piggyback" and r["tensors"] == 21 and r["steps"] == 3  # the real DDP path, its final buckets
+        for key in ("allreduce_hook_ms", "silent_hook_ms", "slot_parts_ms", "detector_ms", "kept_bytes", "slot_numel", "replica_check_ms"):
+            assert math.isfinite(r[key]) and r[key] > 0, (world, key)
+        assert r["slot_numel"] == 2 + 21 + 251  # loss pair, one norm per tensor, the sketch
+        assert r["slot_bytes_per_step"] == 4 * world * r["slot_numel"]
+        assert 0 < r["slot_fraction_of_gradient_bytes"] < 1
+        assert 0 < r["compact_record_bytes"] < r["detail_record_bytes"]
+    assert rows[64]["compact_record_bytes"] > rows[8]["compact_record_bytes"]  # O(W) per-rank vectors
+    table = [line for line in stdout.splitlines() if line.startswith("| ")]
+    assert table[0].startswith("| W | DDP in-hook ms beyond allreduce_hook | detector ms") and len(table) == 1 + 2
 
 
 def test_transport_table():

@@ -1,0 +1,386 @@
+"""Per-rank cost of ddphooks from W = 8 to 4096 ranks, through the real DDP code path, in one process.
+
+Only a few processes fit on a development machine, so this runs rank 0 of a W-rank job alone, on
+PyTorch's fake process group (``init_process_group("fake", ...)``): DDP, its buckets and reducer,
+``ddphooks.attach`` with its defaults (sketch_dim 256, the detector on, the replica check every 100
+steps, the sync watchdog) and ``silent_hook`` run as they do in a real job; only the collectives
+are simulated. ``dist.all_reduce`` is wrapped to return a completed future holding its tensor,
+after writing what a real all-reduce would: the sum of W ranks' averaged gradients (W times this
+rank's share: all ranks alike) and, in the buffer that carries the statistics, the other W - 1
+ranks' slots (this rank's slot with losses, per-parameter norms and sketches varied per rank:
+losses +- 2%, norms x exp(0.1 N(0, 1)), sketches with pairwise cosines ~0.4; replica fingerprints
+equal). That writing is timed and left out of every figure.
+
+Each W builds the model twice (same weights): one DDP with ``allreduce_hook``, one with
+``attach``; every step runs both, forward and backward, on the same random tokens. The step's
+statistics are then handed to the detector (``state.flush()``, untimed), so its thread never
+competes with the timed hook calls. Figures, medians over the timed steps (after the detector's
+warm-up, so it scores):
+
+  in-hook ms       training thread: time inside the hook's calls per step (the futures complete at
+                   once, so their callbacks, the reduced norms and building SilentStats, run inside
+                   them as well), ddphooks minus allreduce_hook; "slots": the part that handles the
+                   W slots (the last bucket's division into the piggyback buffer, the zeroed slots
+                   and this rank's slot; its callback: the copy of the W slots and the bucket's
+                   reduced norms; building SilentStats)
+  detector ms      its thread: Detector.update on the step (reading the step's statistics included)
+  slot bytes       what the W slots add to the step's all-reduce (W x slot x 4 B; a replica-check
+                   step adds 8 B per parameter and buffer to each slot), and that against the
+                   gradient bytes
+  record bytes     RecordBuilder.build on the last step's SilentStats (with its cosine_previous),
+                   serialised as JsonlSink writes it: compact, and detail (one every 100 steps)
+  kept MB          everything the state keeps between steps (ddphooks.memory.retained_bytes: sign
+                   tables, buffers, plans, the latest statistics, the detector's windows)
+  replica check    replica_differences on W x (the model's parameters and buffers) fingerprints
+                   with three ranks differing (the check every 100 steps; off the training thread)
+
+    python benchmarks/scale.py                  # W = 8, 64, 256, 1024, 4096, a 16 M-parameter tiny Llama (273 tensors)
+    python benchmarks/scale.py --quick          # W = 8 and 64, a 2-layer tiny Llama (seconds)
+    python benchmarks/scale.py --worlds 8 1024 --steps 5 --json scale.json
+"""
+
+import argparse
+import copy
+import gc
+import importlib
+import json
+import os
+import platform
+import statistics
+import time
+from datetime import date
+from functools import partial
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import ddphooks
+from ddphooks.config import SilentConfig
+from ddphooks.detect import DetectorConfig
+from ddphooks.hook import silent_hook
+from ddphooks.memory import retained_bytes, retained_tensors
+from ddphooks.models import parameter_count, tiny_llama
+from ddphooks.records import RecordBuilder
+from ddphooks.stats import PARAMS_BEGIN, replica_differences
+
+ATTACH = importlib.import_module("ddphooks.attach")  # the module (ddphooks.attach is the function)
+HOOK = importlib.import_module("ddphooks.hook")
+
+# -- config ----------------------------------------------------------------------------------------
+WORLDS, QUICK_WORLDS = (8, 64, 256, 1024, 4096), (8, 64)
+# 30 layers x 9 tensors + embedding, norm and head: 273 parameter tensors, 16.4 M parameters.
+MODEL = dict(vocab_size=8192, hidden=192, layers=30, heads=8)
+QUICK_MODEL = dict(vocab_size=512, hidden=64, layers=2, heads=4)
+BATCH, TOKENS = 2, 64
+STEPS, QUICK_STEPS = 9, 3  # timed steps, after the warm-up
+WARMUP = DetectorConfig().warmup + 2  # DDP rebuilds its buckets after step 0; the detector scores from its warm-up on
+DEFAULTS = SilentConfig()
+# What a real all-reduce would leave in the other ranks' slots (see the docstring).
+LOSS_SPREAD, NORM_SPREAD, SKETCH_SHARED = 0.02, 0.1, 0.4
+
+
+class FakeCollectives:
+    """``dist.all_reduce`` on the fake group, made to return what W ranks would: a completed
+    future holding the tensor, summed over W ranks alike, with the other ranks' slots filled in
+    where the statistics travel. Time spent writing them is counted in ``excluded``."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.state = None  # the SilentState whose buffers carry slots
+        self.slot = None  # numel of this rank's slot on the step being reduced
+        self.excluded = 0.0
+        self.generator = torch.Generator().manual_seed(0)
+        self._all_reduce, self._all_gather_object = dist.all_reduce, dist.all_gather_object
+
+    def __enter__(self):
+        dist.all_reduce, dist.all_gather_object = self.all_reduce, self.all_gather_object
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_reduce, dist.all_gather_object = self._all_reduce, self._all_gather_object
+
+    def all_gather_object(self, output: list, obj, group=None) -> None:
+        """Every rank agrees (binding compares the settings across ranks)."""
+        output[:] = [obj] * len(output)
+
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op: bool = False):
+        start = time.perf_counter()
+        slots = self._slots_of(tensor)
+        if slots is None:
+            tensor.mul_(self.world)  # W ranks' averaged gradients, all alike
+        else:
+            tensor[: tensor.numel() - slots.numel()].mul_(self.world)  # the piggyback buffer's gradient part
+            self._fill(slots.view(self.world, -1))
+        self.excluded += time.perf_counter() - start
+        if not async_op:
+            return None
+        future = torch.futures.Future()
+        future.set_result([tensor])
+        return _DoneWork(future)
+
+    def _slots_of(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """The W slots at the end of ``tensor`` if it is a buffer of the state's slots."""
+        state = self.state
+        if state is None or self.slot is None:
+            return None
+        for name in ("_piggyback", "_separate"):
+            buffer = getattr(state, name, None)
+            if buffer is not None and buffer.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
+                return tensor[tensor.numel() - self.world * self.slot :]
+        return None
+
+    def _fill(self, slots: torch.Tensor) -> None:
+        """Rows 1..W-1: rank 0's slot, varied per rank (losses, norms, sketches; fingerprints equal)."""
+        state, others = self.state, slots[1:]
+        n_params = sum(len(entry.layout.numels) for entry in state._buckets.values())
+        norms = slice(PARAMS_BEGIN, PARAMS_BEGIN + n_params)
+        sketch = slice(norms.stop, norms.stop + state.bins)
+        others.copy_(slots[:1].expand_as(others))
+        normal = partial(torch.randn, generator=self.generator)
+        others[:, 0] *= 1 + LOSS_SPREAD * normal(len(others))
+        others[:, norms] *= torch.exp(NORM_SPREAD * normal(len(others), n_params))
+        if state.bins:
+            own = slots[0, sketch]
+            scale = own.norm() / own.numel() ** 0.5
+            shared = SKETCH_SHARED**0.5
+            others[:, sketch] = shared * own + (1 - SKETCH_SHARED) ** 0.5 * scale * normal(len(others), state.bins)
+
+
+class _DoneWork:
+    def __init__(self, future: torch.futures.Future) -> None:
+        self._future = future
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class HookTimer:
+    """Seconds inside each hook's calls per step, less what the fake collectives spent."""
+
+    def __init__(self, collectives: FakeCollectives) -> None:
+        self.collectives = collectives
+        self.current = {"allreduce": 0.0, "silent": 0.0}
+        self.samples = {"allreduce": [], "silent": []}
+        self.slot_parts, self.slot_samples = 0.0, []  # the W slots' share of the silent hook's time
+
+    def wrap(self, name: str, hook):
+        def timed(state, bucket):  # no annotations: DDP checks them only where present
+            excluded = self.collectives.excluded
+            start = time.perf_counter()
+            try:
+                return hook(state, bucket)
+            finally:
+                self.current[name] += time.perf_counter() - start - (self.collectives.excluded - excluded)
+
+        return timed
+
+    def timed_part(self, fn):
+        """``fn`` with its time (less the fake collectives') added to the slot parts."""
+
+        def timed(*args):
+            excluded = self.collectives.excluded
+            start = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                self.slot_parts += time.perf_counter() - start - (self.collectives.excluded - excluded)
+
+        return timed
+
+    def end_step(self, timed: bool) -> None:
+        for name, seconds in self.current.items():
+            if timed:
+                self.samples[name].append(seconds)
+            self.current[name] = 0.0
+        if timed:
+            self.slot_samples.append(self.slot_parts)
+        self.slot_parts = 0.0
+
+
+def quartiles(samples: list[float]) -> list[float]:
+    """First and third quartiles."""
+    q = statistics.quantiles(samples, n=4, method="inclusive") if len(samples) >= 2 else [samples[0]] * 3
+    return [q[0], q[2]]
+
+
+def replica_check_s(world: int, tensors: int, repeats: int = 5) -> float:
+    """Seconds of ``replica_differences`` on W x ``tensors`` fingerprints where three ranks differ
+    (one in every tensor, two in a third of them each): what a replica-check step adds where its
+    statistics are read (the detector's thread). Median of ``repeats``."""
+    rng = np.random.default_rng(0)
+    fingerprints = np.broadcast_to(rng.random((tensors, 2)) + 1.0, (world, tensors, 2)).copy()
+    fingerprints[world // 3] *= 1.001
+    fingerprints[world // 2, : tensors // 3] *= 0.999
+    fingerprints[world - 1, tensors // 3 : 2 * tensors // 3, 1] *= 1.01
+    names = [f"t{i}" for i in range(tensors)]
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        found = replica_differences(fingerprints, names)
+        times.append(time.perf_counter() - start)
+    assert found["ranks"] == sorted({world // 3, world // 2, world - 1}), found["ranks"]
+    return statistics.median(times)
+
+
+def record_bytes(record: dict) -> int:
+    """Bytes of the line JsonlSink writes for ``record``."""
+    return len(json.dumps(record, allow_nan=False).encode()) + 1
+
+
+def measure(world: int, model_args: dict, steps: int) -> dict:
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        with FakeCollectives(world) as collectives:
+            return _measure(world, model_args, steps, collectives)
+    finally:
+        dist.destroy_process_group()
+        gc.collect()
+
+
+def _measure(world: int, model_args: dict, steps: int, collectives: FakeCollectives) -> dict:
+    module = tiny_llama(**model_args)
+    plain, instrumented = DDP(copy.deepcopy(module)), DDP(module)
+    timer = HookTimer(collectives)
+    plain.register_comm_hook(None, timer.wrap("allreduce", allreduce_hook))
+    callbacks = {name: getattr(HOOK, name) for name in ("_reduced_piggyback", "_reduced_separate")}
+    for name, callback in callbacks.items():  # silent_hook looks them up when it runs
+        setattr(HOOK, name, timer.timed_part(callback))
+    registered = ATTACH.silent_hook
+    ATTACH.silent_hook = timer.wrap("silent", silent_hook)  # attach registers the timed wrapper
+    try:
+        state = ddphooks.attach(instrumented)
+    finally:
+        ATTACH.silent_hook = registered
+    collectives.state = state
+    pack_slot = state._pack_slot
+
+    def recorded_pack_slot(local_sq, fingerprint, slot):
+        collectives.slot = slot.numel()
+        pack_slot(local_sq, fingerprint, slot)
+
+    state._pack_slot = recorded_pack_slot
+    # The parts of the hook that handle the W slots: the last bucket's buffer (division, zeroed
+    # slots, this rank's slot), its callback (a copy of the W slots, the bucket's reduced norms)
+    # and publishing the step's SilentStats.
+    stats_buffer, pack = state._stats_buffer, state._pack_slot
+    marks = {}
+
+    def timed_stats_buffer(*args):
+        marks["start"] = time.perf_counter()
+        return stats_buffer(*args)
+
+    def timed_pack(*args):
+        pack(*args)
+        timer.slot_parts += time.perf_counter() - marks["start"]
+
+    state._stats_buffer, state._pack_slot = timed_stats_buffer, timed_pack
+    detector_s, detect = [], state._pipeline._detect
+
+    def timed_detect(stats):
+        start = time.perf_counter()
+        try:
+            return detect(stats)
+        finally:
+            detector_s.append(time.perf_counter() - start)
+
+    state._pipeline._detect = timed_detect
+    generator = torch.Generator().manual_seed(1)
+    slots = []
+    for step in range(WARMUP + steps):
+        tokens = torch.randint(0, model_args["vocab_size"], (BATCH, TOKENS), generator=generator)
+        for model in (plain, instrumented) if step % 2 else (instrumented, plain):  # alternate which runs first
+            model(input_ids=tokens, labels=tokens).loss.backward()
+            model.zero_grad(set_to_none=True)
+        collectives.state.flush()  # the detector on this step, before the next one is timed
+        timed = step >= WARMUP
+        timer.end_step(timed)
+        if timed:
+            slots.append(collectives.slot)
+    detector_s = detector_s[WARMUP:]
+    stats = state.latest
+    compact = RecordBuilder(1, DEFAULTS.detail_every, DEFAULTS.detail_max_world).build(stats)
+    detail = RecordBuilder(1, 1, DEFAULTS.detail_max_world).build(stats)
+    assert not compact["detail"] and detail["detail"] and compact["cosine_previous"] is not None
+    kept = retained_tensors(state)
+    gradient_bytes = 4 * parameter_count(module)
+    beyond = [s - a for s, a in zip(timer.samples["silent"], timer.samples["allreduce"])]
+    slot_bytes = 4 * world * statistics.median(slots)
+    result = {
+        "world_size": world,
+        "parameters": parameter_count(module),
+        "tensors": sum(1 for p in module.parameters() if p.requires_grad),
+        "buckets": len(state._buckets),
+        "transport": stats.transport,
+        "steps": steps,
+        "allreduce_hook_ms": 1e3 * statistics.median(timer.samples["allreduce"]),
+        "silent_hook_ms": 1e3 * statistics.median(timer.samples["silent"]),
+        "in_hook_ms_beyond_allreduce": 1e3 * statistics.median(beyond),
+        "in_hook_ms_beyond_allreduce_iqr": [1e3 * q for q in quartiles(beyond)],
+        "slot_parts_ms": 1e3 * statistics.median(timer.slot_samples),
+        "detector_ms": 1e3 * statistics.median(detector_s),
+        "slot_numel": statistics.median(slots),
+        "slot_bytes_per_step": slot_bytes,
+        "slot_fraction_of_gradient_bytes": slot_bytes / gradient_bytes,
+        "compact_record_bytes": record_bytes(compact),
+        "detail_record_bytes": record_bytes(detail),
+        "kept_bytes": retained_bytes(state),
+        "replica_check_ms": 1e3 * replica_check_s(world, len(state._replica_tensors.names)),
+        "replica_tensors": len(state._replica_tensors.names),
+        "kept_largest": [{"path": t.path, "bytes": t.nbytes, "shape": list(t.shape)} for t in kept[:5]],
+        "alerts": len(state.alerts),
+    }
+    state.close()
+    for name, callback in callbacks.items():
+        setattr(HOOK, name, callback)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="W = 8 and 64, a 2-layer tiny Llama, 3 timed steps")
+    parser.add_argument("--worlds", type=int, nargs="+", default=None)
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per W (after the warm-up)")
+    parser.add_argument("--json", default=None, help="write the rows to this file")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    worlds = args.worlds or (QUICK_WORLDS if args.quick else WORLDS)
+    model_args = QUICK_MODEL if args.quick else MODEL
+    steps = args.steps or (QUICK_STEPS if args.quick else STEPS)
+    print(f"\nddphooks at scale, {date.today()}, torch {torch.__version__}, {platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} cores, 1 thread; one process on the fake process group (rank 0 of W), tiny Llama {model_args}, "
+          f"{BATCH} x {TOKENS} tokens, attach() defaults; medians over {steps} steps after {WARMUP} warm-up steps\n")  # fmt: skip
+    print("in-hook: median [IQR] per step of ddphooks' calls less allreduce_hook's (their medians in brackets; slots: the\n"
+          "last bucket's buffer and slot, its callback with the copy of the W slots, and building SilentStats)\n")
+    print("| W | DDP in-hook ms beyond allreduce_hook | detector ms (its thread) | slot bytes/step (% of gradient bytes) "
+          "| compact record bytes | detail record bytes | kept MB | replica check ms |")
+    print("|---|---|---|---|---|---|---|---|")
+    rows = []
+    for world in worlds:
+        r = measure(world, model_args, steps)
+        rows.append(r)
+        q1, q3 = r["in_hook_ms_beyond_allreduce_iqr"]
+        print(f"| {world} | {r['in_hook_ms_beyond_allreduce']:.1f} [{q1:.1f}, {q3:.1f}] ({r['silent_hook_ms']:.1f} - {r['allreduce_hook_ms']:.1f}; slots {r['slot_parts_ms']:.1f}) "
+              f"| {r['detector_ms']:.2f} | {r['slot_bytes_per_step']:,.0f} ({100 * r['slot_fraction_of_gradient_bytes']:.3f}%) "
+              f"| {r['compact_record_bytes']:,d} | {r['detail_record_bytes']:,d} | {r['kept_bytes'] / 2**20:.1f} | {r['replica_check_ms']:.1f} |", flush=True)  # fmt: skip
+    if rows:
+        last = rows[-1]
+        print(f"\n{last['parameters'] / 1e6:.1f} M parameters, {last['tensors']} tensors, {last['buckets']} buckets, transport "
+              f"{last['transport']}; alerts raised (healthy simulated ranks): {[r['alerts'] for r in rows]}; largest kept at "
+              f"W = {last['world_size']}: " + ", ".join(f"{t['path']} {t['bytes'] / 2**20:.1f} MB" for t in last["kept_largest"][:3]))  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"date": str(date.today()), "torch": torch.__version__, "model": model_args, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
