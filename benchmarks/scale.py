@@ -264,9 +264,9 @@ def _measure(world: int, model_args: dict, steps: int, collectives: FakeCollecti
     collectives.state = state
     pack_slot = state._pack_slot
 
-    def recorded_pack_slot(local_sq, fingerprint, slot):
+    def recorded_pack_slot(local_sq, fingerprint, slot, *status):
         collectives.slot = slot.numel()
-        pack_slot(local_sq, fingerprint, slot)
+        pack_slot(local_sq, fingerprint, slot, *status)
 
     state._pack_slot = recorded_pack_slot
     # The parts of the hook that handle the W slots: the last bucket's buffer (division, zeroed

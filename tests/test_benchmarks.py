@@ -206,7 +206,7 @@ def test_scale_quick_table_on_the_fake_process_group(tmp_path):
         assert r["transport"] == "piggyback" and r["tensors"] == 21 and r["steps"] == 3  # the real DDP path, its final buckets
         for key in ("allreduce_hook_ms", "silent_hook_ms", "slot_parts_ms", "detector_ms", "kept_bytes", "slot_numel", "replica_check_ms"):
             assert math.isfinite(r[key]) and r[key] > 0, (world, key)
-        assert r["slot_numel"] == 2 + 21 + 251  # loss pair, one norm per tensor, the sketch
+        assert r["slot_numel"] == 3 + 21 + 251  # loss pair, status, one norm per tensor, the sketch
         assert r["slot_bytes_per_step"] == 4 * world * r["slot_numel"]
         assert 0 < r["slot_fraction_of_gradient_bytes"] < 1
         assert 0 < r["compact_record_bytes"] < r["detail_record_bytes"]
