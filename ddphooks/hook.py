@@ -263,7 +263,7 @@ class SilentState(BaseSilentState):
         one 1-element all-reduce of each rank's presence gives it (only in that configuration).
         """
         model = self._model
-        join = model is not None and model._join_config.enable
+        join = model is not None and getattr(getattr(model, "_join_config", None), "enable", False)
         self._joined = join and not self._forward_since_step
         self._divisor = None
         if join and self.comm_hook is None and not getattr(model, "_divide_by_initial_world_size", True):
