@@ -221,6 +221,8 @@ class SilentState(BaseSilentState):
                 problem = f"{type(error).__name__}: {error}"
             problem = problem or stats_kernel_problem(self.config, model)
         settings = dict(self._settings, comm_hook=None if self.comm_hook is None else getattr(self.comm_hook, "__qualname__", repr(self.comm_hook)))
+        # With the model the slot carries replica fingerprints: every rank must have it, or none.
+        settings["model"] = None if model is None else type(model).__name__
         # Exchange over a group every rank derives the same way, even where its own checks failed.
         exchange_group = self.process_group if self.process_group is not None else getattr(model, "process_group", None)
         agree_across_ranks(exchange_group, settings, problem, self.sinks)
