@@ -302,7 +302,7 @@ class SilentState(BaseSilentState):
         if index and previous is None:
             raise RuntimeError(f"silent_hook saw bucket {index} before bucket {index - 1}; DDP reduces its buckets in order")
         base = previous.plan.end if index else 0
-        key = (buffer.numel(), buffer.dtype, buffer.device, tuple(id(p) for p in params), base)
+        key = (buffer.numel(), buffer.dtype, buffer.device, tuple(map(id, params)), base)
         entry = self._buckets.get(index)
         if entry is not None and entry.key == key:
             return entry
