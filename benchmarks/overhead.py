@@ -233,7 +233,17 @@ class Breakdown:
         self.current = {part: 0.0 for part, _ in self.STEP_PARTS}
         self.samples = {part: [] for part, _ in self.STEP_PARTS + self.THREAD_PARTS + self.RECORD_PARTS}
         kernel = state._kernel(device)
-        kernel.run = self._timed("statistics pass", kernel.run)
+        run = self._timed("statistics pass", kernel.run)
+        self.kernel_cpu, self._kernel_cpu_step = [], 0.0  # the pass's thread CPU (thread_time) per timed step
+
+        def timed_run(*args):
+            start = time.thread_time()
+            try:
+                return run(*args)
+            finally:
+                self._kernel_cpu_step += time.thread_time() - start
+
+        kernel.run = timed_run
 
     def __init__(self, state, device):
         self._time_kernel(state, device)
@@ -303,6 +313,9 @@ class Breakdown:
         self._add("summary()", time.perf_counter() - start)
 
     def end_step(self, timed):
+        if timed:
+            self.kernel_cpu.append(self._kernel_cpu_step)
+        self._kernel_cpu_step = 0.0
         with self.lock:
             for part in self.current:
                 if timed:
@@ -527,6 +540,20 @@ def bench_model(rank, world, name, configs, args, device):
     cpus = torch.tensor(cpu_times, dtype=torch.float64, device=device)
     dist.all_reduce(cpus, op=dist.ReduceOp.MAX)
     cpus = cpus.cpu().tolist()
+    # The training thread's CPU over allreduce_hook's, rank by rank and round by round (and, for a
+    # breakdown, less that step's statistics pass), pooled over the ranks.
+    cpu_over = [None] * len(configs)
+    if "allreduce" in [c[0] for c in configs]:
+        base = [c[0] for c in configs].index("allreduce")
+        kernels = [b.kernel_cpu if b is not None else None for b in breakdowns]
+        gathered = [None] * world
+        dist.all_gather_object(gathered, (cpu_times, kernels))
+        for i in range(len(configs)):
+            over = [t - b for ranks_cpu, _ in gathered for t, b in zip(ranks_cpu[i], ranks_cpu[base])]
+            beyond = None
+            if kernels[i] is not None:
+                beyond = [t - b - k for ranks_cpu, ks in gathered for t, b, k in zip(ranks_cpu[i], ranks_cpu[base], ks[i])]
+            cpu_over[i] = (spread(over), None if beyond is None else spread(beyond))
     params = parameter_count(getattr(models[0], "module", models[0]))
     kept = [persistent_bytes(state) for state in states]
     del models, optimizers
@@ -575,9 +602,10 @@ def bench_model(rank, world, name, configs, args, device):
             if len(ratios) >= 4:
                 quartiles = statistics.quantiles(ratios, n=4)
                 r["overhead_vs_deepspeed_iqr"] = [quartiles[0], quartiles[2]]
-        if "allreduce" in baselines:  # the training thread's CPU per step over allreduce_hook's, same round
-            base = cpus[[c[0] for c in configs].index("allreduce")]
-            r["thread_cpu_s_vs_allreduce"] = spread([t - b for t, b in zip(cpus[i], base)])
+        if cpu_over[i] is not None:  # the training thread's CPU per step over allreduce_hook's, same round and rank
+            r["thread_cpu_s_vs_allreduce"] = cpu_over[i][0]
+            if cpu_over[i][1] is not None:  # less the statistics pass of the step
+                r["thread_cpu_s_vs_allreduce_less_pass"] = cpu_over[i][1]
         for hook in ("allreduce", "none", "fsdp"):
             base = baselines.get(hook)
             ratios = sorted(t / b - 1 for t, b in zip(samples, base)) if base else None
@@ -666,16 +694,15 @@ def main():
               f"{percent(r[f'overhead_vs_{plain}']):>13} {iqr:>17} {percent(r['overhead_vs_none']):>9} {1e3 * r['hook_s_per_step']:11.1f} "
               f"{'-' if r['persistent_bytes'] is None else format(r['persistent_bytes'] / 2**20, '.1f'):>8}")
     if any("thread_cpu_s_vs_allreduce" in r for r in results):
-        print("\ntraining thread's CPU per step (thread_time, slowest rank), and over allreduce_hook's in the same round; "
-              "for a breakdown, less its statistics pass")
-        print(f"{'model':<12} {'configuration':<36} {'CPU ms':>8} {'over allreduce ms (IQR)':>26} {'less statistics pass ms':>24}")
+        print("\ntraining thread's CPU per step (thread_time; slowest rank), and over allreduce_hook's in the same round on the "
+              "same rank (median [IQR] over rounds and ranks); for a breakdown also less the step's statistics pass (its thread_time)")
+        print(f"{'model':<12} {'configuration':<36} {'CPU ms':>8} {'over allreduce ms (IQR)':>26} {'less statistics pass ms (IQR)':>30}")
         for r in results:
             over = r["thread_cpu_s_vs_allreduce"]
-            beyond = "-"
-            if "breakdown" in r:
-                beyond = f"{1e3 * (over['median'] - r['breakdown']['statistics pass']['median']):+.2f}"
+            beyond = r.get("thread_cpu_s_vs_allreduce_less_pass")
+            beyond = "-" if beyond is None else f"{1e3 * beyond['median']:+.2f} [{1e3 * beyond['iqr'][0]:+.2f}, {1e3 * beyond['iqr'][1]:+.2f}]"
             over = f"{1e3 * over['median']:+.2f} [{1e3 * over['iqr'][0]:+.2f}, {1e3 * over['iqr'][1]:+.2f}]"
-            print(f"{r['model']:<12} {label(r['config']):<36} {1e3 * r['thread_cpu_s_per_step']:8.2f} {over:>26} {beyond:>24}")
+            print(f"{r['model']:<12} {label(r['config']):<36} {1e3 * r['thread_cpu_s_per_step']:8.2f} {over:>26} {beyond:>30}")
     for r in results:
         if "breakdown" in r:
             print(f"\n{r['model']}, {label(r['config'])}: where the time goes (slowest rank; submit and writer thread on rank 0), "

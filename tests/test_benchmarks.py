@@ -86,6 +86,8 @@ def test_overhead_small_steps(tmp_path):
         assert r["model"] == "tiny-gpt" and r["steps"] == 3 and r["thread_cpu_s_per_step"] > 0
         assert set(r["thread_cpu_s_vs_allreduce"]) == {"median", "iqr"}
     assert results["allreduce"]["thread_cpu_s_vs_allreduce"]["median"] == 0
+    for hook in ("silent_sink", "silent_sink_nodetect"):  # the breakdowns also subtract their statistics pass
+        assert set(results[hook]["thread_cpu_s_vs_allreduce_less_pass"]) == {"median", "iqr"}
     _check_sink_config(results["silent_sink"], instrumented_steps=1 + 3)
     assert results["silent_sink_nodetect"]["records_written"] == 1 + 3
     assert "training thread's CPU per step" in stdout and "less statistics pass ms" in stdout and "detect=False" in stdout
