@@ -23,12 +23,19 @@ accumulation) with ``ddphooks.attach`` on each (the defaults, a JsonlSink and su
 step); the breakdown covers the statistics pass in the gradient hooks and the end of backward
 (reduced partition norms, the slot all-reduce and SilentStats).
 
+With ``--small`` the rounds run a 2-layer character-level GPT (``tiny-gpt``: steps of tens of
+milliseconds, where a fixed cost per step shows) with ``allreduce_hook`` and the user's
+configuration, detector on and off, 200 rounds; every mode also prints the training thread's CPU
+time per step (``thread_time``) over ``allreduce_hook``'s in the same round, and for a breakdown
+that less its statistics pass.
+
 With ``--fsdp`` the same rounds compare plain FSDP2 (``fully_shard`` on every decoder layer and
 the root) with ``ddphooks.attach`` on it: the default state with a JsonlSink and summary() every
 step, and every=10; the breakdown then covers the statistics pass inside each reduce-scatter and
 the end of backward (the slot all-reduce and SilentStats).
 
     python benchmarks/overhead.py --quick                            # CPU, spawns 2 gloo workers
+    python benchmarks/overhead.py --small                            # CPU, small steps (tiny-gpt), 2 gloo workers
     python benchmarks/overhead.py --fsdp --steps 30                  # CPU, FSDP2 on 2 gloo workers
     python benchmarks/overhead.py --json results.json                # CPU, the full table
     torchrun --nproc-per-node 8 benchmarks/overhead.py --device cuda # 8 GPUs, NCCL
@@ -63,17 +70,20 @@ import ddphooks.hook
 from ddphooks import JsonlSink, SilentState, attach, silent_hook
 from ddphooks.devices import set_device
 from ddphooks.launch import spawn
-from ddphooks.models import mlp, parameter_count, tiny_llama
+from ddphooks.models import mlp, parameter_count, tiny_gpt, tiny_llama
 
 # -- config ----------------------------------------------------------------------------------------
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 LLAMA_BATCH, LLAMA_TOKENS = 8, 128
 MLP_BATCH = 64
+GPT_BATCH, GPT_TOKENS = 8, 64  # tiny-gpt: character-level, steps of tens of milliseconds
 SILENT_SKETCH_DIMS, SILENT_EVERY = (0, 64, 256, 1024), (1, 10)
 SINK_CONFIG = ("silent_sink", 256, 1)  # SilentState's defaults, with a JsonlSink and summary() every step
 QUICK_CONFIGS = [("none", None, None), ("allreduce", None, None), ("norms_separate", None, None), ("silent", 256, 1), SINK_CONFIG, ("silent", 256, 10), ("silent", 0, 1)]
 
 
+#: ``--small``: a model whose steps take tens of milliseconds (tiny-gpt), where a fixed cost per step shows.
+SMALL_CONFIGS = [("allreduce", None, None), ("silent_sink_nodetect", 256, 1), SINK_CONFIG]
 FSDP_CONFIGS = [("fsdp", None, None), ("fsdp_silent_sink", 256, 1), ("fsdp_silent", 256, 10)]
 #: ``--deepspeed``: plain ZeRO-2 and ZeRO-3 engines against ``attach`` with a JsonlSink and summary().
 DEEPSPEED_CONFIGS = [("ds2", None, None), ("ds2_silent_sink", 256, 1), ("ds3", None, None), ("ds3_silent_sink", 256, 1)]
@@ -130,6 +140,8 @@ def build(name, device):
         return tiny_llama().to(device)
     if name == "mlp":
         return mlp().to(device)
+    if name == "tiny-gpt":  # small steps: a fixed cost per step shows
+        return tiny_gpt().to(device)
     if name == "tiny-mlp":  # seconds-long smoke runs of this script
         return mlp(width=64, depth=3).to(device)
     from transformers import AutoModelForCausalLM
@@ -142,6 +154,9 @@ def make_batch(name, model, rank, device):
     module = getattr(model, "module", model)  # DDP wraps, FSDP2 does not
     if name in ("mlp", "tiny-mlp"):
         return {"x": torch.randn(MLP_BATCH, module[0].in_features, generator=generator).to(device)}
+    if name == "tiny-gpt":
+        ids = torch.randint(0, module.vocab_size, (GPT_BATCH, GPT_TOKENS + 1), generator=generator).to(device)
+        return {"ids": ids[:, :-1], "targets": ids[:, 1:]}
     vocab = module.config.vocab_size
     ids = torch.randint(0, vocab, (LLAMA_BATCH, LLAMA_TOKENS), generator=generator).to(device)
     return {"input_ids": ids, "labels": ids}
@@ -150,6 +165,8 @@ def make_batch(name, model, rank, device):
 def loss_of(name, model, batch):
     if name in ("mlp", "tiny-mlp"):
         return model(batch["x"]).pow(2).mean()
+    if name == "tiny-gpt":
+        return model(batch["ids"], batch["targets"])
     return model(**batch).loss
 
 
@@ -216,7 +233,17 @@ class Breakdown:
         self.current = {part: 0.0 for part, _ in self.STEP_PARTS}
         self.samples = {part: [] for part, _ in self.STEP_PARTS + self.THREAD_PARTS + self.RECORD_PARTS}
         kernel = state._kernel(device)
-        kernel.run = self._timed("statistics pass", kernel.run)
+        run = self._timed("statistics pass", kernel.run)
+        self.kernel_cpu, self._kernel_cpu_step = [], 0.0  # the pass's thread CPU (thread_time) per timed step
+
+        def timed_run(*args):
+            start = time.thread_time()
+            try:
+                return run(*args)
+            finally:
+                self._kernel_cpu_step += time.thread_time() - start
+
+        kernel.run = timed_run
 
     def __init__(self, state, device):
         self._time_kernel(state, device)
@@ -286,6 +313,9 @@ class Breakdown:
         self._add("summary()", time.perf_counter() - start)
 
     def end_step(self, timed):
+        if timed:
+            self.kernel_cpu.append(self._kernel_cpu_step)
+        self._kernel_cpu_step = 0.0
         with self.lock:
             for part in self.current:
                 if timed:
@@ -429,9 +459,10 @@ def register(model, config, group, timer, device):
         breakdown = DeepSpeedBreakdown(state, device)
         state._measure, state._after_backward = timer.wrap_call(state._measure), timer.wrap_call(state._after_backward)
         return breakdown.summary, breakdown, state
-    elif hook == "silent_sink":
+    elif hook in ("silent_sink", "silent_sink_nodetect"):
         # The defaults (sketch_dim=256, every=1), as a user creates the state; rank 0 writes the file.
-        state = SilentState(model=model, sinks=[JsonlSink(os.path.join(tempfile.mkdtemp(prefix="ddphooks-overhead-"), "stats.jsonl"))])
+        sinks = [JsonlSink(os.path.join(tempfile.mkdtemp(prefix="ddphooks-overhead-"), "stats.jsonl"))]
+        state = SilentState(model=model, sinks=sinks, **({"detect": False} if hook == "silent_sink_nodetect" else {}))
         model.register_comm_hook(state, timer.wrap(silent_hook))
         breakdown = Breakdown(state, device)
         return breakdown.summary, breakdown, state
@@ -466,6 +497,7 @@ def bench_model(rank, world, name, configs, args, device):
         optimizers.append(None if config[0].startswith("ds") else torch.optim.SGD(model.parameters(), lr=1e-5))
     batch = make_batch(name, models[0], rank, device)
     times = [[] for _ in configs]
+    cpu_times = [[] for _ in configs]  # the training thread's CPU time (thread_time) per step
     hook_times = [[] for _ in configs]
     gc.disable()  # a collection inside one configuration's step would be charged to it
     for round_index in range(args.warmup + args.steps):
@@ -474,7 +506,7 @@ def bench_model(rank, world, name, configs, args, device):
         for i in order:
             synchronize(device)
             timers[i].seconds = 0.0
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.thread_time()
             loss = loss_of(name, models[i], batch)
             if states[i] is not None:
                 states[i].observe_loss(loss)
@@ -492,6 +524,7 @@ def bench_model(rank, world, name, configs, args, device):
             synchronize(device)
             if round_index >= args.warmup:
                 times[i].append(time.perf_counter() - start)
+                cpu_times[i].append(time.thread_time() - cpu_start)
                 hook_times[i].append(timers[i].seconds)
             if breakdowns[i] is not None:
                 breakdowns[i].end_step(timed=round_index >= args.warmup)
@@ -504,6 +537,23 @@ def bench_model(rank, world, name, configs, args, device):
     hooks = torch.tensor(hook_times, dtype=torch.float64, device=device)
     dist.all_reduce(hooks, op=dist.ReduceOp.MAX)
     hooks = hooks.cpu().tolist()
+    cpus = torch.tensor(cpu_times, dtype=torch.float64, device=device)
+    dist.all_reduce(cpus, op=dist.ReduceOp.MAX)
+    cpus = cpus.cpu().tolist()
+    # The training thread's CPU over allreduce_hook's, rank by rank and round by round (and, for a
+    # breakdown, less that step's statistics pass), pooled over the ranks.
+    cpu_over = [None] * len(configs)
+    if "allreduce" in [c[0] for c in configs]:
+        base = [c[0] for c in configs].index("allreduce")
+        kernels = [b.kernel_cpu if b is not None else None for b in breakdowns]
+        gathered = [None] * world
+        dist.all_gather_object(gathered, (cpu_times, kernels))
+        for i in range(len(configs)):
+            over = [t - b for ranks_cpu, _ in gathered for t, b in zip(ranks_cpu[i], ranks_cpu[base])]
+            beyond = None
+            if kernels[i] is not None:
+                beyond = [t - b - k for ranks_cpu, ks in gathered for t, b, k in zip(ranks_cpu[i], ranks_cpu[base], ks[i])]
+            cpu_over[i] = (spread(over), None if beyond is None else spread(beyond))
     params = parameter_count(getattr(models[0], "module", models[0]))
     kept = [persistent_bytes(state) for state in states]
     del models, optimizers
@@ -527,6 +577,7 @@ def bench_model(rank, world, name, configs, args, device):
             {
                 **sink_results.get(i, {}),
                 "hook_s_per_step": statistics.median(hook_samples),
+                "thread_cpu_s_per_step": statistics.median(cpus[i]),  # the training thread's CPU, slowest rank
                 "persistent_bytes": kept[i],
                 "config": {"hook": hook, "sketch_dim": sketch_dim, "every": every},
                 "world_size": world,
@@ -543,7 +594,7 @@ def bench_model(rank, world, name, configs, args, device):
     # baseline measured seconds apart, which cancels the machine's slow drift.
     baselines = {hook: slowest[i] for i, (hook, _, _) in enumerate(configs) if hook in ("allreduce", "none", "fsdp")}
     plain_ds = {hook: slowest[i] for i, (hook, _, _) in enumerate(configs) if hook in ("ds2", "ds3")}
-    for r, samples in zip(results, slowest):
+    for i, (r, samples) in enumerate(zip(results, slowest)):
         base = plain_ds.get(r["config"]["hook"][:3])  # the plain engine of the same ZeRO stage
         if base:
             ratios = sorted(t / b - 1 for t, b in zip(samples, base))
@@ -551,6 +602,10 @@ def bench_model(rank, world, name, configs, args, device):
             if len(ratios) >= 4:
                 quartiles = statistics.quantiles(ratios, n=4)
                 r["overhead_vs_deepspeed_iqr"] = [quartiles[0], quartiles[2]]
+        if cpu_over[i] is not None:  # the training thread's CPU per step over allreduce_hook's, same round and rank
+            r["thread_cpu_s_vs_allreduce"] = cpu_over[i][0]
+            if cpu_over[i][1] is not None:  # less the statistics pass of the step
+                r["thread_cpu_s_vs_allreduce_less_pass"] = cpu_over[i][1]
         for hook in ("allreduce", "none", "fsdp"):
             base = baselines.get(hook)
             ratios = sorted(t / b - 1 for t, b in zip(samples, base)) if base else None
@@ -569,7 +624,7 @@ def run(rank, world, args):
         set_device(device)
     if args.deepspeed:
         os.environ.setdefault("LOCAL_RANK", str(rank))  # DeepSpeed asks for it; spawned workers have none
-    configs = DEEPSPEED_CONFIGS if args.deepspeed else FSDP_CONFIGS if args.fsdp else QUICK_CONFIGS if args.quick else all_configs()
+    configs = DEEPSPEED_CONFIGS if args.deepspeed else FSDP_CONFIGS if args.fsdp else QUICK_CONFIGS if args.quick else SMALL_CONFIGS if args.small else all_configs()
     if args.configs:
         configs = [c for c in configs if c[0] in args.configs]
     results = []
@@ -580,6 +635,8 @@ def run(rank, world, args):
 
 def label(config):
     hook, sketch_dim, every = config["hook"], config["sketch_dim"], config["every"]
+    if hook == "silent_sink_nodetect":
+        return "silent + JsonlSink, detect=False"
     if hook.startswith("ds"):
         return f"ZeRO-{hook[2]}" + (" + silent + JsonlSink + summary()" if hook.endswith("silent_sink") else "")
     if hook.endswith("silent_sink"):
@@ -598,15 +655,18 @@ def main():
     parser.add_argument("--device", choices=sorted(BACKENDS), default="cpu")
     parser.add_argument("--nproc", type=int, default=2, help="workers to spawn on CPU when not under torchrun")
     parser.add_argument("--models", nargs="+", default=None, help="tiny-llama, mlp, tiny-mlp (smoke test), or a Hugging Face causal LM path")
-    parser.add_argument("--steps", type=int, default=30, help="timed steps per configuration")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per configuration (30; --small: 200)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed rounds first (3; --small: 10)")
     parser.add_argument("--quick", action="store_true", help="a subset in under 3 minutes on a 2-core CPU")
     parser.add_argument("--configs", nargs="+", default=None, help="only these hooks (none, allreduce, fp16_compress, noop, norms_separate, silent, silent_sink)")
+    parser.add_argument("--small", action="store_true", help="small steps (tiny-gpt, tens of ms): allreduce_hook against the defaults with a JsonlSink, detector on and off")
     parser.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard) instead of DDP: plain against attach")
     parser.add_argument("--deepspeed", action="store_true", help="DeepSpeed ZeRO-2 and ZeRO-3 engines: plain against attach")
     parser.add_argument("--json", default=None, help="write the results to this file")
     args = parser.parse_args()
-    args.models = args.models or (["tiny-llama"] if args.quick else ["tiny-llama", "mlp"])
+    args.models = args.models or (["tiny-llama"] if args.quick else ["tiny-gpt"] if args.small else ["tiny-llama", "mlp"])
+    args.steps = args.steps if args.steps is not None else 200 if args.small else 30
+    args.warmup = args.warmup if args.warmup is not None else 10 if args.small else 3
     if args.quick:
         args.steps, args.warmup = min(args.steps, 12), min(args.warmup, 2)
 
@@ -633,6 +693,16 @@ def main():
         print(f"{r['model']:<12} {label(r['config']):<36} {1e3 * r['median_step_s']:10.1f} {spread:>12} "
               f"{percent(r[f'overhead_vs_{plain}']):>13} {iqr:>17} {percent(r['overhead_vs_none']):>9} {1e3 * r['hook_s_per_step']:11.1f} "
               f"{'-' if r['persistent_bytes'] is None else format(r['persistent_bytes'] / 2**20, '.1f'):>8}")
+    if any("thread_cpu_s_vs_allreduce" in r for r in results):
+        print("\ntraining thread's CPU per step (thread_time; slowest rank), and over allreduce_hook's in the same round on the "
+              "same rank (median [IQR] over rounds and ranks); for a breakdown also less the step's statistics pass (its thread_time)")
+        print(f"{'model':<12} {'configuration':<36} {'CPU ms':>8} {'over allreduce ms (IQR)':>26} {'less statistics pass ms (IQR)':>30}")
+        for r in results:
+            over = r["thread_cpu_s_vs_allreduce"]
+            beyond = r.get("thread_cpu_s_vs_allreduce_less_pass")
+            beyond = "-" if beyond is None else f"{1e3 * beyond['median']:+.2f} [{1e3 * beyond['iqr'][0]:+.2f}, {1e3 * beyond['iqr'][1]:+.2f}]"
+            over = f"{1e3 * over['median']:+.2f} [{1e3 * over['iqr'][0]:+.2f}, {1e3 * over['iqr'][1]:+.2f}]"
+            print(f"{r['model']:<12} {label(r['config']):<36} {1e3 * r['thread_cpu_s_per_step']:8.2f} {over:>26} {beyond:>30}")
     for r in results:
         if "breakdown" in r:
             print(f"\n{r['model']}, {label(r['config'])}: where the time goes (slowest rank; submit and writer thread on rank 0), "

@@ -61,6 +61,8 @@ class _BucketEntry:
     plan: BucketPlan
     layout: BucketLayout
     sq_norms: torch.Tensor  # fp32, one per parameter, rewritten on every instrumented step
+    final: bool = False  # built after DDP rebuilt its buckets, which it does once: the layout never changes again
+    data_ptr: int = 0  # where the bucket's buffer lives (DDP keeps it from step to step)
 
 
 class _Step:
@@ -359,19 +361,25 @@ class SilentState(BaseSilentState):
         buffer = bucket.buffer().div_(self._divisor)
         return dist.all_reduce(buffer, group=self.process_group, async_op=True).get_future().then(lambda future: future.value()[0])
 
-    def _entry(self, bucket: dist.GradBucket, buffer: torch.Tensor) -> _BucketEntry:
+    def _entry(self, bucket: dist.GradBucket, buffer: torch.Tensor, index: int | None = None) -> _BucketEntry:
         """The plan of this bucket's layout; rebuilt when DDP rebuilds its buckets."""
-        params = bucket.parameters()
-        index = bucket.index()
+        index = bucket.index() if index is None else index
         # Positions in the model: the buckets one after the other. DDP reduces its buckets in index
         # order on every rank, so bucket index - 1 has its plan already and the positions agree.
         previous = self._buckets.get(index - 1)
         if index and previous is None:
             raise RuntimeError(f"silent_hook saw bucket {index} before bucket {index - 1}; DDP reduces its buckets in order")
         base = previous.plan.end if index else 0
-        key = (buffer.numel(), buffer.dtype, buffer.device, tuple(id(p) for p in params), base)
         entry = self._buckets.get(index)
+        if entry is not None and entry.final and entry.data_ptr == buffer.data_ptr() and entry.key[:3] == (buffer.numel(), buffer.dtype, buffer.device) and entry.key[-1] == base:
+            # DDP rebuilds its buckets once: after that, the same buffer holds the same parameters,
+            # and bucket.parameters() (a new Python tensor for each parameter) is not asked again.
+            return entry
+        params = bucket.parameters()
+        key = (buffer.numel(), buffer.dtype, buffer.device, tuple(map(id, params)), base)
+        final = self._model is not None and bool(getattr(self._model, "_has_rebuilt_buckets", False))
         if entry is not None and entry.key == key:
+            entry.final, entry.data_ptr = final, buffer.data_ptr()
             return entry
         lengths = [p.numel() for p in params]
         if sum(lengths) != buffer.numel():
@@ -383,7 +391,7 @@ class SilentState(BaseSilentState):
         plan = BucketPlan(lengths, self.bins, base, buffer.device, chunk)
         names = tuple(self._names.get(id(p), f"bucket{index}.param{j}") for j, p in enumerate(params))
         sq = torch.empty(len(lengths), dtype=torch.float32, device=buffer.device)
-        entry = _BucketEntry(key, plan, BucketLayout(index, names, tuple(lengths)), sq)
+        entry = _BucketEntry(key, plan, BucketLayout(index, names, tuple(lengths)), sq, final, buffer.data_ptr())
         self._buckets[index] = entry
         return entry
 
@@ -500,7 +508,8 @@ def silent_hook(state: SilentState, bucket: dist.GradBucket) -> torch.futures.Fu
         state.bind()  # created before the process group: bind on the first hook call (every rank is here too)
     if state._watchdog is not None:
         state._watchdog.hook_called()
-    if bucket.index() == 0:
+    index, last = bucket.index(), bucket.is_last()
+    if index == 0:
         if state._current is not None:
             raise RuntimeError(
                 f"silent_hook received bucket 0 of a new step before the last bucket of step {state._current.step}: "
@@ -510,22 +519,22 @@ def silent_hook(state: SilentState, bucket: dist.GradBucket) -> torch.futures.Fu
         state._start_step(bucket.buffer())
     if not state._instrumented(state.step):
         future = state._communicate(bucket)
-        if bucket.is_last():
-            state._end_step(bucket.index())
+        if last:
+            state._end_step(index)
         return future
 
     buffer = bucket.buffer()
     if buffer.is_sparse:
         raise NotImplementedError("silent_hook does not handle sparse gradients (nn.Embedding(sparse=True)); use dense gradients")
     record = state._current or state._open_step(buffer.device)
-    entry = state._entry(bucket, buffer)
+    entry = state._entry(bucket, buffer, index)
     state._kernel(buffer.device).run(buffer, entry.plan, state._sketch if state.bins else None, entry.sq_norms)
     position = len(record.layouts)
     record.layouts.append(entry.layout)
     record.local_sq.append(entry.sq_norms)
     record.reduced_sq.append(None)
 
-    if not bucket.is_last():
+    if not last:
         return state._communicate(bucket).then(partial(_reduced_bucket, state, record, position))
 
     # The last bucket: every other bucket's statistics are known, pack this rank's slot.
@@ -569,7 +578,7 @@ def silent_hook(state: SilentState, bucket: dist.GradBucket) -> torch.futures.Fu
         slots_future = dist.all_reduce(slots, group=state.process_group, async_op=True).get_future()
         both = torch.futures.collect_all([gradient_future, slots_future])
         future = both.then(partial(_reduced_separate, state, record, position, slot))
-    state._end_step(bucket.index())
+    state._end_step(index)
     return future
 
 

@@ -40,3 +40,49 @@ def mlp(width: int = 2048, depth: int = 6, seed: int = 0) -> torch.nn.Module:
 
 def parameter_count(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+class _Block(torch.nn.Module):
+    """A pre-norm transformer block: causal self-attention and an MLP (nanoGPT's layout)."""
+
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = torch.nn.LayerNorm(hidden), torch.nn.LayerNorm(hidden)
+        self.qkv, self.proj = torch.nn.Linear(hidden, 3 * hidden), torch.nn.Linear(hidden, hidden)
+        self.fc, self.out = torch.nn.Linear(hidden, 4 * hidden), torch.nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, tokens, hidden = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(batch, tokens, 3, self.heads, hidden // self.heads).permute(2, 0, 3, 1, 4)
+        attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attended.transpose(1, 2).reshape(batch, tokens, hidden))
+        return x + self.out(torch.nn.functional.gelu(self.fc(self.ln2(x))))
+
+
+class TinyGPT(torch.nn.Module):
+    """A small character-level GPT (token and position embeddings, pre-norm blocks, a language
+    model head); ``forward(ids, targets)`` returns the mean cross-entropy when given targets."""
+
+    def __init__(self, vocab_size: int, hidden: int, layers: int, heads: int, block_size: int) -> None:
+        super().__init__()
+        self.vocab_size, self.block_size = vocab_size, block_size
+        self.tokens, self.positions = torch.nn.Embedding(vocab_size, hidden), torch.nn.Embedding(block_size, hidden)
+        self.blocks = torch.nn.ModuleList(_Block(hidden, heads) for _ in range(layers))
+        self.ln, self.head = torch.nn.LayerNorm(hidden), torch.nn.Linear(hidden, vocab_size, bias=False)
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.tokens(ids) + self.positions(torch.arange(ids.shape[1], device=ids.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln(x))
+        if targets is None:
+            return logits
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, self.vocab_size), targets.reshape(-1))
+
+
+def tiny_gpt(vocab_size: int = 65, hidden: int = 128, layers: int = 2, heads: int = 4, block_size: int = 64, seed: int = 0) -> torch.nn.Module:
+    """A 2-layer character-level GPT (about 0.4 M parameters, 28 tensors with the defaults): a
+    model whose steps take tens of milliseconds, where a fixed cost per step shows. Pure torch."""
+    torch.manual_seed(seed)
+    return TinyGPT(vocab_size, hidden, layers, heads, block_size)

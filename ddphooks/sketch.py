@@ -330,7 +330,9 @@ class BucketStatsKernel:
         if plan.n_chunks == 1:
             start = plan.base % self.signs.page
             one_chunk = (self.signs.values[start : start + plan.numel], self.signs.row_signs(plan.base // self.bins, views[plan.numel][1].shape[1]))
-        return views, direct, self.signs.row_table[tail_row % ROW_PERIOD].item(), tail, tail_product, one_chunk
+        # The segment views of the chunks that hold more than one segment (or part of one), made at
+        # their first run: a bucket of many small parameters slices and views once, not every step.
+        return views, direct, self.signs.row_table[tail_row % ROW_PERIOD].item(), tail, tail_product, one_chunk, {}
 
     def persistent_bytes(self) -> int:
         """Bytes kept between calls: the scratch and the sign tables (fixed, whatever the model)."""
@@ -365,7 +367,7 @@ class BucketStatsKernel:
         if entry is None or entry[0] is not plan:
             self._allocate([p for p, *_ in self._prepared.values()] + [plan])
             entry = self._prepared[id(plan)]
-        _, views, direct, tail_sign, tail, tail_product, one_chunk = entry
+        _, views, direct, tail_sign, tail, tail_product, one_chunk, chunk_parts = entry
         if one_chunk is not None and direct and plan.n_segments == 1 and not self.fused:
             # One parameter in one chunk (most small tensors): the loop below with every view made
             # once, the same operations in the same order.
@@ -401,13 +403,20 @@ class BucketStatsKernel:
             sketch_acc.addmv_(rows_t, row_signs)
             first, last = starts[c], starts[c + 1]
             whole = last - first == 1 and seg_end[first] - seg_begin[first] == end - begin
-            parts = [product] if whole else [product[seg_begin[k] : seg_end[k]] for k in range(first, last)]
+            if whole:
+                parts = [product]
+            else:
+                parts = chunk_parts.get(c)
+                if parts is None:
+                    parts = chunk_parts[c] = [product[seg_begin[k] : seg_end[k]] for k in range(first, last)]
             if self.fused:  # all of the chunk's segments in one multi-tensor kernel
                 out = sq_norms if direct else self._partials[first:last]
                 torch.stack(torch._foreach_norm(parts, 2), out=out).square_()
-            else:  # one dot per segment: measured fastest on the CPU, where a call costs no launch
-                for k, part in enumerate(parts, first):
-                    torch.dot(part, part, out=norms[k])
+            elif whole:
+                torch.dot(product, product, out=norms[first])
+            else:  # one dot per segment: measured fastest on the CPU, where a call costs no launch;
+                # stacked into the norms in one copy (the same values as a dot into each entry)
+                torch.stack([torch.dot(part, part) for part in parts], out=norms[first:last])
         if not direct:  # a parameter split over chunks sums its segments
             sq_norms.zero_().index_add_(0, plan.segment_owner, self._partials[: plan.n_segments])
         if tail:  # the bucket may end in the middle of a row
@@ -426,6 +435,11 @@ def squared_norms(flat: torch.Tensor, lengths: list[int], out: torch.Tensor, fus
     if fused:
         accumulate = None if flat.dtype == torch.float64 else torch.float32  # fp64 stays fp64, the rest sums in fp32
         out.copy_(torch.stack(torch._foreach_norm(flat.split(lengths), 2, dtype=accumulate)).square_())
+        return
+    if flat.dtype == torch.float32 and len(lengths) > 1 and sum(lengths) == flat.numel():
+        # One dot per segment, stacked into ``out`` in one copy: the same values as a dot into each
+        # entry, without a Python slice and an ``out=`` view per parameter.
+        torch.stack([torch.dot(segment, segment) for segment in flat.split(lengths)], out=out)
         return
     offset = 0
     for j, length in enumerate(lengths):

@@ -118,7 +118,8 @@ class PendingHost:
         """The tensors as float64 numpy arrays (waits for the copy on an accelerator)."""
         if self._event is not None:
             self._event.synchronize()
-        return [t.detach().to(torch.float64).numpy() for t in self._host]
+        # fp32 widens to float64 exactly: in numpy, one call instead of a torch op and a conversion
+        return [t.detach().numpy().astype(np.float64) if t.dtype == torch.float32 else t.detach().to(torch.float64).numpy() for t in self._host]
 
 
 def slot_size(n_params: int, bins: int, n_fingerprinted: int = 0) -> int:
@@ -138,13 +139,15 @@ def _floats(values) -> list[float | None]:
 
 
 def _dispersion(values: np.ndarray) -> dict[str, float | None]:
+    # The array's own methods: the same reductions as np.mean, np.std, np.max and np.min, with
+    # fewer calls (summary() runs on the training thread every step).
     with np.errstate(invalid="ignore", over="ignore"):  # a non-finite value makes them NaN
-        mean = float(np.mean(values))
-        std = float(np.std(values))  # population std (ddof=0)
+        mean = float(values.mean())
+        std = float(values.std())  # population std (ddof=0)
     return {
         "mean": mean,
         "std": std,
-        "range": float(np.max(values) - np.min(values)),
+        "range": float(values.max() - values.min()),
         "cv": std / abs(mean) if mean != 0 else math.nan,
     }
 
@@ -417,6 +420,7 @@ class SilentStats:
         # its first steps).
         comparable = previous is not None and bins and (previous.buckets, previous.bins, previous.world_size) == (self.buckets, bins, world_size)
         self._previous_host = previous._host if comparable else None
+        self._summary: dict[str, float] | None = None  # computed at the first summary()
 
     # -- host arrays, computed once ------------------------------------------------------------
     @cached_property
@@ -496,7 +500,12 @@ class SilentStats:
     @property
     def losses(self) -> np.ndarray | None:
         """Per-rank mean loss of the step; None if no rank observed a loss (NaN for a rank that
-        observed none while others did)."""
+        observed none while others did). A new array on every read, computed once."""
+        losses = self._losses
+        return None if losses is None else losses.copy()
+
+    @cached_property
+    def _losses(self) -> np.ndarray | None:
         gathered, _ = self._arrays
         counts = gathered[:, LOSS_COUNT]
         if not (counts > 0).any():
@@ -632,7 +641,14 @@ class SilentStats:
         return trace / signal if signal > 0 else math.nan
 
     def summary(self) -> dict[str, float]:
-        """The step's scalar signals (what integrations log): O(W k) work, no per-parameter table."""
+        """The step's scalar signals (what integrations log): O(W k) work, no per-parameter table.
+        Computed once (the training loop, the records and the integrations read it): a new dict
+        of the same values on every call."""
+        if self._summary is None:  # two threads at once compute the same values
+            self._summary = self._compute_summary()
+        return dict(self._summary)
+
+    def _compute_summary(self) -> dict[str, float]:
         losses, present = self.losses, ~self.absent
         finite = losses is not None and present.any() and bool(np.isfinite(losses[present]).all())
         loss_stats = _dispersion(losses[present]) if finite else dict.fromkeys(("mean", "std", "range", "cv"), math.nan)
