@@ -608,18 +608,27 @@ class _History:
     ``data`` signals x W x window (each rank's steps of a signal side by side, so its quantiles
     need no transpose; ``next`` the slot of the next step), NaN where missing or excluded. Every
     statistic taken over a window is order-free but the growth's (its last steps: ``slots``).
+    ``known`` and ``finite``: per signal and rank, how many of its values in the window are not
+    NaN, and finite (kept as steps come and go, not counted over the window every step).
     ``spread``: with ``spreads``, each step's spread across ranks per signal, signals x window
     (see ``_spreads``), taken as the step is pushed: a pushed step never changes."""
 
     def __init__(self, window: int, world: int, signals: int = 1, spreads: bool = False) -> None:
         self.window, self.world = window, world
         self.data = np.full((signals, world, window), np.nan)
+        self.known = np.zeros((signals, world), dtype=np.int64)
+        self.finite = np.zeros((signals, world), dtype=np.int64)
         self.spread = np.full((signals, window), np.nan) if spreads else None
         self.next = 0
 
     def push(self, rows: np.ndarray, keep: np.ndarray) -> None:
         """One step: ``rows`` signals x W (W for one signal), ranks not in ``keep`` as NaN."""
         kept = np.where(keep, rows, np.nan).reshape(len(self.data), self.world)
+        leaving = self.data[:, :, self.next]
+        self.known += np.isnan(leaving)  # minus the leaving step's known values, plus the new one's
+        self.known -= np.isnan(kept)
+        self.finite -= np.isfinite(leaving)
+        self.finite += np.isfinite(kept)
         self.data[:, :, self.next] = kept
         if self.spread is not None:
             self.spread[:, self.next] = _spreads(kept)
@@ -628,6 +637,7 @@ class _History:
     def clear(self, signal: int) -> None:
         """Forget one signal's steps (the loss's, when its scale changes: see ``_loss_scale``)."""
         self.data[signal] = np.nan
+        self.known[signal] = self.finite[signal] = 0
         if self.spread is not None:
             self.spread[signal] = np.nan
 
@@ -677,14 +687,16 @@ def _sorted_quantiles(ordered: np.ndarray, count: np.ndarray, q: float) -> np.nd
     return np.where(count > 0, quantile, np.nan)
 
 
-def _select_quantiles(work: np.ndarray, q: float, nan_free: bool = False) -> np.ndarray:
+def _select_quantiles(work: np.ndarray, q: float, count: np.ndarray | None = None) -> np.ndarray:
     """The ``q`` quantile of each row of ``work`` (rows x n, C-contiguous), ignoring NaN: the same
     numbers as ``_column_quantiles(work.T, q)``, the two order statistics it interpolates found
     by a selection (``np.partition``, O(n)) instead of a sort, per number of known values a row
     has (one or a few). Reorders each row of ``work`` in place (its values stay in it).
-    ``nan_free``: the caller knows ``work`` holds no NaN (no pass to count them)."""
+    ``count``: how many values each row has that are not NaN, where the caller knows it (no
+    pass to count them)."""
     rows, n = work.shape
-    count = np.full(rows, n) if nan_free else n - np.count_nonzero(np.isnan(work), axis=1)
+    if count is None:
+        count = n - np.count_nonzero(np.isnan(work), axis=1)
     result = np.full(rows, np.nan)
     for known in np.unique(count).tolist():
         if known == 0:
@@ -720,13 +732,16 @@ def _transposed(values: np.ndarray, ufunc: np.ufunc | None = None) -> np.ndarray
     return out
 
 
-def _spreads(work: np.ndarray) -> np.ndarray:
+def _spreads(work: np.ndarray, infinite: bool = True) -> np.ndarray:
     """Per row (a signal on a step, across W ranks), its MAD, ignoring NaN: the spread that
-    ``_growth`` compares. ``work`` (rows x W, C-contiguous) is overwritten."""
-    median = _select_quantiles(work, 0.5)
+    ``_growth`` compares. ``work`` (rows x W, C-contiguous) is overwritten. ``infinite=False``:
+    the caller knows ``work`` holds no infinity (the distances to the median are NaN where the
+    values are: not counted again)."""
+    count = len(work[0]) - np.count_nonzero(np.isnan(work), axis=1) if len(work) else None
+    median = _select_quantiles(work, 0.5, count)
     with np.errstate(invalid="ignore"):
         np.abs(work - median[:, None], out=work)  # each row's values, in another order: the same multiset
-    return _select_quantiles(work, 0.5)
+    return _select_quantiles(work, 0.5, None if infinite else count)
 
 
 def _column_medians(values: np.ndarray) -> np.ndarray:
@@ -735,7 +750,10 @@ def _column_medians(values: np.ndarray) -> np.ndarray:
 
 
 def _robust(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per column of a 2-D array, the median and ``1.4826 * MAD``, ignoring NaN."""
+    """Per column of a 2-D array, the median and ``1.4826 * MAD``, ignoring NaN. With
+    ``_shoulders`` and ``_growth``, the definition of the baselines: the detector computes the
+    same numbers from its ring buffers (``Detector._own_baselines``, ``_cross_baselines``;
+    tests/test_detect_scale.py compares them step by step)."""
     median = _column_medians(values)
     mad = _column_medians(np.abs(values - median))
     return median, MAD_TO_STD * np.nan_to_num(mad, nan=0.0)
@@ -1106,22 +1124,24 @@ class Detector:
         quantile, history = self.config.scale_quantile, self.own_history
         signals, world, steps = history.data.shape
         rows = history.data.reshape(signals * world, steps)  # one row per signal and rank
-        count = steps - np.count_nonzero(np.isnan(rows), axis=1)
+        count = history.known.reshape(-1)
         median = _sorted_quantiles(np.sort(rows, axis=1), count, 0.5)
         with np.errstate(invalid="ignore"):
             distance = np.abs(rows - median[:, None])
         ordered = np.sort(distance, axis=1)
-        count = steps - np.count_nonzero(np.isnan(distance), axis=1)
+        infinite = not np.array_equal(history.known, history.finite)  # inf - inf: a NaN distance
+        if infinite:
+            count = steps - np.count_nonzero(np.isnan(distance), axis=1)
         scale = MAD_TO_STD * np.nan_to_num(_sorted_quantiles(ordered, count, 0.5), nan=0.0)
         median, scale = median.reshape(signals, world), scale.reshape(signals, world)
         if quantile > 0.5:
             scale = np.maximum(scale, _typical_shoulder(_sorted_quantiles(ordered, count, quantile).reshape(signals, world), quantile)[:, None])
-        median[np.count_nonzero(np.isfinite(history.data), axis=2) < MIN_BASELINE_STEPS] = np.nan  # no baseline: no score
+        median[history.finite < MIN_BASELINE_STEPS] = np.nan  # no baseline: no score
         if world >= 3:  # at W = 2 the spread across ranks is the gap that the rank that is off makes
-            work = np.empty((signals, steps, world))  # one row per signal and step
+            work = np.stack([_transposed(history.data[signal]) for signal in range(signals)])  # one row per signal and step
             with np.errstate(invalid="ignore"):
-                np.subtract(history.data.transpose(0, 2, 1), median[:, None, :], out=work)
-            per_step = _spreads(work.reshape(signals * steps, world)).reshape(signals, steps)
+                work -= median[:, None, :]
+            per_step = _spreads(work.reshape(signals * steps, world), infinite).reshape(signals, steps)
             scale = scale * _growth_ratio(per_step, history.slots(self.config.recent))[:, None]
         return median, scale
 
@@ -1133,17 +1153,19 @@ class Detector:
         quantile, history = self.config.scale_quantile, self.cross_history
         data = history.data if len(crossed) == len(history.data) else history.data[crossed]
         signals, world, steps = data.shape
+        known, finite = history.known[crossed], history.finite[crossed]
+        infinite = not np.array_equal(known, finite)  # inf - inf: a NaN distance
         values = data.reshape(signals, world * steps)
-        median = _select_quantiles(values.copy(), 0.5)
+        median = _select_quantiles(values.copy(), 0.5, known.sum(axis=1))
         with np.errstate(invalid="ignore"):
             distance = np.abs(values - median[:, None])
-        scale = MAD_TO_STD * np.nan_to_num(_select_quantiles(distance.copy(), 0.5), nan=0.0)
+        scale = MAD_TO_STD * np.nan_to_num(_select_quantiles(distance.copy(), 0.5, None if infinite else known.sum(axis=1)), nan=0.0)
         if quantile > 0.5:
             rows = distance.reshape(signals * world, steps)  # each rank's steps
-            count = steps - np.count_nonzero(np.isnan(rows), axis=1)
+            count = steps - np.count_nonzero(np.isnan(rows), axis=1) if infinite else known.reshape(-1)
             per_rank = _sorted_quantiles(np.sort(rows, axis=1), count, quantile).reshape(signals, world)
             scale = np.maximum(scale, _typical_shoulder(per_rank, quantile))
-        median[np.count_nonzero(np.isfinite(data), axis=(1, 2)) < MIN_BASELINE_STEPS] = np.nan
+        median[finite.sum(axis=1) < MIN_BASELINE_STEPS] = np.nan
         growth = _growth_ratio(history.spread[crossed], history.slots(self.config.recent)) if world >= 3 else 1.0
         return median, scale, growth
 
@@ -1471,19 +1493,20 @@ class Detector:
             # where the norm is finite and above zero.)
             norms = obs.parameter_norms  # C-ordered logs, whatever the norms' order (offline: a transpose)
             logs = np.log(norms, out=np.empty(norms.shape, dtype=np.result_type(norms, 1.0)))
-            unknown = ~np.isfinite(logs)
-            self._parameters_known = not unknown.any()  # every norm known: no NaN below
+            finite = np.isfinite(logs)
+            self._parameters_known = bool(finite.all())  # every norm known: no NaN below
             if not self._parameters_known:
-                logs[unknown] = np.nan
+                logs[~finite] = np.nan
             # Medians by selection, over each parameter's ranks (a transposed copy) and each
             # rank's parameters: O(W x P), not a sort.
             known = self._parameters_known
-            deviation = logs - _select_quantiles(_transposed(logs), 0.5, nan_free=known)
+            full = None if not known else np.full(logs.shape[1], logs.shape[0])  # every rank known
+            deviation = logs - _select_quantiles(_transposed(logs), 0.5, full)
             if deviation.shape[1] >= COMMON_FACTOR_PARAMETERS:
                 # A batch that makes one rank's whole gradient larger moves every parameter alike;
                 # the median over parameters is that common factor, which one corrupted parameter
                 # cannot move. Without it, a parameter's noise is mostly the rank's total.
-                deviation -= _select_quantiles(deviation.copy(), 0.5, nan_free=known)[:, None]
+                deviation -= _select_quantiles(deviation.copy(), 0.5, None if not known else np.full(len(logs), logs.shape[1]))[:, None]
             self._parameter_now = deviation
             self._parameter_rise = None  # this step's rise (after the warm-up), for _learn_parameters
         if self.parameter_names != obs.parameter_names:
@@ -1503,9 +1526,9 @@ class Detector:
             change += 1e-3
             with np.errstate(invalid="ignore"):
                 np.divide(rise, change, out=change)
-            unknown = ~np.isfinite(change)  # as np.nan_to_num(nan=0.0, posinf=1e9, neginf=-1e9), looking once
-            if unknown.any():
-                change[unknown] = np.nan_to_num(change[unknown], nan=0.0, posinf=1e9, neginf=-1e9)
+            finite = np.isfinite(change)  # as np.nan_to_num(nan=0.0, posinf=1e9, neginf=-1e9), looking once
+            if not finite.all():
+                change[~finite] = np.nan_to_num(change[~finite], nan=0.0, posinf=1e9, neginf=-1e9)
             self.parameter_change = change
 
     def _reorder_parameters(self, names: list[str]) -> None:
@@ -1536,14 +1559,13 @@ class Detector:
         keep = np.broadcast_to(learnable, level.shape)
         if self.layer_level is not None and self.layer_level.shape == keep.shape:
             keep = keep & (self.layer_level == 0)  # nor does a parameter whose evidence is accumulating
-        # (1 - rate) * level + rate * now where kept: in place where every entry is.
-        if keep.all():
-            self.parameter_level *= 1 - rate
-            self.parameter_level += rate * level
-        else:
-            learned_level = (1 - rate) * self.parameter_level
-            learned_level += rate * level
-            self.parameter_level = np.where(keep, learned_level, self.parameter_level)
+        # (1 - rate) * level + rate * now where kept, in place; the few entries not kept (a
+        # scattered few of W x P: a branch per entry would cost more) put back after.
+        held = np.flatnonzero(~keep)
+        kept_before = self.parameter_level.flat[held]
+        self.parameter_level *= 1 - rate
+        self.parameter_level += rate * level
+        self.parameter_level.flat[held] = kept_before
         if self.world >= 3:
             # Every step, pooled over ranks: the median absolute rise (1.4826 of it is a standard
             # deviation), which the one rank that is off cannot move (by selection, over each
