@@ -611,11 +611,14 @@ class _History:
     ``known`` and ``finite``: per signal and rank, how many of its values in the window are not
     NaN, and finite (kept as steps come and go, not counted over the window every step).
     ``spread``: with ``spreads``, each step's spread across ranks per signal, signals x window
-    (see ``_spreads``), taken as the step is pushed: a pushed step never changes."""
+    (see ``_spreads``), taken as the step is pushed: a pushed step never changes. ``steps_first``:
+    with ``by_step``, the same values signals x window x W (each step's ranks side by side, for
+    statistics across ranks: written as the step is pushed, not transposed every step)."""
 
-    def __init__(self, window: int, world: int, signals: int = 1, spreads: bool = False) -> None:
+    def __init__(self, window: int, world: int, signals: int = 1, spreads: bool = False, by_step: bool = False) -> None:
         self.window, self.world = window, world
         self.data = np.full((signals, world, window), np.nan)
+        self.steps_first = np.full((signals, window, world), np.nan) if by_step else None
         self.known = np.zeros((signals, world), dtype=np.int64)
         self.finite = np.zeros((signals, world), dtype=np.int64)
         self.spread = np.full((signals, window), np.nan) if spreads else None
@@ -630,6 +633,8 @@ class _History:
         self.finite -= np.isfinite(leaving)
         self.finite += np.isfinite(kept)
         self.data[:, :, self.next] = kept
+        if self.steps_first is not None:
+            self.steps_first[:, self.next] = kept
         if self.spread is not None:
             self.spread[:, self.next] = _spreads(kept)
         self.next = (self.next + 1) % self.window
@@ -638,6 +643,8 @@ class _History:
         """Forget one signal's steps (the loss's, when its scale changes: see ``_loss_scale``)."""
         self.data[signal] = np.nan
         self.known[signal] = self.finite[signal] = 0
+        if self.steps_first is not None:
+            self.steps_first[signal] = np.nan
         if self.spread is not None:
             self.spread[signal] = np.nan
 
@@ -923,7 +930,7 @@ class Detector:
         self.world = world
         # Own-history values and deviations from the others, every signal in one window each
         # (signals x W x window); raw and cross: each signal's, as steps x W (``values``).
-        self.own_history = _History(window, world, len(SIGNALS))
+        self.own_history = _History(window, world, len(SIGNALS), by_step=world >= 3)
         self.cross_history = _History(window, world, len(SIGNALS), spreads=True)
         self.raw = {name: _Signal(self.own_history, index) for index, name in enumerate(SIGNALS)}
         self.cross = {name: _Signal(self.cross_history, index) for index, name in enumerate(SIGNALS)}
@@ -1138,9 +1145,8 @@ class Detector:
             scale = np.maximum(scale, _typical_shoulder(_sorted_quantiles(ordered, count, quantile).reshape(signals, world), quantile)[:, None])
         median[history.finite < MIN_BASELINE_STEPS] = np.nan  # no baseline: no score
         if world >= 3:  # at W = 2 the spread across ranks is the gap that the rank that is off makes
-            work = np.stack([_transposed(history.data[signal]) for signal in range(signals)])  # one row per signal and step
             with np.errstate(invalid="ignore"):
-                work -= median[:, None, :]
+                work = history.steps_first - median[:, None, :]  # one row per signal and step
             per_step = _spreads(work.reshape(signals * steps, world), infinite).reshape(signals, steps)
             scale = scale * _growth_ratio(per_step, history.slots(self.config.recent))[:, None]
         return median, scale
