@@ -14,7 +14,6 @@ W, P, ms per step (median and IQR); with ``--ref REV`` also the detector of that
 
 import argparse
 import importlib.util
-import statistics
 import subprocess
 import sys
 import tempfile

@@ -1,9 +1,10 @@
 """The detector at large world sizes (issue 42): a faulty rank among 1024 is named, and the
 vectorised baselines and selections give the same numbers as the plain definitions."""
 
-import dataclasses
-import math
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -121,3 +122,11 @@ def test_the_transposed_copy_and_the_windows_order():
     np.testing.assert_array_equal(history.steps(0), [[2, 2.5, 2], [3, 3.5, 3], [4, 4.5, 4], [5, 5.5, np.nan]])
     np.testing.assert_array_equal(history.known, [[4, 4, 3], [4, 4, 3]])
     np.testing.assert_array_equal(history.slots(2), [0, 1])  # the last two steps' slots, oldest first
+
+
+def test_the_timing_script_prints_its_table():
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "detector_scale.py"
+    out = subprocess.run([sys.executable, str(script), "--worlds", "8", "--steps", "2", "--parameters", "5"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0] == "| W | P | ms per step, median (IQR) |"
+    assert out.stdout.splitlines()[2].startswith("| 8 | 5 | ")
