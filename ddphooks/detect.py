@@ -591,10 +591,20 @@ class Observation:
             cosine_previous=stats.cosine_previous,
             replicas=stats.replicas,
             parameter_names=stats.parameter_names,
-            parameter_norms=np.where(stats.absent[:, None], np.nan, np.sqrt(stats.param_sq)),
+            parameter_norms=_present_norms(stats.param_sq, stats.absent),
             nonfinite=stats.nonfinite,
             absent=stats.absent_ranks,
         )
+
+
+def _present_norms(param_sq: np.ndarray, absent: np.ndarray) -> np.ndarray:
+    """W x P norms from squared norms, NaN on absent ranks: ``np.where(absent[:, None], nan,
+    sqrt(param_sq))`` without a second W x P pass where no rank is absent."""
+    norms = np.sqrt(param_sq)
+    absent = np.asarray(absent, dtype=bool)
+    if absent.any():
+        norms[absent] = np.nan
+    return norms
 
 
 @dataclass
