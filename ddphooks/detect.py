@@ -591,10 +591,20 @@ class Observation:
             cosine_previous=stats.cosine_previous,
             replicas=stats.replicas,
             parameter_names=stats.parameter_names,
-            parameter_norms=np.where(stats.absent[:, None], np.nan, np.sqrt(stats.param_sq)),
+            parameter_norms=_present_norms(stats.param_sq, stats.absent),
             nonfinite=stats.nonfinite,
             absent=stats.absent_ranks,
         )
+
+
+def _present_norms(param_sq: np.ndarray, absent: np.ndarray) -> np.ndarray:
+    """W x P norms from squared norms, NaN on absent ranks: ``np.where(absent[:, None], nan,
+    sqrt(param_sq))`` without a second W x P pass where no rank is absent."""
+    norms = np.sqrt(param_sq)
+    absent = np.asarray(absent, dtype=bool)
+    if absent.any():
+        norms[absent] = np.nan
+    return norms
 
 
 @dataclass
@@ -603,22 +613,70 @@ class _Episode:
     quiet: int = 0
 
 
-@dataclass
 class _History:
-    """Trailing values of one signal: ``window`` x W, NaN where missing or excluded."""
+    """Trailing values of ``signals`` signals over the last ``window`` steps: a ring buffer,
+    ``data`` signals x W x window (each rank's steps of a signal side by side, so its quantiles
+    need no transpose; ``next`` the slot of the next step), NaN where missing or excluded. Every
+    statistic taken over a window is order-free but the growth's (its last steps: ``slots``).
+    ``known`` and ``finite``: per signal and rank, how many of its values in the window are not
+    NaN, and finite (kept as steps come and go, not counted over the window every step).
+    ``spread``: with ``spreads``, each step's spread across ranks per signal, signals x window
+    (see ``_spreads``), taken as the step is pushed: a pushed step never changes. ``steps_first``:
+    with ``by_step``, the same values signals x window x W (each step's ranks side by side, for
+    statistics across ranks: written as the step is pushed, not transposed every step)."""
 
-    window: int
-    world: int
-    values: np.ndarray = field(init=False)
-    filled: int = 0
+    def __init__(self, window: int, world: int, signals: int = 1, spreads: bool = False, by_step: bool = False) -> None:
+        self.window, self.world = window, world
+        self.data = np.full((signals, world, window), np.nan)
+        self.steps_first = np.full((signals, window, world), np.nan) if by_step else None
+        self.known = np.zeros((signals, world), dtype=np.int64)
+        self.finite = np.zeros((signals, world), dtype=np.int64)
+        self.spread = np.full((signals, window), np.nan) if spreads else None
+        self.next = 0
 
-    def __post_init__(self) -> None:
-        self.values = np.full((self.window, self.world), np.nan)
+    def push(self, rows: np.ndarray, keep: np.ndarray) -> None:
+        """One step: ``rows`` signals x W (W for one signal), ranks not in ``keep`` as NaN."""
+        kept = np.where(keep, rows, np.nan).reshape(len(self.data), self.world)
+        leaving = self.data[:, :, self.next]
+        self.known += np.isnan(leaving)  # minus the leaving step's known values, plus the new one's
+        self.known -= np.isnan(kept)
+        self.finite -= np.isfinite(leaving)
+        self.finite += np.isfinite(kept)
+        self.data[:, :, self.next] = kept
+        if self.steps_first is not None:
+            self.steps_first[:, self.next] = kept
+        if self.spread is not None:
+            self.spread[:, self.next] = _spreads(kept)
+        self.next = (self.next + 1) % self.window
 
-    def push(self, row: np.ndarray, keep: np.ndarray) -> None:
-        self.values = np.roll(self.values, -1, axis=0)
-        self.values[-1] = np.where(keep, row, np.nan)
-        self.filled = min(self.filled + 1, self.window)
+    def clear(self, signal: int) -> None:
+        """Forget one signal's steps (the loss's, when its scale changes: see ``_loss_scale``)."""
+        self.data[signal] = np.nan
+        self.known[signal] = self.finite[signal] = 0
+        if self.steps_first is not None:
+            self.steps_first[signal] = np.nan
+        if self.spread is not None:
+            self.spread[signal] = np.nan
+
+    def slots(self, last: int) -> np.ndarray:
+        """The slots of the last ``last`` steps, oldest first."""
+        return (self.next - last + np.arange(last)) % self.window
+
+    def steps(self, signal: int = 0) -> np.ndarray:
+        """One signal's window, steps x W, oldest first (a copy)."""
+        return self.data[signal][:, self.slots(self.window)].T
+
+
+@dataclass
+class _Signal:
+    """One signal of a ``_History``: ``values``, its window as steps x W, oldest first (a copy)."""
+
+    history: _History
+    index: int
+
+    @property
+    def values(self) -> np.ndarray:
+        return self.history.steps(self.index)
 
 
 def _column_quantiles(values: np.ndarray, q: float) -> np.ndarray:
@@ -626,17 +684,81 @@ def _column_quantiles(values: np.ndarray, q: float) -> np.ndarray:
     nearest values, as ``np.nanquantile``), ignoring NaN (NaN for an all-NaN column).
 
     One sort instead of ``np.nanquantile``, whose masked-array path costs a millisecond a call on
-    the small arrays the detector has (the detector runs on every step of every rank).
+    the small arrays the detector has (the detector runs on every step of every rank). For rows,
+    and for long columns, ``_sorted_quantiles`` and ``_select_quantiles`` give the same numbers.
     """
     ordered = np.sort(values, axis=0)  # NaN sorts last
     count = np.sum(~np.isnan(values), axis=0)
-    columns = np.arange(values.shape[1])
+    return _sorted_quantiles(ordered.T, count, q)
+
+
+def _sorted_quantiles(ordered: np.ndarray, count: np.ndarray, q: float) -> np.ndarray:
+    """The ``q`` quantile of each row of ``ordered`` (rows sorted, NaN last), of whose values
+    ``count`` per row are known: ``_column_quantiles`` on rows (several quantiles from one sort)."""
+    rows = np.arange(ordered.shape[0])
     position = q * np.maximum(count - 1, 0)
     low = np.floor(position).astype(int)
     high = np.minimum(low + 1, np.maximum(count - 1, 0))
     with np.errstate(invalid="ignore"):
-        quantile = ordered[low, columns] + (position - low) * (ordered[high, columns] - ordered[low, columns])
+        quantile = ordered[rows, low] + (position - low) * (ordered[rows, high] - ordered[rows, low])
     return np.where(count > 0, quantile, np.nan)
+
+
+def _select_quantiles(work: np.ndarray, q: float, count: np.ndarray | None = None) -> np.ndarray:
+    """The ``q`` quantile of each row of ``work`` (rows x n, C-contiguous), ignoring NaN: the same
+    numbers as ``_column_quantiles(work.T, q)``, the two order statistics it interpolates found
+    by a selection (``np.partition``, O(n)) instead of a sort, per number of known values a row
+    has (one or a few). Reorders each row of ``work`` in place (its values stay in it).
+    ``count``: how many values each row has that are not NaN, where the caller knows it (no
+    pass to count them)."""
+    rows, n = work.shape
+    if count is None:
+        count = n - np.count_nonzero(np.isnan(work), axis=1)
+    result = np.full(rows, np.nan)
+    for known in np.unique(count).tolist():
+        if known == 0:
+            continue
+        select = count == known
+        block = work if select.all() else work[select]  # the few rows with another count: a copy
+        position = q * (known - 1)
+        low = math.floor(position)
+        high = min(low + 1, known - 1)
+        block.partition(high, axis=1)  # NaN sorts last: the known values come first
+        upper = block[:, high]
+        lower = block[:, :high].max(axis=1) if high > low else upper  # the low-th: the largest before
+        with np.errstate(invalid="ignore"):
+            result[select] = lower + (position - low) * (upper - lower)
+    return result
+
+
+#: Rows copied at a time by ``_transposed``.
+TRANSPOSE_BLOCK = 256
+
+
+def _transposed(values: np.ndarray, ufunc: np.ufunc | None = None) -> np.ndarray:
+    """A C-ordered copy of ``values.T`` (2-D; with ``ufunc``, of ``ufunc(values).T``), copied a
+    block of rows at a time: a plain copy of a transpose reads memory a row apart for every
+    element, three times slower on a W x P array (4096 x 273)."""
+    out = np.empty(values.shape[::-1], dtype=values.dtype)
+    for start in range(0, values.shape[0], TRANSPOSE_BLOCK):
+        block = values[start : start + TRANSPOSE_BLOCK].T
+        if ufunc is None:
+            out[:, start : start + TRANSPOSE_BLOCK] = block
+        else:
+            ufunc(block, out=out[:, start : start + TRANSPOSE_BLOCK])
+    return out
+
+
+def _spreads(work: np.ndarray, infinite: bool = True) -> np.ndarray:
+    """Per row (a signal on a step, across W ranks), its MAD, ignoring NaN: the spread that
+    ``_growth`` compares. ``work`` (rows x W, C-contiguous) is overwritten. ``infinite=False``:
+    the caller knows ``work`` holds no infinity (the distances to the median are NaN where the
+    values are: not counted again)."""
+    count = len(work[0]) - np.count_nonzero(np.isnan(work), axis=1) if len(work) else None
+    median = _select_quantiles(work, 0.5, count)
+    with np.errstate(invalid="ignore"):
+        np.abs(work - median[:, None], out=work)  # each row's values, in another order: the same multiset
+    return _select_quantiles(work, 0.5, None if infinite else count)
 
 
 def _column_medians(values: np.ndarray) -> np.ndarray:
@@ -645,10 +767,21 @@ def _column_medians(values: np.ndarray) -> np.ndarray:
 
 
 def _robust(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per column of a 2-D array, the median and ``1.4826 * MAD``, ignoring NaN."""
+    """Per column of a 2-D array, the median and ``1.4826 * MAD``, ignoring NaN. With
+    ``_shoulders`` and ``_growth``, the definition of the baselines: the detector computes the
+    same numbers from its ring buffers (``Detector._own_baselines``, ``_cross_baselines``;
+    tests/test_detect_scale.py compares them step by step)."""
     median = _column_medians(values)
     mad = _column_medians(np.abs(values - median))
     return median, MAD_TO_STD * np.nan_to_num(mad, nan=0.0)
+
+
+def _typical_shoulder(per_rank: np.ndarray, quantile: float) -> np.ndarray:
+    """From each rank's ``quantile`` of its absolute deviations (signals x W), the standard
+    deviation ``_shoulders`` returns: the median rank's (the smaller at W = 2) over a normal's."""
+    # No majority at W = 2: the smaller of the two, as the rank that is off raises its own.
+    typical = _column_medians(per_rank.T) if per_rank.shape[1] >= 3 else np.fmin(per_rank[:, 0], per_rank[:, 1])
+    return np.nan_to_num(typical, nan=0.0) / NormalDist().inv_cdf(0.5 + quantile / 2)
 
 
 def _shoulders(values: np.ndarray, center: np.ndarray, quantile: float) -> np.ndarray:
@@ -661,10 +794,15 @@ def _shoulders(values: np.ndarray, center: np.ndarray, quantile: float) -> np.nd
     if quantile <= 0.5:
         return np.zeros(signals)
     distance = np.abs(values - center[:, None, :]).transpose(1, 0, 2).reshape(steps, signals * world)
-    per_rank = _column_quantiles(distance, quantile).reshape(signals, world)
-    # No majority at W = 2: the smaller of the two, as the rank that is off raises its own.
-    typical = _column_medians(per_rank.T) if world >= 3 else np.fmin(per_rank[:, 0], per_rank[:, 1])
-    return np.nan_to_num(typical, nan=0.0) / NormalDist().inv_cdf(0.5 + quantile / 2)
+    return _typical_shoulder(_column_quantiles(distance, quantile).reshape(signals, world), quantile)
+
+
+def _growth_ratio(per_step: np.ndarray, recent: np.ndarray) -> np.ndarray:
+    """Per signal, the median of its ``recent`` steps' spreads (``per_step`` signals x steps;
+    ``recent`` the indices of those steps) over the median of all, never below 1."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = _column_medians(per_step[:, recent].T) / _column_medians(per_step.T)
+    return np.fmax(1.0, np.nan_to_num(ratio, nan=1.0, posinf=1.0))
 
 
 def _growth(deviations: np.ndarray, recent: int) -> np.ndarray:
@@ -674,11 +812,8 @@ def _growth(deviations: np.ndarray, recent: int) -> np.ndarray:
     the median of the last ``recent`` steps' spreads over the median of all, never below 1 (a
     spread that shrinks keeps the window's scale)."""
     signals, steps, world = deviations.shape
-    rows = deviations.reshape(signals * steps, world).T  # one column per (signal, step)
-    per_step = _column_medians(np.abs(rows - _column_medians(rows))).reshape(signals, steps).T
-    with np.errstate(divide="ignore", invalid="ignore"):
-        ratio = _column_medians(per_step[-recent:]) / _column_medians(per_step)
-    return np.fmax(1.0, np.nan_to_num(ratio, nan=1.0, posinf=1.0))
+    per_step = _spreads(np.array(deviations, dtype=float).reshape(signals * steps, world)).reshape(signals, steps)
+    return _growth_ratio(per_step, np.arange(max(steps - recent, 0), steps))
 
 
 def _nan_to_zero(z: np.ndarray) -> np.ndarray:
@@ -803,11 +938,15 @@ class Detector:
     def _start(self, world: int) -> None:
         window = self.config.window
         self.world = world
-        self.raw = {name: _History(window, world) for name in SIGNALS}  # own-history values
+        # Own-history values and deviations from the others, every signal in one window each
+        # (signals x W x window); raw and cross: each signal's, as steps x W (``values``).
+        self.own_history = _History(window, world, len(SIGNALS), by_step=world >= 3)
+        self.cross_history = _History(window, world, len(SIGNALS), spreads=True)
+        self.raw = {name: _Signal(self.own_history, index) for index, name in enumerate(SIGNALS)}
+        self.cross = {name: _Signal(self.cross_history, index) for index, name in enumerate(SIGNALS)}
         # The losses themselves, at W = 2 only: which of the two ranks' losses moved (see _scores).
         self.raw_losses = _History(window, world) if world == 2 else None
         self.log_losses = self.config.loss_scale == "log"  # until a loss <= 0 (see _loss_scale)
-        self.cross = {name: _History(window, world) for name in SIGNALS}  # deviations from the others
         self.cusum = {(kind, name): np.zeros(world) for kind in ("own", "cross") for name in SIGNALS}
         if world >= 3:
             self.cusum[("cross", "combined")] = np.zeros(world)
@@ -816,7 +955,9 @@ class Detector:
         self.cusum[("own", "layer")] = np.zeros(world)
         self.rising_since = {key: np.full(world, -1) for key in self.cusum}
         self.parts: dict[tuple[str, str], np.ndarray] = {}  # key -> W x parts CUSUMs (see _accumulate)
-        self.parts_since: dict[tuple[str, str], np.ndarray] = {}
+        # key -> W x parts: the step each part last started rising (read only where it is above 0:
+        # its rising since, -1 elsewhere; see _accumulate).
+        self.parts_start: dict[tuple[str, str], np.ndarray] = {}
         config = self.config
         # Per CUSUM: its allowance, the cap on one step's score, and its alert level.
         self.allowance = {key: config.drift for key in self.cusum}
@@ -873,10 +1014,9 @@ class Detector:
         suspect[list(self.episodes)] = True
         if self.raw_losses is not None:
             self.raw_losses.push(losses, ~suspect)
-        for name in SIGNALS:
-            self.raw[name].push(values[name], ~suspect)
-            if name in deviations:
-                self.cross[name].push(deviations[name], ~suspect)
+        self.own_history.push(np.stack([values[name] for name in SIGNALS]), ~suspect)
+        unknown = np.full(self.world, np.nan)  # a signal not compared across ranks (W = 2)
+        self.cross_history.push(np.stack([deviations.get(name, unknown) for name in SIGNALS]), ~suspect)
         self.seen += 1
         self._learn_parameters(obs, suspect)
         self.alerts.extend(alerts)
@@ -905,10 +1045,10 @@ class Detector:
         the loss baselines start afresh rather than mix the two scales."""
         if self.log_losses and (losses <= 0).any():
             self.log_losses = False
-            for history in (self.raw["loss"], self.cross["loss"], self.raw_losses):
+            loss = SIGNALS.index("loss")
+            for history, signal in ((self.own_history, loss), (self.cross_history, loss), (self.raw_losses, 0)):
                 if history is not None:
-                    history.values[:] = np.nan
-                    history.filled = 0
+                    history.clear(signal)
         if not self.log_losses:
             return losses
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -940,22 +1080,10 @@ class Detector:
         # Baselines in batched sorts (per kind, over every signal and rank at once), since the
         # detector runs on every step of every rank; the scales grow with the recent spread (see the
         # module docstring).
-        recent, quantile = self.config.recent, self.config.scale_quantile
-        own = np.stack([self.raw[name].values for name in SIGNALS])  # signals x steps x W
-        own_median, own_scale = _robust(own.transpose(1, 0, 2).reshape(own.shape[1], -1))
-        own_median, own_scale = own_median.reshape(len(SIGNALS), -1), own_scale.reshape(len(SIGNALS), -1)
-        own_scale = np.maximum(own_scale, _shoulders(own, own_median, quantile)[:, None])
-        own_median[np.sum(np.isfinite(own), axis=1) < MIN_BASELINE_STEPS] = np.nan  # no baseline: no score
-        if self.world >= 3:  # at W = 2 the spread across ranks is the gap that the rank that is off makes
-            own_scale = own_scale * _growth(own - own_median[:, None, :], recent)[:, None]
+        own_median, own_scale = self._own_baselines()
         crossed = [name for name in SIGNALS if name in deviations]
         if crossed:
-            # Pooled over ranks: healthy ranks are exchangeable.
-            cross = np.stack([self.cross[name].values for name in crossed])
-            cross_median, cross_scale = _robust(cross.reshape(len(crossed), -1).T)
-            cross_scale = np.maximum(cross_scale, _shoulders(cross, cross_median[:, None], quantile))
-            cross_median[np.sum(np.isfinite(cross), axis=(1, 2)) < MIN_BASELINE_STEPS] = np.nan
-            growth = _growth(cross, recent) if self.world >= 3 else 1.0
+            cross_median, cross_scale, growth = self._cross_baselines([SIGNALS.index(name) for name in crossed])
             combined_scale = cross_scale * growth**self.config.combined_growth
             cross_scale = cross_scale * growth
         for index, name in enumerate(SIGNALS):
@@ -994,7 +1122,7 @@ class Detector:
             # falls on the other: the rise counts only for the rank whose own loss moved the more
             # against its trailing median (a rank given easier data, or memorising a batch it keeps
             # seeing, does not get the other rank named).
-            moved = np.abs(_nan_to_zero(losses - _column_medians(self.raw_losses.values)))
+            moved = np.abs(_nan_to_zero(losses - _column_medians(self.raw_losses.steps())))
             scores[("own", "loss")] = np.where((moved >= moved[::-1])[:, None], scores[("own", "loss")], 0.0)
             # Several signals at once against the rank's own history: each own score's first part is
             # its change in COMBINED_DIRECTION (a rise; a drop for the cosine), capped one by one.
@@ -1003,6 +1131,59 @@ class Detector:
             # Per rank and parameter, in standard deviations; accumulated per parameter in _score_alerts.
             scores[("own", "layer")] = self.parameter_change
         return scores
+
+    def _own_baselines(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per signal and rank (signals x W), the median of its own window and its scale: ``_robust``
+        and ``_shoulders`` over the window, grown by ``_growth`` at W >= 3 (see the module
+        docstring); the median NaN where the window holds fewer than ``MIN_BASELINE_STEPS`` steps.
+        One sort of each rank's steps, one of their distances to its median (the MAD and the
+        shoulders' quantile both from it), and two selections per step across ranks."""
+        quantile, history = self.config.scale_quantile, self.own_history
+        signals, world, steps = history.data.shape
+        rows = history.data.reshape(signals * world, steps)  # one row per signal and rank
+        count = history.known.reshape(-1)
+        median = _sorted_quantiles(np.sort(rows, axis=1), count, 0.5)
+        with np.errstate(invalid="ignore"):
+            distance = np.abs(rows - median[:, None])
+        ordered = np.sort(distance, axis=1)
+        infinite = not np.array_equal(history.known, history.finite)  # inf - inf: a NaN distance
+        if infinite:
+            count = steps - np.count_nonzero(np.isnan(distance), axis=1)
+        scale = MAD_TO_STD * np.nan_to_num(_sorted_quantiles(ordered, count, 0.5), nan=0.0)
+        median, scale = median.reshape(signals, world), scale.reshape(signals, world)
+        if quantile > 0.5:
+            scale = np.maximum(scale, _typical_shoulder(_sorted_quantiles(ordered, count, quantile).reshape(signals, world), quantile)[:, None])
+        median[history.finite < MIN_BASELINE_STEPS] = np.nan  # no baseline: no score
+        if world >= 3:  # at W = 2 the spread across ranks is the gap that the rank that is off makes
+            with np.errstate(invalid="ignore"):
+                work = history.steps_first - median[:, None, :]  # one row per signal and step
+            per_step = _spreads(work.reshape(signals * steps, world), infinite).reshape(signals, steps)
+            scale = scale * _growth_ratio(per_step, history.slots(self.config.recent))[:, None]
+        return median, scale
+
+    def _cross_baselines(self, crossed: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray | float]:
+        """Per signal compared across ranks (indices ``crossed`` into SIGNALS), the median and scale
+        of the deviations of every rank and step in the window, pooled over ranks (healthy ranks
+        are exchangeable; ``_robust`` and ``_shoulders``), and the growth of their spread across
+        ranks (W >= 3, else 1.0; each step's spread taken as the step was pushed)."""
+        quantile, history = self.config.scale_quantile, self.cross_history
+        data = history.data if len(crossed) == len(history.data) else history.data[crossed]
+        signals, world, steps = data.shape
+        known, finite = history.known[crossed], history.finite[crossed]
+        infinite = not np.array_equal(known, finite)  # inf - inf: a NaN distance
+        values = data.reshape(signals, world * steps)
+        median = _select_quantiles(values.copy(), 0.5, known.sum(axis=1))
+        with np.errstate(invalid="ignore"):
+            distance = np.abs(values - median[:, None])
+        scale = MAD_TO_STD * np.nan_to_num(_select_quantiles(distance.copy(), 0.5, None if infinite else known.sum(axis=1)), nan=0.0)
+        if quantile > 0.5:
+            rows = distance.reshape(signals * world, steps)  # each rank's steps
+            count = steps - np.count_nonzero(np.isnan(rows), axis=1) if infinite else known.reshape(-1)
+            per_rank = _sorted_quantiles(np.sort(rows, axis=1), count, quantile).reshape(signals, world)
+            scale = np.maximum(scale, _typical_shoulder(per_rank, quantile))
+        median[finite.sum(axis=1) < MIN_BASELINE_STEPS] = np.nan
+        growth = _growth_ratio(history.spread[crossed], history.slots(self.config.recent)) if world >= 3 else 1.0
+        return median, scale, growth
 
     # -- alerts ----------------------------------------------------------------------------------
     def _score_alerts(self, obs: Observation, scores: dict, values: dict) -> list[dict]:
@@ -1049,13 +1230,24 @@ class Detector:
             self.step_scores[key] = np.array(z, dtype=float)  # every part, before the cap
         previous = self.parts.get(key)
         if previous is None:  # the first scored step, or other parameters (see _parameter_changes)
-            previous, self.parts_since[key] = np.zeros_like(z), np.full(z.shape, -1)
-        updated = np.maximum(0.0, previous + np.minimum(z, self.cap[key]) - self.allowance[key])
-        since = np.where((previous == 0) & (updated > 0), step, np.where(updated > 0, self.parts_since[key], -1))
-        self.parts[key], self.parts_since[key] = updated, since
+            previous, self.parts_start[key] = np.zeros_like(z), np.full(z.shape, -1)
+        updated = np.minimum(z, self.cap[key])  # S + min(z, cap) - allowance, floored at 0, in one buffer
+        updated += previous
+        updated -= self.allowance[key]
+        np.maximum(0.0, updated, out=updated)
+        # A part rising since a step keeps it while above 0; only the parts that start rising on
+        # this step are written (W x P parts for the layers: no pass over all of them for the rest).
+        start = self.parts_start[key]
+        start[(previous == 0) & (updated > 0)] = step
+        self.parts[key] = updated
         top = updated.argmax(axis=1)
         ranks = np.arange(self.world)
-        self.cusum[key], self.rising_since[key] = updated[ranks, top], since[ranks, top]
+        level = updated[ranks, top]
+        self.cusum[key], self.rising_since[key] = level, np.where(level > 0, start[ranks, top], -1)
+
+    def parts_since(self, key: tuple[str, str]) -> np.ndarray:
+        """W x parts: the step since which each part of CUSUM ``key`` has been above 0 (-1 where it is 0)."""
+        return np.where(self.parts[key] > 0, self.parts_start[key], -1)
 
     @property
     def layer_level(self) -> np.ndarray | None:
@@ -1313,15 +1505,26 @@ class Detector:
             # zero norm: a parameter the rank's batch did not use (conditional computation, an
             # expert or a head no sample was routed to) has no local gradient to compare, and its
             # log, -inf, would make every rank that used it look infinitely far above the median.
-            norms = obs.parameter_norms
-            logs = np.log(np.where(np.isfinite(norms) & (norms > 0), norms, np.nan))
-            deviation = logs - _column_medians(logs)
+            # (The log of every norm, then the non-finite ones unknown: the log is finite exactly
+            # where the norm is finite and above zero.)
+            norms = obs.parameter_norms  # C-ordered logs, whatever the norms' order (offline: a transpose)
+            logs = np.log(norms, out=np.empty(norms.shape, dtype=np.result_type(norms, 1.0)))
+            finite = np.isfinite(logs)
+            self._parameters_known = bool(finite.all())  # every norm known: no NaN below
+            if not self._parameters_known:
+                logs[~finite] = np.nan
+            # Medians by selection, over each parameter's ranks (a transposed copy) and each
+            # rank's parameters: O(W x P), not a sort.
+            known = self._parameters_known
+            full = None if not known else np.full(logs.shape[1], logs.shape[0])  # every rank known
+            deviation = logs - _select_quantiles(_transposed(logs), 0.5, full)
             if deviation.shape[1] >= COMMON_FACTOR_PARAMETERS:
                 # A batch that makes one rank's whole gradient larger moves every parameter alike;
                 # the median over parameters is that common factor, which one corrupted parameter
                 # cannot move. Without it, a parameter's noise is mostly the rank's total.
-                deviation = deviation - _column_medians(deviation.T)[:, None]
+                deviation -= _select_quantiles(deviation.copy(), 0.5, None if not known else np.full(len(logs), logs.shape[1]))[:, None]
             self._parameter_now = deviation
+            self._parameter_rise = None  # this step's rise (after the warm-up), for _learn_parameters
         if self.parameter_names != obs.parameter_names:
             self._reorder_parameters(obs.parameter_names)
         if self.parameter_names != obs.parameter_names or self.parameter_level is None:  # other parameters: start afresh
@@ -1332,11 +1535,17 @@ class Detector:
             self.parts.pop(("own", "layer"), None)
             return
         if self.parameter_seen >= self.config.warmup:
-            rise = self._parameter_now - self.parameter_level
+            rise = self._parameter_rise = self._parameter_now - self.parameter_level
             # The scale's average starts from zero: divided by the weight it has gathered (as in
             # Adam's bias correction), it is not underestimated over the first steps.
-            scale = self.parameter_scale / (1 - (1 - PARAMETER_RATE) ** self.parameter_seen)
-            self.parameter_change = np.nan_to_num(rise / (scale + 1e-3), nan=0.0, posinf=1e9, neginf=-1e9)
+            change = self.parameter_scale / (1 - (1 - PARAMETER_RATE) ** self.parameter_seen)
+            change += 1e-3
+            with np.errstate(invalid="ignore"):
+                np.divide(rise, change, out=change)
+            finite = np.isfinite(change)  # as np.nan_to_num(nan=0.0, posinf=1e9, neginf=-1e9), looking once
+            if not finite.all():
+                change[~finite] = np.nan_to_num(change[~finite], nan=0.0, posinf=1e9, neginf=-1e9)
+            self.parameter_change = change
 
     def _reorder_parameters(self, names: list[str]) -> None:
         """Follow the same parameters listed in another order (DDP lists them in bucket order, and
@@ -1350,7 +1559,7 @@ class Detector:
         self.parameter_level, self.parameter_scale = self.parameter_level[:, order], self.parameter_scale[:, order]
         layer = ("own", "layer")
         if layer in self.parts:
-            self.parts[layer], self.parts_since[layer] = self.parts[layer][:, order], self.parts_since[layer][:, order]
+            self.parts[layer], self.parts_start[layer] = self.parts[layer][:, order], self.parts_start[layer][:, order]
         self.parameter_names = list(names)
 
     def _learn_parameters(self, obs: Observation, suspect: np.ndarray) -> None:
@@ -1358,23 +1567,45 @@ class Detector:
             return
         rate = PARAMETER_RATE
         level = self._parameter_now
-        deviation = np.abs(level - self.parameter_level)
-        learnable = np.isfinite(level) & ~suspect[:, None]  # a suspect rank does not teach the baseline its fault
-        keep = learnable.copy()
+        rise = self._parameter_rise if self._parameter_rise is not None else level - self.parameter_level
+        self._parameter_rise = None
+        # A suspect rank does not teach the baseline its fault (with every norm known, the
+        # learnable entries are its rows: no W x P pass to find them).
+        learnable = ~suspect[:, None] if self._parameters_known else np.isfinite(level) & ~suspect[:, None]
+        keep = np.broadcast_to(learnable, level.shape)
         if self.layer_level is not None and self.layer_level.shape == keep.shape:
-            keep &= self.layer_level == 0  # nor does a parameter whose evidence is accumulating
-        self.parameter_level = np.where(keep, (1 - rate) * self.parameter_level + rate * level, self.parameter_level)
+            keep = keep & (self.layer_level == 0)  # nor does a parameter whose evidence is accumulating
+        # (1 - rate) * level + rate * now where kept, in place; the few entries not kept (a
+        # scattered few of W x P: a branch per entry would cost more) put back after.
+        held = np.flatnonzero(~keep)
+        kept_before = self.parameter_level.flat[held]
+        self.parameter_level *= 1 - rate
+        self.parameter_level += rate * level
+        self.parameter_level.flat[held] = kept_before
         if self.world >= 3:
             # Every step, pooled over ranks: the median absolute rise (1.4826 of it is a standard
-            # deviation), which the one rank that is off cannot move.
-            typical = MAD_TO_STD * _column_medians(np.where(learnable, deviation, np.nan))
-            learned = np.broadcast_to(np.isfinite(typical), keep.shape)
+            # deviation), which the one rank that is off cannot move (by selection, over each
+            # parameter's ranks: a transposed copy).
+            deviation = _transposed(rise, np.abs)
+            if self._parameters_known:
+                deviation[:, suspect] = np.nan
+            elif not learnable.all():
+                deviation[~learnable.T] = np.nan
+            typical = MAD_TO_STD * _select_quantiles(deviation, 0.5)
+            learned = np.isfinite(typical)
+            if learned.all():
+                self.parameter_scale *= 1 - rate
+                self.parameter_scale += rate * typical
+            else:
+                learned_scale = (1 - rate) * self.parameter_scale
+                learned_scale += rate * np.nan_to_num(typical)
+                self.parameter_scale = np.where(learned, learned_scale, self.parameter_scale)
         else:
             # No majority: each rank's own average absolute rise (sqrt(pi/2) of it is a standard
             # deviation), only while its evidence on the parameter is not accumulating, or the
             # fault would become the scale.
-            typical, learned = math.sqrt(math.pi / 2) * deviation, keep
-        self.parameter_scale = np.where(learned, (1 - rate) * self.parameter_scale + rate * np.nan_to_num(typical), self.parameter_scale)
+            typical, learned = math.sqrt(math.pi / 2) * np.abs(rise), keep
+            self.parameter_scale = np.where(learned, (1 - rate) * self.parameter_scale + rate * np.nan_to_num(typical), self.parameter_scale)
         self.parameter_seen += 1
 
     def _suspicious_parameters(self, rank: int) -> list[str]:
