@@ -127,3 +127,14 @@ def test_chunked_sign_draws_are_the_one_draw_stream():
     assert random_signs(numel, (3, 7), torch.device("cpu"), out=out) is out and torch.equal(out, expected)
     with pytest.raises(ValueError, match="out must be a CPU int8 tensor of 10 entries"):
         random_signs(10, (3, 7), torch.device("cpu"), out=torch.empty(10))
+
+
+def test_a_numpy_view_of_a_tensor_is_counted_as_the_tensor():
+    # SilentStats keeps float64 host arrays; one made by Tensor.numpy() holds the tensor's storage.
+    from ddphooks.memory import retained_bytes
+
+    tensor = torch.ones(1000, dtype=torch.float64)
+    holder = {"view": tensor.numpy(), "array": np.ones(500)}  # a dict is walked like a ddphooks object
+    assert retained_bytes(holder) == 8 * 1000 + 8 * 500
+    holder["tensor"] = tensor  # the same storage, counted once
+    assert retained_bytes(holder) == 8 * 1000 + 8 * 500
