@@ -257,7 +257,7 @@ class SilentState(BaseSilentState):
         if torch.is_grad_enabled():
             self._forward_since_step = True
 
-    def _start_step(self, buffer: torch.Tensor) -> None:
+    def _start_step(self, bucket: dist.GradBucket) -> None:
         """At a step's first bucket: whether this rank has joined, and what the gradients are
         divided by (every step, instrumented or not: it is part of the training).
 
@@ -271,6 +271,7 @@ class SilentState(BaseSilentState):
         self._joined = join and not self._forward_since_step
         self._divisor = None
         if join and self.comm_hook is None and not getattr(model, "_divide_by_initial_world_size", True):
+            buffer = bucket.buffer()  # asked only here: the hook's hot path reads it once, later
             present = torch.full((1,), 0.0 if self._joined else 1.0, dtype=buffer.dtype, device=buffer.device)
             dist.all_reduce(present, group=self.process_group)
             self._divisor = present
@@ -516,7 +517,7 @@ def silent_hook(state: SilentState, bucket: dist.GradBucket) -> torch.futures.Fu
                 "use one SilentState per DDP model"
             )
         state._pipeline.process()  # the previous step to the background thread, alerts of the one before; may raise from on_alert
-        state._start_step(bucket.buffer())
+        state._start_step(bucket)
     if not state._instrumented(state.step):
         future = state._communicate(bucket)
         if last:
