@@ -21,6 +21,9 @@ repeat                 rank                     cosine to the previous step risi
                                                 loss falling below the others' (W >= 3)       0.5 (W=2)
 layer                  rank, parameter          the parameter's share of the gradient norm    2.25       5      12
                                                 rising against its own average
+level                  rank, direction          the log gradient norm minus the median        1          3      20
+                                                rank's, against its own median (learned
+                                                only while this CUSUM is at zero)
 =====================  =======================  ============================================  =========  =====  =========
 
 What follows is how each score is made; ``benchmarks/detection.py --ablations`` measures what each
@@ -247,6 +250,8 @@ def reference(kind: str) -> str:
 
 #: Signals measured by the sketch, whose changes inside the sketch's noise never count.
 SKETCHED = ("cosine", "cosine_previous")
+#: The gradient-norm level CUSUM's key (see ``DetectorConfig.level_drift``): its alerts are ``grad_norm`` alerts.
+LEVEL = ("level", "grad_norm")
 MAD_TO_STD = 1.4826
 PARAMETER_RATE = 0.1  # weight of a new step in the per-parameter exponential averages
 #: Fewest steps a baseline is learned from: a median and MAD of one or two steps have no spread,
@@ -361,6 +366,28 @@ class DetectorConfig:
     misaligned labels were named a step later at W = 4 in six of the seven zoo families that
     named them (2-3 steps instead of 1-2)."""
 
+    level_drift: float = 1.0
+    """Allowance of the gradient-norm level CUSUM: one per rank and direction, over its log
+    gradient norm minus the median rank's, against its own trailing median, in standard
+    deviations. Read against the median rank, every rank's trend (the schedule, the training
+    phase) cancels on every step, and the baseline is the rank's spread against the others, not
+    that trend. Lower than ``drift``: a gradient scaled by 1.5 on one rank moves the gap between
+    the ranks' log norms by 0.41, one to four standard deviations of the healthy gap in the
+    workload zoo, under the allowance of 3 that the per-signal CUSUMs need for the heavy tails
+    of single steps. Its baseline learns a rank's step only while the rank's level CUSUM is at
+    zero (a healthy step is independent of the steps before it, so this leaves a fair sample; a
+    lasting shift is not learned as the new normal within the 6 steps the shoulders' scale
+    would take). At W = 2 a rise of one rank is the other's fall: it counts for the rank whose
+    own log norm moved the more against its trailing median (as the loss)."""
+
+    level_cap: float = 3.0
+    """Cap on one step's score in the gradient-norm level CUSUM: a step adds at most ``level_cap -
+    level_drift`` (2), so the level CUSUM alerts on a lasting shift, never on a few wild steps
+    (13 steps at the cap at the default level)."""
+
+    level_threshold: float = 20.0
+    """Level at which the gradient-norm level CUSUM alerts (times ``alert_level``)."""
+
     cosine_floor: float = 2.0
     """Cosine deviations smaller than this many ``cosine_noise`` units score zero."""
 
@@ -474,7 +501,7 @@ class DetectorConfig:
                 raise ValueError(f"DetectorConfig.{name}={value!r} must be an int >= 1")
         for name in (
             "threshold", "drift", "step_cap", "layer_cap", "cosine_floor", "layer_drift", "combined_drift", "combined_cap",
-            "repeat_drift", "repeat_cap", "repeat_threshold", "layer_threshold", "pair_repeat_drift", "pair_combined_drift", "duplicate_tolerance", "duplicate_cosine_tolerance",
+            "repeat_drift", "repeat_cap", "repeat_threshold", "level_drift", "level_cap", "level_threshold", "layer_threshold", "pair_repeat_drift", "pair_combined_drift", "duplicate_tolerance", "duplicate_cosine_tolerance",
             "alert_level",
         ):
             value = getattr(self, name)
@@ -487,6 +514,8 @@ class DetectorConfig:
                 f"DetectorConfig.step_cap={self.step_cap} must be > drift={self.drift} and layer_cap={self.layer_cap} > "
                 f"layer_drift={self.layer_drift} (a capped step would never raise a CUSUM)"
             )
+        if self.level_cap <= self.level_drift:
+            raise ValueError(f"DetectorConfig.level_cap={self.level_cap} must be > level_drift={self.level_drift} (a capped step would never raise the level CUSUM)")
         if self.repeat_cap <= max(self.repeat_drift, self.pair_repeat_drift):
             raise ValueError(
                 f"DetectorConfig.repeat_cap={self.repeat_cap} must be > repeat_drift={self.repeat_drift} and "
@@ -816,6 +845,16 @@ def _growth(deviations: np.ndarray, recent: int) -> np.ndarray:
     return _growth_ratio(per_step, np.arange(max(steps - recent, 0), steps))
 
 
+def _relative_to_median(log_norms: np.ndarray) -> np.ndarray:
+    """Each rank's log gradient norm minus the median rank's (the level CUSUM's reading): the
+    schedule's and the training phase's trend, shared by every rank, cancels on every step, and
+    the one rank that is off cannot move the median (against the mean, a rank's doubled gradient
+    would lower every other rank's relative norm by log(2) / W). Unknown (NaN) and zero (-inf)
+    norms stay as they are, out of the median."""
+    finite = log_norms[np.isfinite(log_norms)]
+    return log_norms - np.median(finite) if finite.size else np.full(len(log_norms), np.nan)
+
+
 def _nan_to_zero(z: np.ndarray) -> np.ndarray:
     """A score with unknown (NaN) entries scoring zero: ``np.nan_to_num(z, nan=0.0)`` for the
     scores here, which are finite or NaN (non-finite inputs are NaN, scales are floored above
@@ -942,10 +981,14 @@ class Detector:
         # (signals x W x window); raw and cross: each signal's, as steps x W (``values``).
         self.own_history = _History(window, world, len(SIGNALS), by_step=world >= 3)
         self.cross_history = _History(window, world, len(SIGNALS), spreads=True)
+        # The relative log gradient norms the level CUSUM scores against, learned only while that
+        # CUSUM is at zero (see update).
+        self.level_history = _History(window, world, by_step=world >= 3)
         self.raw = {name: _Signal(self.own_history, index) for index, name in enumerate(SIGNALS)}
         self.cross = {name: _Signal(self.cross_history, index) for index, name in enumerate(SIGNALS)}
-        # The losses themselves, at W = 2 only: which of the two ranks' losses moved (see _scores).
-        self.raw_losses = _History(window, world) if world == 2 else None
+        # The losses and log gradient norms themselves, at W = 2 only: which of the two ranks' moved
+        # (see _scores).
+        self.pair_history = _History(window, world, 2) if world == 2 else None
         self.log_losses = self.config.loss_scale == "log"  # until a loss <= 0 (see _loss_scale)
         self.cusum = {(kind, name): np.zeros(world) for kind in ("own", "cross") for name in SIGNALS}
         if world >= 3:
@@ -953,6 +996,7 @@ class Detector:
         else:
             self.cusum[("own", "combined")] = np.zeros(world)
         self.cusum[("own", "layer")] = np.zeros(world)
+        self.cusum[LEVEL] = np.zeros(world)
         self.rising_since = {key: np.full(world, -1) for key in self.cusum}
         self.parts: dict[tuple[str, str], np.ndarray] = {}  # key -> W x parts CUSUMs (see _accumulate)
         # key -> W x parts: the step each part last started rising (read only where it is above 0:
@@ -972,6 +1016,7 @@ class Detector:
             self.cap[repeat] = math.inf
         else:
             self.allowance[("own", "combined")], self.cap[("own", "combined")] = config.pair_combined_drift, math.inf
+        self.allowance[LEVEL], self.cap[LEVEL], self.limit[LEVEL] = config.level_drift, config.level_cap, config.level_threshold * config.alert_level
         self.allowance[("own", "layer")] = config.layer_drift
         self.cap[("own", "layer")] = config.layer_cap
         self.limit[("own", "layer")] = config.layer_threshold * config.alert_level
@@ -1001,28 +1046,37 @@ class Detector:
         # reports them.
         losses = np.where(np.isfinite(obs.losses), obs.losses, np.nan) if obs.losses is not None else np.full(obs.world_size, np.nan)
         losses = self._loss_scale(losses)  # from here on as the loss signal reads them (log or linear)
-        values = self._values(obs, losses)
+        with np.errstate(divide="ignore"):
+            log_norms = np.log(np.where(np.isfinite(obs.grad_norms), obs.grad_norms, np.nan))
+        values = self._values(obs, losses, log_norms)
+        relative_norms = _relative_to_median(log_norms)
         deviations = self._deviations(values)
         self._parameter_changes(obs)
         # No scores before the baselines hold `warmup` steps: a median of three steps is no baseline.
-        scores = self._scores(values, deviations, losses, obs.cosine_noise) if self.seen >= self.config.warmup else {}
+        scores = self._scores(values, deviations, losses, log_norms, relative_norms, obs.cosine_noise) if self.seen >= self.config.warmup else {}
         alerts = self._replica_alerts(obs) + self._nonfinite_alerts(obs) + self._duplicate_alerts(obs)
+        # The level CUSUM's baseline learns a rank's step only if that CUSUM was at zero before it:
+        # a lasting shift of a few standard deviations is never learned as the new normal, while
+        # a healthy step, independent of the steps before it, is kept or left out by chance alone.
+        level = self.parts.get(LEVEL)
+        level_quiet = np.ones(self.world, dtype=bool) if level is None else ~(level > 0).any(axis=1)
         alerts += self._score_alerts(obs, scores, values)
         # A rank with half the evidence of an alert (or under alert) does not teach the baselines:
         # otherwise a lasting fault becomes the new normal before it is reported.
         suspect = self.evidence() > 0.5
         suspect[list(self.episodes)] = True
-        if self.raw_losses is not None:
-            self.raw_losses.push(losses, ~suspect)
+        if self.pair_history is not None:
+            self.pair_history.push(np.stack([losses, log_norms]), ~suspect)
         self.own_history.push(np.stack([values[name] for name in SIGNALS]), ~suspect)
         unknown = np.full(self.world, np.nan)  # a signal not compared across ranks (W = 2)
         self.cross_history.push(np.stack([deviations.get(name, unknown) for name in SIGNALS]), ~suspect)
+        self.level_history.push(relative_norms, ~suspect & level_quiet)
         self.seen += 1
         self._learn_parameters(obs, suspect)
         self.alerts.extend(alerts)
         return alerts
 
-    def _values(self, obs: Observation, losses: np.ndarray) -> dict[str, np.ndarray]:
+    def _values(self, obs: Observation, losses: np.ndarray, log_norms: np.ndarray) -> dict[str, np.ndarray]:
         nan = np.full(obs.world_size, np.nan)
         # The mean of the known losses without np.nanmean, whose warning for an all-NaN step would
         # need warnings.catch_warnings: that swaps the process-wide filters, and the detector runs
@@ -1033,7 +1087,7 @@ class Detector:
             # rank whose loss rises stands out from its own history even at W = 2.
             return {
                 "loss": losses - known.mean() if known.size else nan,
-                "grad_norm": np.log(np.where(np.isfinite(obs.grad_norms), obs.grad_norms, np.nan)),
+                "grad_norm": log_norms,  # its own trend is the others' (see _others_change)
                 "cosine": obs.cosine_loo if obs.cosine_loo is not None else nan,
                 "cosine_previous": _fisher(obs.cosine_previous) if obs.cosine_previous is not None else nan,
             }
@@ -1046,7 +1100,7 @@ class Detector:
         if self.log_losses and (losses <= 0).any():
             self.log_losses = False
             loss = SIGNALS.index("loss")
-            for history, signal in ((self.own_history, loss), (self.cross_history, loss), (self.raw_losses, 0)):
+            for history, signal in ((self.own_history, loss), (self.cross_history, loss), (self.pair_history, 0)):
                 if history is not None:
                     history.clear(signal)
         if not self.log_losses:
@@ -1067,7 +1121,7 @@ class Detector:
             if world >= 3 or CROSS_DIRECTION[name] > 0
         }
 
-    def _scores(self, values: dict, deviations: dict, losses: np.ndarray, cosine_noise: float) -> dict[tuple[str, str], np.ndarray]:
+    def _scores(self, values: dict, deviations: dict, losses: np.ndarray, log_norms: np.ndarray, relative_norms: np.ndarray, cosine_noise: float) -> dict[tuple[str, str], np.ndarray]:
         """Per (kind, signal), every rank's z-scores for this step (>= 0, W x parts): one part for
         a signal suspicious in one direction, two (its rise, its fall) for one suspicious either way,
         one per parameter for the layers."""
@@ -1117,13 +1171,20 @@ class Detector:
             # alone lower, never passes for one whose gradient repeats.
             raised = scores[repeat] > 0
             scores[repeat] = np.minimum(scores[repeat], self.config.repeat_cap) + np.where(raised, loss_fall[:, None], 0.0)
+        # The level: the rank's log gradient norm relative to the median rank's, against its own
+        # median, both ways (the second part, a fall); learned while the level CUSUM is at zero.
+        median, scale = self._own_baselines(self.level_history)
+        z = _nan_to_zero((relative_norms - median[0]) / np.maximum(scale[0], floors["grad_norm"]))
+        scores[LEVEL] = np.maximum(np.stack([z, -z], axis=1), 0.0)
         if self.world == 2:
-            # With two ranks a loss relative to the step's mean rises on one rank exactly as much as it
-            # falls on the other: the rise counts only for the rank whose own loss moved the more
-            # against its trailing median (a rank given easier data, or memorising a batch it keeps
-            # seeing, does not get the other rank named).
-            moved = np.abs(_nan_to_zero(losses - _column_medians(self.raw_losses.steps())))
-            scores[("own", "loss")] = np.where((moved >= moved[::-1])[:, None], scores[("own", "loss")], 0.0)
+            # With two ranks a loss or gradient norm relative to the step's rises on one rank exactly as
+            # much as it falls on the other: it counts only for the rank whose own loss (norm) moved the
+            # more against its trailing median (a rank given easier data, or memorising a batch it
+            # keeps seeing, does not get the other rank named; a rank whose gradient shrank is named,
+            # not the other for a gradient that grew).
+            for key, signal in ((("own", "loss"), losses), (LEVEL, log_norms)):
+                moved = np.abs(_nan_to_zero(signal - _column_medians(self.pair_history.steps(int(key == LEVEL)))))
+                scores[key] = np.where((moved >= moved[::-1])[:, None], scores[key], 0.0)
             # Several signals at once against the rank's own history: each own score's first part is
             # its change in COMBINED_DIRECTION (a rise; a drop for the cosine), capped one by one.
             scores[("own", "combined")] = sum(np.minimum(scores[("own", name)][:, :1], self.config.combined_cap) for name in SIGNALS)
@@ -1132,13 +1193,13 @@ class Detector:
             scores[("own", "layer")] = self.parameter_change
         return scores
 
-    def _own_baselines(self) -> tuple[np.ndarray, np.ndarray]:
+    def _own_baselines(self, history: "_History | None" = None) -> tuple[np.ndarray, np.ndarray]:
         """Per signal and rank (signals x W), the median of its own window and its scale: ``_robust``
         and ``_shoulders`` over the window, grown by ``_growth`` at W >= 3 (see the module
         docstring); the median NaN where the window holds fewer than ``MIN_BASELINE_STEPS`` steps.
         One sort of each rank's steps, one of their distances to its median (the MAD and the
         shoulders' quantile both from it), and two selections per step across ranks."""
-        quantile, history = self.config.scale_quantile, self.own_history
+        quantile, history = self.config.scale_quantile, history or self.own_history
         signals, world, steps = history.data.shape
         rows = history.data.reshape(signals * world, steps)  # one row per signal and rank
         count = history.known.reshape(-1)
@@ -1260,7 +1321,7 @@ class Detector:
         kind, name = strongest
         signals = sorted({f"{n} ({k})" for (k, n), level in levels.items() if level > self.limit[(k, n)] / 2})
         parameters = self._suspicious_parameters(rank)
-        against = "the other ranks" if kind == "cross" else "its own recent steps"
+        against = {"cross": "the other ranks", "level": "its own usual level against the other ranks"}.get(kind, "its own recent steps")
         if name == "layer":
             top = int(self.layer_level[rank].argmax())
             detail = f"the gradient norm of {self.parameter_names[top]} rose against the median rank's and against this rank's other parameters, step after step"
@@ -1296,13 +1357,14 @@ class Detector:
     def _now_and_usual(self, key: tuple[str, str], rank: int, values: dict) -> str:
         """One signal of one rank for a message: its value now and its trailing median."""
         kind, name = key
-        history = (self.cross if kind == "cross" else self.raw)[name].values[:, rank]
+        history = self.level_history.steps()[:, rank] if kind == "level" else (self.cross if kind == "cross" else self.raw)[name].values[:, rank]
         usual = float(np.nanmedian(history)) if np.isfinite(history).any() else math.nan
         now = float((self._deviations(values) if kind == "cross" else values)[name][rank])
         describe = {
             ("cross", "loss"): f"{'log ' if self.log_losses else ''}loss minus the median rank's",
             ("own", "loss"): f"{'log ' if self.log_losses else ''}loss minus the step's mean {'log ' if self.log_losses else ''}loss",
             ("cross", "grad_norm"): "log gradient norm minus the median rank's",
+            LEVEL: "log gradient norm minus the median rank's",
             ("own", "grad_norm"): "log gradient norm",
             ("cross", "cosine"): "gradient cosine to the others minus the median rank's",
             ("own", "cosine"): "gradient cosine to the other ranks",

@@ -7,6 +7,7 @@ import warnings
 from pathlib import Path
 
 import numpy as np
+from statistics import NormalDist
 import pytest
 
 from ddphooks import detect
@@ -312,8 +313,12 @@ def test_a_rank_of_two_a_little_off_in_several_signals_is_named_by_its_own_combi
         # Without it (an allowance no sum reaches) the fault goes unreported in those steps.
         assert not [a for a in detect_run(records, DetectorConfig(pair_combined_drift=1e6)) if a["step"] <= 112], seed
         # Rank 1's loss and gradient norm falling (easier data) make rank 0's loss look risen against
-        # the step's mean, but rank 1's loss is the one that moved: nobody is named.
-        assert detect_run(mirrored) == [], seed
+        # the step's mean, but rank 1's loss is the one that moved: rank 0 is never named. Rank 1's
+        # gradient norm fell 3 standard deviations for good: the level CUSUM may name rank 1 for that
+        # (grad_norm), never for wrong data (combined); without it, nothing is named.
+        mirrored_alerts = detect_run(mirrored)
+        assert all((a["rank"], a["kind"]) == (1, "grad_norm") for a in mirrored_alerts), (seed, mirrored_alerts)
+        assert detect_run(mirrored, DetectorConfig(level_threshold=1e9)) == [], seed
     assert named >= 2, named
 
 
@@ -456,9 +461,11 @@ def _growing(seed: int, fault_step: int | None) -> list[dict]:
 def test_a_fault_while_the_spreads_grow_is_named_sooner_with_part_of_the_growth():
     # The combined CUSUM's terms are scaled by the square root of the growth (combined_growth=0.5):
     # the full growth, a ratio of noisy medians, holds back a rank a little off in every signal.
+    # (The gradient-norm level CUSUM, which names this lasting shift too, is left out: this is the
+    # combined CUSUM's test.)
     delays = {}
     for growth in (0.5, 1.0):
-        config = dataclasses.replace(ARITHMETIC, combined_growth=growth)
+        config = dataclasses.replace(ARITHMETIC, combined_growth=growth, level_threshold=1e9)
         for seed in range(10, 15):
             assert detect_run(_growing(seed, None), config) == [], (growth, seed)
             alerts = [a for a in detect_run(_growing(seed, 56), config)]
@@ -981,3 +988,78 @@ def test_the_scoring_settings_are_checked():
         with pytest.raises(ValueError, match=next(iter(bad))):
             DetectorConfig(**bad)
     assert DetectorConfig.from_overrides(["loss_scale=linear", "scale_quantile=0.5"]) == ARITHMETIC
+
+
+def _scaled(seed: int, world: int, factor: float | None, trend: float = 140.0) -> list[dict]:
+    """Every rank's gradient norm falling by ``e`` every ``trend`` steps (3x over the run at 140: a
+    steep schedule), rank 1's times ``factor`` from step 100 (a unit computing too large a result,
+    every step)."""
+    records = _stream(world, 160, seed=seed)
+    for record in records:
+        norms = np.array(record["grad_norms"]) * math.exp(-record["step"] / trend)
+        if factor is not None and record["step"] >= 100:
+            norms[1] *= factor
+        record["grad_norms"] = norms.tolist()
+    return records
+
+
+@pytest.mark.parametrize("world, trend", [(4, 140.0), (2, 1e9)])
+def test_a_gradient_scaled_by_one_and_a_half_on_one_rank_is_named_by_its_level(world, trend):
+    # log 1.5 = 0.41 against a gap between ranks of 0.14 (0.1 of noise per rank): under the allowance
+    # of 3 of the per-signal CUSUMs, whose own-history scale also holds the trend; the level CUSUM
+    # reads the norm against the median rank's, so the trend cancels, with an allowance of 1. At
+    # W = 2 without a trend: under a steep one, which rank's own norm moved the more (the
+    # attribution at W = 2) flips from step to step, and the level stalls (docs/alerts.md#grad_norm).
+    for seed in range(3):
+        assert detect_run(_scaled(seed, world, None, trend)) == [], seed
+        alerts = detect_run(_scaled(seed, world, 1.5, trend))
+        assert alerts and {a["rank"] for a in alerts} == {1}, (seed, alerts[:1])
+        first = alerts[0]
+        # The level over half its threshold in the first alert (at W = 2 the own combined score, which
+        # takes in the norm's rise too, may cross first).
+        assert "grad_norm (level)" in first["signals"] and 100 <= first["step"] <= 125, (seed, first)
+        level = [a for a in alerts if a["kind"] == "grad_norm"]
+        assert not level or "its own usual level against the other ranks" in level[0]["message"], level[:1]
+        without = detect_run(_scaled(seed, world, 1.5, trend), DetectorConfig(level_threshold=1e9))  # no level CUSUM
+        assert not without or without[0]["step"] >= first["step"], (seed, without[:1])
+
+
+def test_at_two_ranks_the_level_names_the_rank_whose_gradient_shrank():
+    # At W = 2 one rank's fall is the other's rise against the median rank: the rank whose own log
+    # norm moved the more is named, not the other one for a gradient that grew.
+    for seed in range(3):
+        alerts = detect_run(_scaled(seed, 2, 1 / 1.5, trend=1e9))
+        assert alerts and {a["rank"] for a in alerts} == {1} and alerts[0]["kind"] == "grad_norm", (seed, alerts[:1])
+
+
+def test_the_level_scores_match_a_slow_reference():
+    # Per step: the log norm minus the median rank's, against the median and scale (the larger of
+    # 1.4826 MAD and the median rank's 80th percentile over a normal's) of the rank's earlier steps
+    # kept while its level CUSUM was at zero (and the rank not suspect), over the last `window`
+    # steps; at least 8 of them, else no score. recent = window: no growth of the spread (a ratio 1).
+    config = DetectorConfig(alert_level=LEVEL_ONE, recent=32)
+    records = _scaled(5, 4, 1.5)
+    detector = Detector(config, keep_scores=True)
+    kept = []
+    compared = 0
+    for record in records:
+        before = detector.parts.get(detect.LEVEL) if detector.world else None
+        quiet = np.ones(4, bool) if before is None else ~(before > 0).any(axis=1)
+        logs = np.log(record["grad_norms"])
+        detector.update(Observation.from_record(record))
+        if detect.LEVEL in detector.step_scores:
+            window = np.array(kept[-config.window :])  # steps x W, NaN where not kept
+            with warnings.catch_warnings():  # a rank with no kept step in the window: NaN, no score
+                warnings.simplefilter("ignore", RuntimeWarning)
+                median = np.nanmedian(window, axis=0)
+                distance = np.abs(window - median)
+                mad = 1.4826 * np.nanmedian(distance, axis=0)
+                shoulder = np.nanmedian(np.nanquantile(distance, 0.8, axis=0)) / NormalDist().inv_cdf(0.9)
+            z = (logs - np.median(logs) - median) / np.maximum(np.maximum(mad, shoulder), 1e-3)
+            z[np.sum(~np.isnan(window), axis=0) < 8] = 0.0
+            np.testing.assert_allclose(detector.step_scores[detect.LEVEL], np.maximum(np.stack([z, -z], axis=1), 0), rtol=1e-9, atol=1e-12)
+            compared += 1
+        suspect = detector.evidence() > 0.5
+        suspect[list(detector.episodes)] = True
+        kept.append(np.where(quiet & ~suspect, logs - np.median(logs), np.nan))
+    assert compared > 100

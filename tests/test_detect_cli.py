@@ -92,9 +92,10 @@ def test_detect_reports_each_run_and_the_total(tmp_path, capsys):
 def test_set_reruns_the_detector_with_other_settings_and_bad_ones_are_one_line_errors(tmp_path, capsys):
     path = write_run(tmp_path / "run.jsonl", planted_records())
     assert _alert_rows(_detect([str(path)], capsys)[1])  # the defaults name the planted rank
-    status, out, err = _detect([str(path), "--set", "threshold=1e6"], capsys)  # every CUSUM but cosine_previous's (no such key here) out of reach
+    # Every CUSUM out of reach but cosine_previous's (no such key here) and the layer CUSUMs (no such fault here).
+    status, out, err = _detect([str(path), "--set", "threshold=1e6", "--set", "level_threshold=1e6"], capsys)
     assert status == 0 and err == "" and _alert_rows(out) == []
-    assert out.splitlines()[-1] == "0 alerts in 1 run (DetectorConfig with threshold=1e6)"
+    assert out.splitlines()[-1] == "0 alerts in 1 run (DetectorConfig with threshold=1e6, level_threshold=1e6)"
     for item, expected in (
         ("treshold=25", "--set 'treshold=25': expected NAME=VALUE with NAME one of window, warmup, threshold,"),
         ("warmup=1.5", "--set 'warmup=1.5': '1.5' is not a valid int (DetectorConfig.warmup)"),

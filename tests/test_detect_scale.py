@@ -83,7 +83,7 @@ def test_the_baselines_equal_their_definitions_step_by_step(world, quantile):
         if detector.world is not None and detector.seen >= config.warmup:
             losses = np.where(np.isfinite(obs.losses), obs.losses, np.nan)
             losses = np.log(losses) if detector.log_losses else losses
-            deviations = detector._deviations(detector._values(obs, losses))
+            deviations = detector._deviations(detector._values(obs, losses, np.log(obs.grad_norms)))
             crossed = [SIGNALS.index(name) for name in SIGNALS if name in deviations]
             fast = (*detector._own_baselines(), *detector._cross_baselines(crossed))
             for got, expected in zip(fast, _reference_baselines(detector, deviations)):
