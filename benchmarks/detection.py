@@ -70,6 +70,7 @@ ABLATIONS = {
     "per-parameter cap 10, threshold 20 (before)": ["layer_cap=10", "layer_threshold=20"],
     "no cosine floor": ["cosine_floor=1e-9"],
     "no growth power (combined)": ["combined_growth=0"],
+    "no gradient-norm level CUSUM": ["level_threshold=1e9"],
 }
 #: Config fields in which fault runs may differ and still be the same run before their fault.
 PREFIX_FREE = ("fault_kind", "out", "progress", "detect")
