@@ -252,6 +252,8 @@ def reference(kind: str) -> str:
 SKETCHED = ("cosine", "cosine_previous")
 #: The gradient-norm level CUSUM's key (see ``DetectorConfig.level_drift``): its alerts are ``grad_norm`` alerts.
 LEVEL = ("level", "grad_norm")
+#: Its row in the own-history window, after the signals'.
+LEVEL_ROW = len(SIGNALS)
 MAD_TO_STD = 1.4826
 PARAMETER_RATE = 0.1  # weight of a new step in the per-parameter exponential averages
 #: Fewest steps a baseline is learned from: a median and MAD of one or two steps have no spread,
@@ -979,12 +981,12 @@ class Detector:
         self.world = world
         # Own-history values and deviations from the others, every signal in one window each
         # (signals x W x window); raw and cross: each signal's, as steps x W (``values``).
-        self.own_history = _History(window, world, len(SIGNALS), by_step=world >= 3)
+        # One more row after the signals': the level CUSUM's relative log gradient norms, learned
+        # only while that CUSUM is at zero (see update); its baselines come from the same sorts.
+        self.own_history = _History(window, world, len(SIGNALS) + 1, by_step=world >= 3)
         self.cross_history = _History(window, world, len(SIGNALS), spreads=True)
-        # The relative log gradient norms the level CUSUM scores against, learned only while that
-        # CUSUM is at zero (see update).
-        self.level_history = _History(window, world, by_step=world >= 3)
         self.raw = {name: _Signal(self.own_history, index) for index, name in enumerate(SIGNALS)}
+        self.level = _Signal(self.own_history, LEVEL_ROW)
         self.cross = {name: _Signal(self.cross_history, index) for index, name in enumerate(SIGNALS)}
         # The losses and log gradient norms themselves, at W = 2 only: which of the two ranks' moved
         # (see _scores).
@@ -1067,10 +1069,11 @@ class Detector:
         suspect[list(self.episodes)] = True
         if self.pair_history is not None:
             self.pair_history.push(np.stack([losses, log_norms]), ~suspect)
-        self.own_history.push(np.stack([values[name] for name in SIGNALS]), ~suspect)
+        keep = np.repeat(~suspect[None], len(SIGNALS) + 1, axis=0)
+        keep[LEVEL_ROW] &= level_quiet
+        self.own_history.push(np.stack([values[name] for name in SIGNALS] + [relative_norms]), keep)
         unknown = np.full(self.world, np.nan)  # a signal not compared across ranks (W = 2)
         self.cross_history.push(np.stack([deviations.get(name, unknown) for name in SIGNALS]), ~suspect)
-        self.level_history.push(relative_norms, ~suspect & level_quiet)
         self.seen += 1
         self._learn_parameters(obs, suspect)
         self.alerts.extend(alerts)
@@ -1173,8 +1176,7 @@ class Detector:
             scores[repeat] = np.minimum(scores[repeat], self.config.repeat_cap) + np.where(raised, loss_fall[:, None], 0.0)
         # The level: the rank's log gradient norm relative to the median rank's, against its own
         # median, both ways (the second part, a fall); learned while the level CUSUM is at zero.
-        median, scale = self._own_baselines(self.level_history)
-        z = _nan_to_zero((relative_norms - median[0]) / np.maximum(scale[0], floors["grad_norm"]))
+        z = _nan_to_zero((relative_norms - own_median[LEVEL_ROW]) / np.maximum(own_scale[LEVEL_ROW], floors["grad_norm"]))
         scores[LEVEL] = np.maximum(np.stack([z, -z], axis=1), 0.0)
         if self.world == 2:
             # With two ranks a loss or gradient norm relative to the step's rises on one rank exactly as
@@ -1193,13 +1195,13 @@ class Detector:
             scores[("own", "layer")] = self.parameter_change
         return scores
 
-    def _own_baselines(self, history: "_History | None" = None) -> tuple[np.ndarray, np.ndarray]:
+    def _own_baselines(self) -> tuple[np.ndarray, np.ndarray]:
         """Per signal and rank (signals x W), the median of its own window and its scale: ``_robust``
         and ``_shoulders`` over the window, grown by ``_growth`` at W >= 3 (see the module
         docstring); the median NaN where the window holds fewer than ``MIN_BASELINE_STEPS`` steps.
         One sort of each rank's steps, one of their distances to its median (the MAD and the
         shoulders' quantile both from it), and two selections per step across ranks."""
-        quantile, history = self.config.scale_quantile, history or self.own_history
+        quantile, history = self.config.scale_quantile, self.own_history
         signals, world, steps = history.data.shape
         rows = history.data.reshape(signals * world, steps)  # one row per signal and rank
         count = history.known.reshape(-1)
@@ -1357,7 +1359,7 @@ class Detector:
     def _now_and_usual(self, key: tuple[str, str], rank: int, values: dict) -> str:
         """One signal of one rank for a message: its value now and its trailing median."""
         kind, name = key
-        history = self.level_history.steps()[:, rank] if kind == "level" else (self.cross if kind == "cross" else self.raw)[name].values[:, rank]
+        history = (self.level if kind == "level" else (self.cross if kind == "cross" else self.raw)[name]).values[:, rank]
         usual = float(np.nanmedian(history)) if np.isfinite(history).any() else math.nan
         now = float((self._deviations(values) if kind == "cross" else values)[name][rank])
         describe = {

@@ -36,9 +36,9 @@ def _reference_baselines(detector: Detector, deviations: dict) -> tuple:
     statistic of its definition computed apart (``_robust``, ``_shoulders``, ``_growth``)."""
     config = detector.config
     recent, quantile = config.recent, config.scale_quantile
-    own = np.stack([detector.raw[name].values for name in SIGNALS])  # signals x steps x W
+    own = np.stack([detector.raw[name].values for name in SIGNALS] + [detector.level.values])  # signals and the level x steps x W
     own_median, own_scale = detect._robust(own.transpose(1, 0, 2).reshape(own.shape[1], -1))
-    own_median, own_scale = own_median.reshape(len(SIGNALS), -1), own_scale.reshape(len(SIGNALS), -1)
+    own_median, own_scale = own_median.reshape(len(own), -1), own_scale.reshape(len(own), -1)
     own_scale = np.maximum(own_scale, detect._shoulders(own, own_median, quantile)[:, None])
     own_median[np.sum(np.isfinite(own), axis=1) < detect.MIN_BASELINE_STEPS] = np.nan
     if detector.world >= 3:
