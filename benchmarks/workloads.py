@@ -620,6 +620,9 @@ def main() -> int:
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="with --redetect: a DetectorConfig field (repeatable), e.g. --set scale_quantile=0.5")
     parser.add_argument("--json", default=None, help="also write the tables to this file")
     args = parser.parse_args()
+    for name, seeds in (("healthy_runs", HEALTHY_SEEDS), ("fault_runs", FAULT_SEEDS)):
+        if getattr(args, name) > len(seeds):  # fault seeds r + 10 k: a run r >= 10 would repeat another kind's
+            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: at most {len(seeds)} (the seeds fixed in {name.split('_')[0].upper()}_SEEDS)")
 
     if args.check:
         specs = []

@@ -109,3 +109,10 @@ def test_norm_gap_dprime_against_the_plain_computation():
     expected = (sum(after) / len(after) - mean_before) / spread
     assert norm_gap_dprime(records, 150, 1) == pytest.approx(expected, rel=1e-9)
     assert expected > 2  # log 1.5 = 0.41 against a spread of about 0.1 * sqrt(1.5)
+
+
+def test_more_runs_than_fixed_seeds_is_a_one_line_error():
+    # Fault run r of kind k uses seed 400 + r + 10 k: an 11th run would repeat the next kind's first.
+    for option in ("--healthy-runs", "--fault-runs"):
+        result = subprocess.run([sys.executable, str(SCRIPT), option, "11"], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2 and f"{option} 11: at most 10" in result.stderr, result.stderr
