@@ -1179,11 +1179,11 @@ class Detector:
         z = _nan_to_zero((relative_norms - own_median[LEVEL_ROW]) / np.maximum(own_scale[LEVEL_ROW], floors["grad_norm"]))
         scores[LEVEL] = np.maximum(np.stack([z, -z], axis=1), 0.0)
         if self.world == 2:
-            # With two ranks a loss or gradient norm relative to the step's rises on one rank exactly as
-            # much as it falls on the other: it counts only for the rank whose own loss (norm) moved the
-            # more against its trailing median (a rank given easier data, or memorising a batch it
-            # keeps seeing, does not get the other rank named; a rank whose gradient shrank is named,
-            # not the other for a gradient that grew).
+            # With two ranks a loss relative to the step's mean, or a log gradient norm relative to the
+            # median rank's, rises on one rank exactly as much as it falls on the other: it counts only
+            # for the rank whose own loss (log norm) moved the more against its trailing median (a rank
+            # given easier data, or memorising a batch it keeps seeing, does not get the other rank
+            # named; a rank whose gradient shrank is named, not the other for a gradient that grew).
             for key, signal in ((("own", "loss"), losses), (LEVEL, log_norms)):
                 moved = np.abs(_nan_to_zero(signal - _column_medians(self.pair_history.steps(int(key == LEVEL)))))
                 scores[key] = np.where((moved >= moved[::-1])[:, None], scores[key], 0.0)
@@ -1361,7 +1361,10 @@ class Detector:
         kind, name = key
         history = (self.level if kind == "level" else (self.cross if kind == "cross" else self.raw)[name]).values[:, rank]
         usual = float(np.nanmedian(history)) if np.isfinite(history).any() else math.nan
-        now = float((self._deviations(values) if kind == "cross" else values)[name][rank])
+        if kind == "level":  # read against the median rank, as it is scored
+            now = float(_relative_to_median(values["grad_norm"])[rank])
+        else:
+            now = float((self._deviations(values) if kind == "cross" else values)[name][rank])
         describe = {
             ("cross", "loss"): f"{'log ' if self.log_losses else ''}loss minus the median rank's",
             ("own", "loss"): f"{'log ' if self.log_losses else ''}loss minus the step's mean {'log ' if self.log_losses else ''}loss",

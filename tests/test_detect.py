@@ -1020,6 +1020,9 @@ def test_a_gradient_scaled_by_one_and_a_half_on_one_rank_is_named_by_its_level(w
         assert "grad_norm (level)" in first["signals"] and 100 <= first["step"] <= 125, (seed, first)
         level = [a for a in alerts if a["kind"] == "grad_norm"]
         assert not level or "its own usual level against the other ranks" in level[0]["message"], level[:1]
+        for alert in level:  # the value the message gives is the one scored: against the median rank's
+            norms = np.log(_scaled(seed, world, 1.5, trend)[alert["step"]]["grad_norms"])
+            assert f"minus the median rank's: now {norms[1] - np.median(norms):.4g}," in alert["message"], alert["message"]
         without = detect_run(_scaled(seed, world, 1.5, trend), DetectorConfig(level_threshold=1e9))  # no level CUSUM
         assert not without or without[0]["step"] >= first["step"], (seed, without[:1])
 
