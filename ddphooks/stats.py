@@ -108,18 +108,25 @@ class PendingHost:
             host.copy_(tensor, non_blocking=True)
         self._event = recorded_event(device)
 
-    def column(self, index: int) -> np.ndarray:
-        """Column ``index`` of the first (W x slot) tensor, without converting the rest."""
+    def columns(self, begin: int, end: int) -> np.ndarray:
+        """Columns ``begin`` to ``end - 1`` of the first (W x slot) tensor as float64, without
+        converting the rest."""
         if self._event is not None:
             self._event.synchronize()
-        return self._host[0][:, index].to(torch.float64).numpy()
+        return _float64(self._host[0][:, begin:end])
 
     def arrays(self) -> list[np.ndarray]:
         """The tensors as float64 numpy arrays (waits for the copy on an accelerator)."""
         if self._event is not None:
             self._event.synchronize()
-        # fp32 widens to float64 exactly: in numpy, one call instead of a torch op and a conversion
-        return [t.detach().numpy().astype(np.float64) if t.dtype == torch.float32 else t.detach().to(torch.float64).numpy() for t in self._host]
+        return [_float64(t) for t in self._host]
+
+
+def _float64(tensor: torch.Tensor) -> np.ndarray:
+    """A host tensor as a new float64 numpy array."""
+    # fp32 widens to float64 exactly: in numpy, one call instead of a torch op and a conversion
+    tensor = tensor.detach()
+    return tensor.numpy().astype(np.float64) if tensor.dtype == torch.float32 else tensor.to(torch.float64).numpy()
 
 
 def slot_size(n_params: int, bins: int, n_fingerprinted: int = 0) -> int:
@@ -189,15 +196,21 @@ def cosine_to_others(sketches: np.ndarray) -> np.ndarray:
     """Each rank's mean sketched cosine to the other ranks, in O(W k) (no W x W matrix).
 
     With ``u_i = s_i / |s_i|`` and ``U = sum_j u_j``: ``mean_{j != i} cos(s_i, s_j) = (<u_i, U> - 1) / (W - 1)``.
-    NaN for W = 1; a zero sketch makes every entry NaN (as it does in the matrix's mean).
+    NaN for W = 1; a zero or non-finite sketch makes every entry NaN (as it does in the matrix's mean).
     """
     world = sketches.shape[0]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        units = sketches / np.linalg.norm(sketches, axis=1, keepdims=True)
-        units[~np.isfinite(units)] = np.nan
-        if world < 2:
-            return np.full(world, np.nan)
-        return (units @ units.sum(axis=0) - 1.0) / (world - 1)
+    if world < 2:
+        return np.full(world, np.nan)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        # Two matrix-vector products, no W x k array of unit sketches: U = S^T (1 / |s|), and
+        # <u_i, U> = <s_i, U> / |s_i|. A zero sketch's 1/|s_i| is infinite, a non-finite sketch's
+        # entries are: either makes U, and so every entry, NaN. By einsum, not BLAS: numpy's
+        # BLAS starts its own threads, which would compete with training for the cores.
+        inverse = 1.0 / np.sqrt(np.einsum("ij,ij->i", sketches, sketches))
+        units_sum = np.einsum("ij,i->j", sketches, inverse)
+        result = (np.einsum("ij,j->i", sketches, units_sum) * inverse - 1.0) / (world - 1)
+    result[~np.isfinite(result)] = np.nan
+    return result
 
 
 def cosine_leave_one_out(sketches: np.ndarray) -> np.ndarray:
@@ -210,9 +223,10 @@ def cosine_leave_one_out(sketches: np.ndarray) -> np.ndarray:
     world = sketches.shape[0]
     if world < 2:
         return np.full(world, np.nan)
-    others = sketches.sum(axis=0, keepdims=True) - sketches
-    with np.errstate(divide="ignore", invalid="ignore"):
-        result = (sketches * others).sum(axis=1) / (np.linalg.norm(sketches, axis=1) * np.linalg.norm(others, axis=1))
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        others = sketches.sum(axis=0) - sketches  # the one W x k array (einsum sums products without another)
+        own_sq = np.einsum("ij,ij->i", sketches, sketches)
+        result = np.einsum("ij,ij->i", sketches, others) / (np.sqrt(own_sq) * np.sqrt(np.einsum("ij,ij->i", others, others)))
     result[~np.isfinite(result)] = np.nan
     return np.clip(result, -1.0, 1.0)
 
@@ -225,8 +239,9 @@ def cosine_to_previous(sketches: np.ndarray, previous: np.ndarray) -> np.ndarray
     produces nearly the same gradient again, and its value rises towards 1. NaN where a sketch is
     zero.
     """
-    with np.errstate(divide="ignore", invalid="ignore"):
-        result = (sketches * previous).sum(axis=1) / (np.linalg.norm(sketches, axis=1) * np.linalg.norm(previous, axis=1))
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        products = np.einsum("ij,ij->i", sketches, previous)
+        result = products / (np.sqrt(np.einsum("ij,ij->i", sketches, sketches)) * np.sqrt(np.einsum("ij,ij->i", previous, previous)))
     result[~np.isfinite(result)] = np.nan
     return np.clip(result, -1.0, 1.0)
 
@@ -452,7 +467,7 @@ class SilentStats:
         """Whether a rank asked every rank to check the replicas on the next instrumented step
         (read by the transport on the training thread: the status column alone)."""
         with self._lock:
-            status = self._host.column(STATUS).astype(np.int64)
+            status = self._host.columns(STATUS, STATUS + 1)[:, 0].astype(np.int64)
         return bool(((status & REPLICA_CHECK_REQUESTED) != 0).any())
 
     def _present_reduced(self, reduced_sq: np.ndarray | float) -> np.ndarray | float:
@@ -583,7 +598,8 @@ class SilentStats:
         from the moment the step is complete: computed from the two steps' slots when read."""
         if self._previous_host is None:
             return None
-        previous = self._sketch_columns(self._previous_host.arrays()[0])
+        begin = PARAMS_BEGIN + sum(len(b.numels) for b in self.buckets)  # the same layout: the same columns
+        previous = self._previous_host.columns(begin, begin + self.bins)
         return self._over_present(cosine_to_previous, previous)
 
     @cached_property
@@ -674,16 +690,24 @@ class SilentStats:
         squared norm beyond the fp32 range). A new dict on every read (the detector and every
         record read it); the parameter owners are looked up only when there is something to list."""
         losses, counts = self.losses, self._arrays[0][:, LOSS_COUNT]
-        bad_losses = [] if losses is None else [r for r in range(self.world_size) if counts[r] > 0 and not math.isfinite(losses[r])]
-        bad = np.nonzero(~np.isfinite(self.param_sq))
-        gradients = []
-        if len(bad[0]):
-            owners = [(bucket.index, name) for bucket in self.buckets for name in bucket.names]
-            gradients = [
-                {"rank": int(r), "bucket": owners[p][0], "parameter": owners[p][1]}
-                for r, p in zip(bad[0][:MAX_NONFINITE_LISTED], bad[1][:MAX_NONFINITE_LISTED])
-            ]
-        return {"losses": bad_losses, "gradients": gradients, "gradient_count": int(len(bad[0]))}
+        bad_losses = [] if losses is None else np.flatnonzero((counts > 0) & ~np.isfinite(losses)).tolist()
+        gradients, count = self._nonfinite_gradients
+        return {"losses": bad_losses, "gradients": [dict(g) for g in gradients], "gradient_count": count}
+
+    @cached_property
+    def _nonfinite_gradients(self) -> tuple[list[dict], int]:
+        """The listed (rank, bucket, parameter) of non-finite local gradient norms, and their count:
+        one W x P pass when every norm is finite (every healthy step), computed once."""
+        finite = np.isfinite(self.param_sq)
+        if finite.all():
+            return [], 0
+        bad = np.nonzero(~finite)
+        owners = [(bucket.index, name) for bucket in self.buckets for name in bucket.names]
+        gradients = [
+            {"rank": int(r), "bucket": owners[p][0], "parameter": owners[p][1]}
+            for r, p in zip(bad[0][:MAX_NONFINITE_LISTED], bad[1][:MAX_NONFINITE_LISTED])
+        ]
+        return gradients, int(len(bad[0]))
 
     # -- output --------------------------------------------------------------------------------
     def to_dict(self, detail: bool = True, detail_max_world: int = 64, alerts: list[dict] = ()) -> dict:

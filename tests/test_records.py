@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ddphooks.records import NOISE_SCALE_DECAY, RecordBuilder
+from ddphooks import stats as stats_module
 from ddphooks.stats import BucketLayout, SilentStats, slot_size
 
 SUMMARY_KEYS = {
@@ -94,6 +95,35 @@ def test_cosine_to_others_and_mean_cosine_equal_the_matrix_computation():
             others = gradients.sum(axis=0) - gradients[i]
             loo = gradients[i] @ others / (np.linalg.norm(gradients[i]) * np.linalg.norm(others))
             assert stats.cosine_loo[i] == pytest.approx(loo, rel=1e-9, abs=1e-12)
+
+
+def test_a_zero_or_non_finite_sketch_gives_nan_where_the_slow_computation_does():
+    rng = np.random.default_rng(5)
+    for bad in (0.0, np.nan, np.inf):
+        sketches = rng.standard_normal((4, 16)) + 0.2
+        previous = rng.standard_normal((4, 16))
+        sketches[2] = bad
+        with np.errstate(invalid="ignore", divide="ignore"):
+            units = sketches / np.linalg.norm(sketches, axis=1, keepdims=True)
+            matrix = units @ units.T
+            others = sketches.sum(axis=0) - sketches
+            loo = np.array([sketches[i] @ others[i] / (np.linalg.norm(sketches[i]) * np.linalg.norm(others[i])) for i in range(4)])
+            to_previous = np.array([sketches[i] @ previous[i] / (np.linalg.norm(sketches[i]) * np.linalg.norm(previous[i])) for i in range(4)])
+        off = ~np.eye(4, dtype=bool)
+        slow = {
+            "to_others": np.array([matrix[i][off[i]].mean() for i in range(4)]),
+            "loo": np.where(np.isfinite(loo), loo, np.nan),
+            "to_previous": np.where(np.isfinite(to_previous), to_previous, np.nan),
+        }
+        fast = {
+            "to_others": stats_module.cosine_to_others(sketches),
+            "loo": stats_module.cosine_leave_one_out(sketches),
+            "to_previous": stats_module.cosine_to_previous(sketches, previous),
+        }
+        for name in slow:
+            np.testing.assert_array_equal(np.isnan(fast[name]), np.isnan(slow[name]), err_msg=f"{name}, sketch of rank 2 = {bad}")
+            np.testing.assert_allclose(fast[name], slow[name], rtol=1e-9, atol=1e-12, err_msg=f"{name}, sketch of rank 2 = {bad}")
+        assert np.isnan(fast["to_others"]).all() and np.isnan(fast["loo"][2]) and np.isnan(fast["to_previous"][2])
 
 
 def test_compact_record_has_the_summary_and_per_rank_vectors_only():
