@@ -66,6 +66,15 @@ class SilentConfig:
     W x parameters (26 MB a record at W = 1024 with 272 parameters), so detail records keep
     per-parameter summaries (mean, max and the rank with the max) instead."""
 
+    per_rank_max_world: int = 256
+    """Largest world size whose compact records carry one value per rank of each per-rank signal
+    (losses, gradient norms, cosines: ``ddphooks.stats.PER_RANK_KEYS``). Above it a compact record
+    carries ``<key>_over_ranks`` instead: quantiles over the ranks and the 16 ranks farthest from
+    the median, so its size does not grow with W (410 KB at W = 4096 with one value per rank);
+    detail records keep every rank's values. The online detector reads every rank's values
+    whatever this is; offline detection (``ddphooks detect``) needs them in every record: set
+    it to at least W for a run to be detected again offline."""
+
     max_pending_records: int = 1024
     """Records waiting for the sink writer thread at most; when a sink is slower than training,
     the oldest waiting record is dropped (and counted) instead of letting memory grow."""
@@ -126,6 +135,9 @@ class SilentConfig:
         _check_int("detail_max_world", self.detail_max_world)
         if self.detail_max_world < 1:
             raise ValueError(f"detail_max_world={self.detail_max_world} must be >= 1 (64 is the default)")
+        _check_int("per_rank_max_world", self.per_rank_max_world)
+        if self.per_rank_max_world < 1:
+            raise ValueError(f"per_rank_max_world={self.per_rank_max_world} must be >= 1 (256 is the default)")
         if not isinstance(self.detect, (bool, DetectorConfig)):
             raise TypeError(f"detect must be True, False or a ddphooks.detect.DetectorConfig, got {self.detect!r}")
         _check_int("check_replicas_every", self.check_replicas_every)

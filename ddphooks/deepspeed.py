@@ -180,6 +180,7 @@ class DeepSpeedSilentState(BaseSilentState):
         stats_kernel: str = "torch",
         detail_every: int = 100,
         detail_max_world: int = 64,
+        per_rank_max_world: int = 256,
         max_pending_records: int = 1024,
         detect: bool | DetectorConfig = True,
         check_replicas_every: int = 100,
@@ -187,7 +188,7 @@ class DeepSpeedSilentState(BaseSilentState):
     ) -> None:
         settings = dict(
             sketch_dim=sketch_dim, every=every, seed=seed, log_rank=log_rank, chunk_elems=chunk_elems, stats_kernel=stats_kernel,
-            detail_every=detail_every, detail_max_world=detail_max_world, max_pending_records=max_pending_records,
+            detail_every=detail_every, detail_max_world=detail_max_world, per_rank_max_world=per_rank_max_world, max_pending_records=max_pending_records,
             detect=detect, check_replicas_every=check_replicas_every, watch_sync=False,
         )  # fmt: skip
         super().__init__(settings, sinks=sinks, on_alert=on_alert)

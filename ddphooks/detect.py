@@ -579,8 +579,16 @@ class Observation:
 
     @classmethod
     def from_record(cls, record: dict) -> "Observation":
-        """From a record as the sinks receive it (compact or detailed)."""
+        """From a record as the sinks receive it (compact or detailed). Raises ``ValueError`` for a
+        compact record that summarises its per-rank signals over the ranks (``per_rank`` false:
+        above ``per_rank_max_world``): the detector reads every rank's values."""
         world = int(record["world_size"])
+        if record.get("per_rank") is False:
+            raise ValueError(
+                f"the record of step {record['step']} summarises its per-rank signals over the W = {world} ranks "
+                f"(a compact record above per_rank_max_world); offline detection needs every rank's values in every "
+                f"record: rerun with per_rank_max_world >= {world} (the online detector reads them whatever it is)"
+            )
 
         def vector(key: str) -> np.ndarray | None:
             values = record.get(key)
@@ -1688,9 +1696,10 @@ def detect_run(records: list[dict], config: DetectorConfig | None = None) -> lis
     """The alerts a finished run raises, by the same detector fed its records in order.
 
     Raises ``ValueError`` if the records carry no sketches (``cosine_loo``): the detector's
-    cosine signal needs them; rerun with ``sketch_dim`` > 0.
+    cosine signal needs them; rerun with ``sketch_dim`` > 0. Also where a record summarises its
+    per-rank signals over the ranks (``per_rank`` false, above ``per_rank_max_world``).
     """
-    if records and all(record.get("cosine_loo") is None for record in records):
+    if records and all(record.get("cosine_loo") is None and record.get("per_rank") is not False for record in records):
         raise ValueError(
             "the run's records have no sketches (no 'cosine_loo': sketch_dim=0, or written by ddphooks < 0.2); "
             "detection needs them: rerun with sketch_dim > 0 (256 is the default)"

@@ -126,6 +126,9 @@ class SilentState(BaseSilentState):
             bucket, CUDA only; see ``SilentConfig``).
         detail_every: every N-th instrumented step writes a detail record (see ``SilentConfig``).
         detail_max_world: largest world size whose detail records keep per-rank tables (see ``SilentConfig``).
+        per_rank_max_world: largest world size whose compact records keep one value per rank of
+            each per-rank signal; above it, quantiles over ranks and the ranks that stand out (see
+            ``SilentConfig``).
         max_pending_records: records waiting for the writer thread at most (see ``SilentConfig``).
         detect: run the online detector (``ddphooks.detect``; a ``DetectorConfig`` to set its
             thresholds) on a background thread; alerts go to ``state.alerts``, the records'
@@ -166,6 +169,7 @@ class SilentState(BaseSilentState):
         stats_kernel: str = "torch",
         detail_every: int = 100,
         detail_max_world: int = 64,
+        per_rank_max_world: int = 256,
         max_pending_records: int = 1024,
         detect: bool | DetectorConfig = True,
         check_replicas_every: int = 100,
@@ -174,7 +178,7 @@ class SilentState(BaseSilentState):
     ) -> None:
         settings = dict(
             sketch_dim=sketch_dim, every=every, seed=seed, transport=transport, piggyback_limit_mb=piggyback_limit_mb,
-            log_rank=log_rank, chunk_elems=chunk_elems, stats_kernel=stats_kernel, detail_every=detail_every, detail_max_world=detail_max_world,
+            log_rank=log_rank, chunk_elems=chunk_elems, stats_kernel=stats_kernel, detail_every=detail_every, detail_max_world=detail_max_world, per_rank_max_world=per_rank_max_world,
             max_pending_records=max_pending_records, detect=detect, check_replicas_every=check_replicas_every,
             watch_sync=watch_sync,
         )  # fmt: skip

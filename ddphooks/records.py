@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+from ddphooks.config import SilentConfig
 from ddphooks.stats import SilentStats, _float
 
 #: Weight of the past in the smoothed noise scale: about 1 / (1 - 0.95) = 20 records.
@@ -33,14 +34,19 @@ class RecordBuilder:
         detail_max_world: see ``SilentConfig.detail_max_world``.
         global_ranks: where the data-parallel group is a subgroup of the job, the global rank of
             each of its ranks: every record carries it as ``global_ranks``.
+        per_rank_max_world: see ``SilentConfig.per_rank_max_world``: above it, a compact
+            record summarises each per-rank signal over the ranks (detailed ones never do).
 
     Example::
         >>> builder = RecordBuilder(every=1, detail_every=100, detail_max_world=64)
         >>> record = builder.build(state.latest, alerts=[])
     """
 
-    def __init__(self, every: int, detail_every: int, detail_max_world: int, global_ranks: list[int] | None = None) -> None:
+    def __init__(
+        self, every: int, detail_every: int, detail_max_world: int, global_ranks: list[int] | None = None, per_rank_max_world: int = SilentConfig.per_rank_max_world
+    ) -> None:
         self.global_ranks = global_ranks
+        self.per_rank_max_world = per_rank_max_world
         self.every = every
         self.detail_every = detail_every
         self.detail_max_world = detail_max_world
@@ -53,7 +59,9 @@ class RecordBuilder:
     def build(self, stats: SilentStats, alerts: list[dict] = ()) -> dict:
         """The record of one step, with the alerts the pipeline found on it (and those raised
         outside the detector since the last record)."""
-        record = stats.to_dict(detail=self.is_detailed(stats.step), detail_max_world=self.detail_max_world, alerts=alerts)
+        detailed = self.is_detailed(stats.step)
+        per_rank = detailed or stats.world_size <= self.per_rank_max_world
+        record = stats.to_dict(detail=detailed, detail_max_world=self.detail_max_world, alerts=alerts, per_rank=per_rank)
         record["noise_scale_smoothed"] = _float(self._smoothed_noise_scale(*stats.noise_scale_terms))
         if self.global_ranks is not None:  # a subgroup of the job: which group, which global ranks
             record["global_ranks"] = self.global_ranks

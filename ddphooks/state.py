@@ -88,7 +88,7 @@ class BaseSilentState:
         if writes and self.sinks:  # no sinks: no writer thread, no records built
             for sink in self.sinks:
                 bind_sink(sink, self.rank, dist.get_rank())
-            self._records = RecordBuilder(self.config.every, self.config.detail_every, self.config.detail_max_world, self.global_ranks)
+            self._records = RecordBuilder(self.config.every, self.config.detail_every, self.config.detail_max_world, self.global_ranks, self.config.per_rank_max_world)
             if getattr(self, "_restored_records", None):
                 self._records.load_state_dict(self._restored_records)
             records = self._records  # the writer thread must not hold the state itself

@@ -68,6 +68,13 @@ FINGERPRINT_WIDTH = 2
 NOT_COMPARED = -1.0
 #: Tensors listed per record where replicas differ (largest difference first).
 MAX_REPLICA_DIFFERENCES = 16
+#: A record's per-rank signals: one value per rank, or in a compact record above
+#: ``per_rank_max_world`` ranks, ``<key>_over_ranks`` (see ``over_ranks``).
+PER_RANK_KEYS = ("losses", "grad_norms", "cosine_to_others", "cosine_loo", "cosine_previous")
+#: The quantiles over ranks that ``over_ranks`` keeps, by name.
+OVER_RANKS_QUANTILES = {"min": 0.0, "p01": 0.01, "p10": 0.1, "p25": 0.25, "median": 0.5, "p75": 0.75, "p90": 0.9, "p99": 0.99, "max": 1.0}
+#: The ranks farthest from the median that ``over_ranks`` names.
+OVER_RANKS_OUTLIERS = 16
 
 
 @dataclass(frozen=True)
@@ -143,6 +150,37 @@ def _float(x: float) -> float | None:
 
 def _floats(values) -> list[float | None]:
     return [_float(v) for v in np.asarray(values).ravel()]
+
+
+def over_ranks(values: np.ndarray | None) -> dict | None:
+    """One per-rank signal summarised over the ranks, for a compact record at large W (O(1) in W).
+
+    1. ``known``: how many ranks have a finite value (absent ranks and non-finite values are
+       left out; ``nonfinite`` and ``absent`` list those);
+    2. ``quantiles``: of the known values, by name (``OVER_RANKS_QUANTILES``: min, p01, ... max);
+    3. ``outliers``: the ``OVER_RANKS_OUTLIERS`` ranks whose values are farthest from the
+       median, ``[rank, value]`` farthest first (the lower rank first between equals): the few
+       ranks a person looks at, whatever W.
+
+    None for a signal the step does not have (no loss recorded, no sketch).
+
+    Example::
+        >>> over_ranks(np.array([1.0, 1.1, 0.9, 5.0]))["outliers"][0]
+        [3, 5.0]
+    """
+    if values is None:
+        return None
+    ranks = np.flatnonzero(np.isfinite(values))
+    known = values[ranks]
+    if not known.size:
+        return {"known": 0, "quantiles": None, "outliers": []}
+    quantiles = np.quantile(known, list(OVER_RANKS_QUANTILES.values()))
+    farthest = np.argsort(-np.abs(known - np.median(known)), kind="stable")[:OVER_RANKS_OUTLIERS]
+    return {
+        "known": int(known.size),
+        "quantiles": dict(zip(OVER_RANKS_QUANTILES, _floats(quantiles))),
+        "outliers": [[int(ranks[i]), float(known[i])] for i in farthest],
+    }
 
 
 def _dispersion(values: np.ndarray) -> dict[str, float | None]:
@@ -710,7 +748,7 @@ class SilentStats:
         return gradients, int(len(bad[0]))
 
     # -- output --------------------------------------------------------------------------------
-    def to_dict(self, detail: bool = True, detail_max_world: int = 64, alerts: list[dict] = ()) -> dict:
+    def to_dict(self, detail: bool = True, detail_max_world: int = 64, alerts: list[dict] = (), per_rank: bool = True) -> dict:
         """A JSON-serialisable record of the step (strict JSON: non-finite values are null).
 
         The same whenever it is called: nothing is added to a step once it is complete. The
@@ -724,10 +762,17 @@ class SilentStats:
                 per-bucket summaries over ranks (mean, max, the rank with the max) instead of a
                 value per rank, and leaves out the W x W matrix.
             alerts: the step's alerts, for the ``alerts`` key (the record builder passes them).
+            per_rank: give each per-rank signal (``PER_RANK_KEYS``) one value per rank; False:
+                ``<key>_over_ranks`` instead (``over_ranks``: quantiles over ranks and the ranks
+                farthest from the median), O(1) in W. ``per_rank`` says which.
         """
         summary = self.summary()
-        per_rank_cosine = self.cosine_to_others
-        losses = self.losses
+
+        def signal(key: str, values: np.ndarray | None) -> dict:
+            if not per_rank:
+                return {f"{key}_over_ranks": over_ranks(values)}
+            return {key: None if values is None else _floats(values)}
+
         record = {
             "step": self.step,
             "world_size": self.world_size,
@@ -735,13 +780,14 @@ class SilentStats:
             "transport": self.transport,
             "sketch_dim": self.bins,
             "cosine_noise": _float(self.cosine_noise),
-            "losses": None if losses is None else _floats(losses),
+            "per_rank": per_rank,
+            **signal("losses", self.losses),
             **{key: _float(summary[key]) for key in ("loss_mean", "loss_std", "loss_range", "loss_cv")},
-            "grad_norms": _floats(self.grad_norms),
+            **signal("grad_norms", self.grad_norms),
             **{key: _float(summary[key]) for key in ("grad_norm_mean", "grad_norm_std", "grad_norm_cv", "reduced_grad_norm")},
-            "cosine_to_others": None if per_rank_cosine is None else _floats(per_rank_cosine),
-            "cosine_loo": None if self.cosine_loo is None else _floats(self.cosine_loo),
-            "cosine_previous": None if self.cosine_previous is None else _floats(self.cosine_previous),
+            **signal("cosine_to_others", self.cosine_to_others),
+            **signal("cosine_loo", self.cosine_loo),
+            **signal("cosine_previous", self.cosine_previous),
             **{key: _float(summary[key]) for key in ("mean_cosine", "weighted_mean_cosine", "noise_scale")},
             "nonfinite": self.nonfinite,
             "replicas": self.replicas,

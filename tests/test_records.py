@@ -14,7 +14,7 @@ from ddphooks.stats import BucketLayout, SilentStats, slot_size
 SUMMARY_KEYS = {
     "step", "world_size", "absent", "transport", "sketch_dim", "cosine_noise", "losses", "loss_mean", "loss_std", "loss_range", "loss_cv",
     "grad_norms", "grad_norm_mean", "grad_norm_std", "grad_norm_cv", "reduced_grad_norm", "cosine_to_others", "mean_cosine",
-    "weighted_mean_cosine", "noise_scale", "nonfinite", "detail", "cosine_loo", "cosine_previous", "replicas", "alerts",
+    "weighted_mean_cosine", "noise_scale", "nonfinite", "detail", "cosine_loo", "cosine_previous", "replicas", "alerts", "per_rank",
 }  # fmt: skip
 
 
@@ -169,3 +169,73 @@ def test_record_sizes_stay_small_at_large_world_sizes():
         stats = SilentStats(0, world, [layout], torch.tensor(world_rows), torch.rand(names, dtype=torch.float64), bins, "piggyback")
         size = len(json.dumps(stats.to_dict(detail=False)))
         assert size <= limit, (world, size)
+
+
+def _large_world_stats(world: int, step: int = 1, names: int = 272, bins: int = 251) -> SilentStats:
+    rng = np.random.default_rng(world)
+    rows = rng.standard_normal((world, 3 + names + bins))
+    rows[:, 0], rows[:, 1], rows[:, 2] = 2.0 + 0.1 * rng.standard_normal(world), 1.0, 0.0
+    rows[:, 3 : 3 + names] = rows[:, 3 : 3 + names] ** 2
+    rows[7, 0] = 9.0  # rank 7's loss stands out
+    rows[11, 1] = 0.0  # rank 11 recorded no loss
+    layout = BucketLayout(0, tuple(f"model.layers.{j}.weight" for j in range(names)), (100,) * names)
+    return SilentStats(step, world, [layout], torch.tensor(rows), torch.rand(names, dtype=torch.float64), bins, "piggyback")
+
+
+def _slow_over_ranks(values: np.ndarray) -> dict:
+    """The aggregate the obvious way: known values, numpy's quantiles one by one, and every rank
+    sorted by its distance to the median (ties: lower rank first)."""
+    known = {rank: value for rank, value in enumerate(values) if math.isfinite(value)}
+    kept = np.array(list(known.values()))
+    median = float(np.median(kept))
+    order = sorted(known, key=lambda rank: (-abs(known[rank] - median), rank))
+    return {
+        "known": len(known),
+        "quantiles": {name: float(np.quantile(kept, q)) for name, q in stats_module.OVER_RANKS_QUANTILES.items()},
+        "outliers": [[rank, known[rank]] for rank in order[: stats_module.OVER_RANKS_OUTLIERS]],
+    }
+
+
+def test_compact_records_above_per_rank_max_world_summarise_each_signal_over_the_ranks():
+    world = 4096
+    stats = _large_world_stats(world)
+    builder = RecordBuilder(every=1, detail_every=100, detail_max_world=64)  # per_rank_max_world: the default, 256
+    compact = builder.build(stats)
+    assert compact["detail"] is False and compact["per_rank"] is False
+    assert not set(stats_module.PER_RANK_KEYS) & set(compact)
+    for key in stats_module.PER_RANK_KEYS:
+        values = getattr(stats, key)
+        got, expected = compact[f"{key}_over_ranks"], None if values is None else _slow_over_ranks(values)
+        if expected is None:
+            assert got is None, key
+            continue
+        assert got["known"] == expected["known"] and got["outliers"] == expected["outliers"], key
+        assert got["quantiles"] == pytest.approx(expected["quantiles"], rel=1e-12), key
+    losses = compact["losses_over_ranks"]
+    assert losses["known"] == world - 1 and losses["outliers"][0] == [7, 9.0]  # rank 11 had no loss
+    size = len(json.dumps(compact, allow_nan=False)) + 1
+    assert size <= 64 * 1024, size  # issue 42's goal; 410 KB with one value per rank
+    # Detail records keep every rank's values, and so does every record up to the limit.
+    detailed = RecordBuilder(every=1, detail_every=1, detail_max_world=64).build(stats)
+    assert detailed["per_rank"] is True and len(detailed["losses"]) == world and "losses_over_ranks" not in detailed
+    small = RecordBuilder(every=1, detail_every=100, detail_max_world=64).build(_large_world_stats(256))
+    assert small["per_rank"] is True and len(small["grad_norms"]) == 256
+    assert RecordBuilder(1, 100, 64, per_rank_max_world=4096).build(stats)["per_rank"] is True
+
+
+def test_offline_detection_refuses_records_summarised_over_ranks():
+    from ddphooks.detect import detect_run
+
+    record = RecordBuilder(every=1, detail_every=100, detail_max_world=64).build(_large_world_stats(300))
+    with pytest.raises(ValueError, match=r"step 1 .* W = 300 .*per_rank_max_world >= 300"):
+        detect_run([record])
+
+
+def test_summarised_records_give_the_quantiles_as_scalars():
+    from ddphooks.sinks.scalars import record_scalars
+
+    record = RecordBuilder(every=1, detail_every=100, detail_max_world=64).build(_large_world_stats(300))
+    scalars = record_scalars(record)
+    assert scalars["ddphooks/over_ranks/loss/max"] == 9.0
+    assert scalars["ddphooks/over_ranks/grad_norm/median"] == record["grad_norms_over_ranks"]["quantiles"]["median"]
+    assert not any("/rank" in tag for tag in scalars)  # no per-rank values to give

@@ -127,6 +127,8 @@ def test_a_slot_of_the_wrong_shape_is_rejected():
         ({"piggyback_limit_mb": -1}, ValueError, r"piggyback_limit_mb=-1 must be a number of megabytes >= 0"),
         ({"chunk_elems": 10}, ValueError, r"chunk_elems=10 must be between 1024 and 8388608 \(the sign table's entries\)"),
         ({"chunk_elems": 1 << 24}, ValueError, r"chunk_elems=16777216 must be between 1024 and 8388608"),
+        ({"per_rank_max_world": 0}, ValueError, r"per_rank_max_world=0 must be >= 1 \(256 is the default\)"),
+        ({"per_rank_max_world": 2.0}, TypeError, r"per_rank_max_world must be an int, got 2.0"),
     ],
 )
 def test_config_rejects_bad_values_with_the_value_and_the_fix(kwargs, error, message):

@@ -5,7 +5,9 @@ flat ``tag -> float``. ``record_scalars`` gives, under one prefix:
 
 - ``<prefix><key>`` for each signal in ``SIGNALS``;
 - ``<prefix>rank<r>/loss``, ``<prefix>rank<r>/grad_norm``, ``<prefix>rank<r>/cosine_to_others`` and
-  ``<prefix>rank<r>/cosine_previous`` for ranks ``0 .. max_ranks - 1``.
+  ``<prefix>rank<r>/cosine_previous`` for ranks ``0 .. max_ranks - 1``;
+- where a compact record summarises those signals over the ranks (above ``per_rank_max_world``),
+  ``<prefix>over_ranks/loss/median`` and the other quantiles (``min``, ``p01`` ... ``max``) instead.
 
 ``null`` values (non-finite numbers, or no sketch) are left out, never written as NaN.
 """
@@ -55,7 +57,8 @@ def record_scalars(record: dict, *, max_ranks: int | None = DEFAULT_MAX_RANKS, p
         prefix: put in front of every tag.
 
     Returns:
-        the scalars, in a stable order (signals first, then rank by rank).
+        the scalars, in a stable order (signals, the quantiles over ranks of a record that has
+        them, then rank by rank).
 
     Example::
 
@@ -69,6 +72,12 @@ def record_scalars(record: dict, *, max_ranks: int | None = DEFAULT_MAX_RANKS, p
         value = _finite(record.get(key))
         if value is not None:
             scalars[prefix + key] = value
+    for key, suffix in PER_RANK:
+        quantiles = (record.get(f"{key}_over_ranks") or {}).get("quantiles") or {}
+        for name, value in quantiles.items():
+            value = _finite(value)
+            if value is not None:
+                scalars[f"{prefix}over_ranks/{suffix}/{name}"] = value
     lists = [(record.get(key) or [], suffix) for key, suffix in PER_RANK]
     ranks = max((len(values) for values, _ in lists), default=0)
     if max_ranks is not None:
