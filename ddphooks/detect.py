@@ -1039,7 +1039,7 @@ class Detector:
         self.duplicate_history: deque = deque(maxlen=2 * self.config.duplicate_steps)
         self.duplicate_episodes: dict[int, int] = {}  # rank under a duplicate_data alert -> steps in no group since
         self.parameter_level: np.ndarray | None = None  # W x P exponential averages of log|g_{i,p}|
-        self.parameter_scale: np.ndarray | None = None  # W x P standard deviations of their rises (see _learn_parameters)
+        self.parameter_scale: np.ndarray | None = None  # standard deviations of their rises, 1 x P (W = 2: W x P; see _learn_parameters)
         self.parameter_change: np.ndarray | None = None  # this step's W x P change (see _parameter_changes)
         self.parameter_names: list[str] | None = None
 
@@ -1605,7 +1605,8 @@ class Detector:
         if self.parameter_names != obs.parameter_names or self.parameter_level is None:  # other parameters: start afresh
             self.parameter_names = list(obs.parameter_names)
             self.parameter_level = self._parameter_now.copy()
-            self.parameter_scale = np.zeros_like(self.parameter_level)
+            # W >= 3: one scale per parameter, pooled over ranks (1 x P, broadcast); W = 2: each rank's.
+            self.parameter_scale = np.zeros((1 if self.world >= 3 else len(self.parameter_level), self.parameter_level.shape[1]))
             self.parameter_seen = 0
             self.parts.pop(("own", "layer"), None)
             return
@@ -1613,10 +1614,10 @@ class Detector:
             rise = self._parameter_rise = self._parameter_now - self.parameter_level
             # The scale's average starts from zero: divided by the weight it has gathered (as in
             # Adam's bias correction), it is not underestimated over the first steps.
-            change = self.parameter_scale / (1 - (1 - PARAMETER_RATE) ** self.parameter_seen)
-            change += 1e-3
+            scale = self.parameter_scale / (1 - (1 - PARAMETER_RATE) ** self.parameter_seen)
+            scale += 1e-3
             with np.errstate(invalid="ignore"):
-                np.divide(rise, change, out=change)
+                change = np.divide(rise, scale)
             finite = np.isfinite(change)  # as np.nan_to_num(nan=0.0, posinf=1e9, neginf=-1e9), looking once
             if not finite.all():
                 change[~finite] = np.nan_to_num(change[~finite], nan=0.0, posinf=1e9, neginf=-1e9)
