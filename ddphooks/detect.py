@@ -256,6 +256,10 @@ LEVEL = ("level", "grad_norm")
 LEVEL_ROW = len(SIGNALS)
 MAD_TO_STD = 1.4826
 PARAMETER_RATE = 0.1  # weight of a new step in the per-parameter exponential averages
+#: The per-parameter W x P arithmetic is in float32: the norms come from fp32 slots (their own
+#: precision), and at W = 4096 x 273 parameters each pass over float64 cost twice as much
+#: (the logs 3.5 times as much).
+PARAMETER_DTYPE = np.float32
 #: Fewest steps a baseline is learned from: a median and MAD of one or two steps have no spread,
 #: and a rank kept out of its own baseline for a whole window (while it is suspect, see
 #: ``Detector.update``) would otherwise score its next steps against the scale's floor.
@@ -753,7 +757,7 @@ def _select_quantiles(work: np.ndarray, q: float, count: np.ndarray | None = Non
     rows, n = work.shape
     if count is None:
         count = n - np.count_nonzero(np.isnan(work), axis=1)
-    result = np.full(rows, np.nan)
+    result = np.full(rows, np.nan, dtype=np.result_type(work, np.float32))  # float32 stays float32
     for known in np.unique(count).tolist():
         if known == 0:
             continue
@@ -1583,7 +1587,7 @@ class Detector:
             # (The log of every norm, then the non-finite ones unknown: the log is finite exactly
             # where the norm is finite and above zero.)
             norms = obs.parameter_norms  # C-ordered logs, whatever the norms' order (offline: a transpose)
-            logs = np.log(norms, out=np.empty(norms.shape, dtype=np.result_type(norms, 1.0)))
+            logs = np.log(norms, out=np.empty(norms.shape, dtype=PARAMETER_DTYPE))
             finite = np.isfinite(logs)
             self._parameters_known = bool(finite.all())  # every norm known: no NaN below
             if not self._parameters_known:
@@ -1606,7 +1610,7 @@ class Detector:
             self.parameter_names = list(obs.parameter_names)
             self.parameter_level = self._parameter_now.copy()
             # W >= 3: one scale per parameter, pooled over ranks (1 x P, broadcast); W = 2: each rank's.
-            self.parameter_scale = np.zeros((1 if self.world >= 3 else len(self.parameter_level), self.parameter_level.shape[1]))
+            self.parameter_scale = np.zeros((1 if self.world >= 3 else len(self.parameter_level), self.parameter_level.shape[1]), dtype=PARAMETER_DTYPE)
             self.parameter_seen = 0
             self.parts.pop(("own", "layer"), None)
             return
@@ -1688,7 +1692,8 @@ class Detector:
         if self.parameter_change is None:
             return []
         # Accumulated evidence first (the per-parameter CUSUMs), this step's rise where there is none.
-        relative = self.parameter_change[rank] if self.layer_level is None else self.layer_level[rank] + 1e-6 * self.parameter_change[rank]
+        change = self.parameter_change[rank].astype(float)  # float64: the tie-break below stays above rounding
+        relative = change if self.layer_level is None else self.layer_level[rank] + 1e-6 * change
         order = np.argsort(-relative)[: self.config.top_parameters]
         return [self.parameter_names[p] for p in order if relative[p] > 0]
 

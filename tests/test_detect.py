@@ -125,7 +125,9 @@ def test_per_parameter_scores_match_a_step_by_step_reference(world):
             rise = d - level
             if seen >= config.warmup:
                 expected = rise / (scale / (1 - 0.9**seen) + 1e-3)
-                np.testing.assert_allclose(detector.parameter_change, expected, rtol=1e-9, atol=1e-9)
+                # float32 (PARAMETER_DTYPE), the norms' own precision: a rise of a few 1e-7 in a log
+                # norm, over a scale of a few 1e-2, differs by about 1e-5 standard deviations
+                np.testing.assert_allclose(detector.parameter_change, expected, rtol=1e-4, atol=1e-4)
         typical = 1.4826 * np.median(np.abs(rise), axis=0) if world >= 3 else math.sqrt(math.pi / 2) * np.abs(rise)
         scale = 0.9 * scale + 0.1 * typical
         level = 0.9 * level + 0.1 * d
