@@ -1231,7 +1231,9 @@ class Detector:
         median[history.finite < MIN_BASELINE_STEPS] = np.nan  # no baseline: no score
         if world >= 3:  # at W = 2 the spread across ranks is the gap that the rank that is off makes
             with np.errstate(invalid="ignore"):
-                work = history.steps_first - median[:, None, :]  # one row per signal and step
+                # One row per signal and step; float32, as the per-parameter arithmetic: the
+                # spreads' ratio needs no more, and the window's selections cost half as much.
+                work = np.subtract(history.steps_first, median[:, None, :], dtype=np.float32)
             per_step = _spreads(work.reshape(signals * steps, world), infinite).reshape(signals, steps)
             scale = scale * _growth_ratio(per_step, history.slots(self.config.recent))[:, None]
         return median, scale

@@ -86,8 +86,10 @@ def test_the_baselines_equal_their_definitions_step_by_step(world, quantile):
             deviations = detector._deviations(detector._values(obs, losses, np.log(obs.grad_norms)))
             crossed = [SIGNALS.index(name) for name in SIGNALS if name in deviations]
             fast = (*detector._own_baselines(), *detector._cross_baselines(crossed))
-            for got, expected in zip(fast, _reference_baselines(detector, deviations)):
-                np.testing.assert_allclose(got, expected, rtol=1e-12, atol=0, equal_nan=True)
+            for index, (got, expected) in enumerate(zip(fast, _reference_baselines(detector, deviations))):
+                # the own scale's growth at W >= 3 is taken in float32 (see _own_baselines)
+                rtol = 1e-5 if index == 1 and world >= 3 else 1e-12
+                np.testing.assert_allclose(got, expected, rtol=rtol, atol=0, equal_nan=True)
             compared += 1
         detector.update(obs)
     assert compared >= 40
