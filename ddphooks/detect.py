@@ -642,8 +642,9 @@ class Observation:
 
 def _present_norms(param_sq: np.ndarray, absent: np.ndarray) -> np.ndarray:
     """W x P norms from squared norms, NaN on absent ranks: ``np.where(absent[:, None], nan,
-    sqrt(param_sq))`` without a second W x P pass where no rank is absent."""
-    norms = np.sqrt(param_sq)
+    sqrt(param_sq))`` without a second W x P pass where no rank is absent. In ``PARAMETER_DTYPE``,
+    the precision of the slots they come from and of the arithmetic that reads them."""
+    norms = np.sqrt(param_sq, dtype=PARAMETER_DTYPE)
     absent = np.asarray(absent, dtype=bool)
     if absent.any():
         norms[absent] = np.nan
