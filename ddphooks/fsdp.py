@@ -21,7 +21,6 @@ Example::
     >>> state.latest.summary()["mean_cosine"]
 """
 
-import itertools
 import threading
 from dataclasses import dataclass, field
 from typing import Callable
@@ -40,10 +39,10 @@ from ddphooks.state import BaseSilentState, agree_across_ranks, stats_kernel_pro
 from ddphooks.stats import BucketLayout, SilentStats
 
 #: A group whose input holds more parameter segments than this (shard rows x parameters) takes its
-#: per-parameter norms by column (``_column_norms``): one reduction per parameter over every row,
-#: instead of one per segment. Measured on one decoder layer of the 16 M tiny Llama (9 tensors) on
-#: the CPU: per segment 0.5-0.6 ms at 2-8 shards (the norms come from the same pass as the
-#: sketch), 1.5 ms at 64, 18 ms at 1024; by column 0.9 ms at any number of shards.
+#: per-parameter norms by column (``_column_norms``: a few operations per block of rows and one per
+#: parameter) instead of one reduction per segment. Measured on one decoder layer of the 16 M tiny
+#: Llama (9 tensors) on the CPU, sketch included: per segment 0.4-0.5 ms at 2-8 shards (the norms
+#: come from the sketch's pass), 1.5 ms at 64, 19 ms at 1024; by column 0.6-0.8 ms from 8 to 1024.
 COLUMN_SEGMENTS = 256
 
 
@@ -58,7 +57,7 @@ class _GroupEntry:
     shard_lengths: list[int]  # padded shard of each parameter: its columns in a row, its part of the output
     sq_rows: torch.Tensor  # fp32, the kernel's norms: S x parameters (|g|^2 of each parameter's columns in each row), or one by column
     sq_norms: torch.Tensor  # fp32, one per parameter (summed over the rows), rewritten on every instrumented step
-    columns: list[tuple[int, int]] | None  # by column (see COLUMN_SEGMENTS): each parameter's columns in a row
+    by_column: bool  # the per-parameter norms by column (see COLUMN_SEGMENTS)
 
 
 @dataclass
@@ -226,10 +225,10 @@ class ShardedSilentState(BaseSilentState):
             record.outputs.append((output, entry.shard_lengths))
             try:
                 self._kernel(flat.device).run(flat, entry.plan, self._sketch if self.bins else None, entry.sq_rows.view(-1))
-                if entry.columns is None:
+                if not entry.by_column:
                     torch.sum(entry.sq_rows, dim=0, out=entry.sq_norms)
                 else:
-                    _column_norms(flat.view(self._shards, -1), entry.columns, entry.sq_norms)
+                    _column_norms(flat.view(self._shards, -1), entry.shard_lengths, entry.sq_norms, entry.plan.chunk_elems)
                 if flat.device.type != "cpu":
                     record.streams.append(torch.accelerator.current_stream(flat.device))
             except Exception as error:  # never raise a statistics bug into backward
@@ -266,19 +265,17 @@ class ShardedSilentState(BaseSilentState):
         if entry is not None:
             kernel.forget(entry.plan)
         chunk = self.config.chunk_elems or (CPU_CHUNK_ELEMS if flat.device.type == "cpu" else ACCELERATOR_CHUNK_ELEMS)
-        columns = None
-        if self._shards * len(lengths) > COLUMN_SEGMENTS:
+        by_column = self._shards * len(lengths) > COLUMN_SEGMENTS
+        if by_column:
             # The kernel takes the sketch of the whole input (the same signs, position by position)
             # and one norm; the parameters' norms come by column.
-            ends = list(itertools.accumulate(lengths))
-            columns = [(end - length, end) for end, length in zip(ends, lengths)]
             plan = BucketPlan([flat.numel()], self.bins, comm.base, flat.device, chunk)
             sq_rows = torch.empty(1, dtype=torch.float32, device=flat.device)
         else:
             plan = BucketPlan(lengths * self._shards, self.bins, comm.base, flat.device, chunk)
             sq_rows = torch.empty(self._shards, len(lengths), dtype=torch.float32, device=flat.device)
         sq_norms = torch.empty(len(lengths), dtype=torch.float32, device=flat.device)
-        entry = _GroupEntry(key, plan, BucketLayout(len(self._entries), names, numels), lengths, sq_rows, sq_norms, columns)
+        entry = _GroupEntry(key, plan, BucketLayout(len(self._entries), names, numels), lengths, sq_rows, sq_norms, by_column)
         self._entries[id(comm)] = entry
         return entry
 
@@ -355,11 +352,23 @@ class ShardedSilentState(BaseSilentState):
             self._warn(message, *args)
 
 
-def _column_norms(rows: torch.Tensor, columns: list[tuple[int, int]], out: torch.Tensor) -> None:
-    """``out[j] = |rows[:, a_j:b_j]|^2``: each parameter's columns over every shard row (its
-    padded shard in each row), one reduction per parameter whatever the number of rows, in fp32."""
-    norms = [torch.linalg.vector_norm(rows[:, begin:end], dtype=torch.float32) for begin, end in columns]
-    torch.stack(norms, out=out).square_()
+def _column_norms(rows: torch.Tensor, lengths: list[int], out: torch.Tensor, block_elems: int) -> None:
+    """``out[j] = |rows[:, a_j:b_j]|^2`` for the consecutive column ranges of ``lengths`` (each
+    parameter's padded shard in every shard row), in fp32:
+
+    1. per block of rows (at most ``block_elems`` elements: a bounded temporary, in cache on the
+       CPU), the squares summed over its rows into one C-vector;
+    2. that vector summed over each parameter's columns.
+
+    O(rows x C / block_elems + parameters) operations, whatever the number of rows. (A strided
+    reduction per parameter over its columns was 60 ms a step at 1024 shards on the CPU.)"""
+    shards, width = rows.shape
+    per_column = torch.zeros(width, dtype=torch.float32, device=rows.device)
+    step = max(1, block_elems // max(width, 1))
+    for begin in range(0, shards, step):
+        # half precision promoted, as the kernel does; the squares are a temporary of one block
+        per_column += rows[begin : begin + step].float().square().sum(dim=0)
+    torch.stack([part.sum() for part in per_column.split(lengths)], out=out)
 
 
 def _param_group(module: FSDPModule):
