@@ -34,6 +34,13 @@ warm-up, so it scores):
   replica check    replica_differences on W x (the model's parameters and buffers) fingerprints
                    with three ranks differing (the check every 100 steps; off the training thread)
 
+A second table runs the same model under FSDP2 (``fully_shard`` on every decoder layer and the
+root, a W-shard mesh, ``attach`` with the detector and the replica check off: the fake collectives
+leave FSDP2's buffers and the other ranks' slots as they are):
+the statistics pass inside the reduce-scatters per step (training thread), FSDP2's reduce-scatter
+input per step (each parameter padded to a multiple of W rows: it grows with W on a small model)
+and the pass per element of it, and the step (forward and backward, no communication) for scale.
+
     python benchmarks/scale.py                  # W = 8, 64, 256, 1024, 4096, a 16 M-parameter tiny Llama (273 tensors)
     python benchmarks/scale.py --quick          # W = 8 and 64, a 2-layer tiny Llama (seconds)
     python benchmarks/scale.py --worlds 8 1024 --steps 5 --json scale.json
@@ -55,6 +62,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -345,14 +354,65 @@ def _measure(world: int, model_args: dict, steps: int, collectives: FakeCollecti
     return result
 
 
+def measure_fsdp(world: int, model_args: dict, steps: int) -> dict:
+    """The FSDP2 statistics pass at ``world`` shards: ms per step inside ddphooks' reduce-scatter
+    measurement, the reduce-scatter input per step, and the step itself."""
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        model = tiny_llama(**model_args)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        # Only the pass is timed here: the other ranks' slots stay empty on the fake group, so
+        # the detector and the replica check (which would compare them) are off.
+        state = ddphooks.attach(model, detect=False, check_replicas_every=0)
+        spent, elements = [], []
+        measure_group = state._measure
+
+        def timed_measure(comm, output, flat):
+            start = time.perf_counter()
+            measure_group(comm, output, flat)
+            spent[-1] += time.perf_counter() - start
+            elements[-1] += flat.numel()
+
+        state._measure = timed_measure
+        generator = torch.Generator().manual_seed(1)
+        step_s = []
+        for _ in range(WARMUP + steps):
+            spent.append(0.0)
+            elements.append(0)
+            tokens = torch.randint(0, model_args["vocab_size"], (BATCH, TOKENS), generator=generator)
+            start = time.perf_counter()
+            model(input_ids=tokens, labels=tokens).loss.backward()
+            step_s.append(time.perf_counter() - start)
+            state.flush()
+        state.close()
+        spent, step_s = spent[WARMUP:], step_s[WARMUP:]
+        return {
+            "world_size": world,
+            "pass_ms": 1e3 * statistics.median(spent),
+            "pass_ms_iqr": [1e3 * q for q in quartiles(spent)],
+            "input_elements": elements[-1],
+            "pass_ns_per_element": 1e9 * statistics.median(spent) / elements[-1],
+            "step_ms": 1e3 * statistics.median(step_s),
+        }
+    finally:
+        dist.destroy_process_group()
+        gc.collect()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="W = 8 and 64, a 2-layer tiny Llama, 3 timed steps")
     parser.add_argument("--worlds", type=int, nargs="+", default=None)
     parser.add_argument("--steps", type=int, default=None, help="timed steps per W (after the warm-up)")
     parser.add_argument("--json", default=None, help="write the rows to this file")
+    parser.add_argument("--fsdp-max-world", type=int, default=1024,
+                        help="largest W of the FSDP2 table (at 4096 shards every 192-row parameter is padded to 4096 rows)")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    torch.set_flush_denormal(True)  # FSDP2's unfilled all-gather buffers on the fake group: no denormal slow paths
     worlds = args.worlds or (QUICK_WORLDS if args.quick else WORLDS)
     model_args = QUICK_MODEL if args.quick else MODEL
     steps = args.steps or (QUICK_STEPS if args.quick else STEPS)
@@ -377,9 +437,21 @@ def main() -> None:
         print(f"\n{last['parameters'] / 1e6:.1f} M parameters, {last['tensors']} tensors, {last['buckets']} buckets, transport "
               f"{last['transport']}; alerts raised (healthy simulated ranks): {[r['alerts'] for r in rows]}; largest kept at "
               f"W = {last['world_size']}: " + ", ".join(f"{t['path']} {t['bytes'] / 2**20:.1f} MB" for t in last["kept_largest"][:3]))  # fmt: skip
+    print("\nFSDP2 (fully_shard per decoder layer and the root, W shards): the statistics pass inside the reduce-scatters, "
+          "median [IQR] per step\n")
+    print("| W | FSDP2 statistics pass ms/step | reduce-scatter input elements/step | ns per element | step ms (no communication) |")
+    print("|---|---|---|---|---|")
+    fsdp_rows = []
+    for world in worlds:
+        if world > args.fsdp_max_world:
+            continue
+        r = measure_fsdp(world, model_args, steps)
+        fsdp_rows.append(r)
+        q1, q3 = r["pass_ms_iqr"]
+        print(f"| {world} | {r['pass_ms']:.1f} [{q1:.1f}, {q3:.1f}] | {r['input_elements']:,d} | {r['pass_ns_per_element']:.2f} | {r['step_ms']:.0f} |", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"date": str(date.today()), "torch": torch.__version__, "model": model_args, "rows": rows}, f, indent=1)
+            json.dump({"date": str(date.today()), "torch": torch.__version__, "model": model_args, "rows": rows, "fsdp_rows": fsdp_rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -230,7 +230,14 @@ def test_scale_quick_table_on_the_fake_process_group(tmp_path):
         assert 0 < r["compact_record_bytes"] < r["detail_record_bytes"]
     assert rows[64]["compact_record_bytes"] > rows[8]["compact_record_bytes"]  # O(W) per-rank vectors
     table = [line for line in stdout.splitlines() if line.startswith("| ")]
-    assert table[0].startswith("| W | DDP in-hook ms beyond allreduce_hook | detector ms") and len(table) == 1 + 2
+    assert table[0].startswith("| W | DDP in-hook ms beyond allreduce_hook | detector ms") and len(table) == 2 * (1 + 2)
+    assert table[3].startswith("| W | FSDP2 statistics pass ms/step")
+    sharded = {r["world_size"]: r for r in json.loads(out.read_text())["fsdp_rows"]}
+    assert set(sharded) == {8, 64}
+    for world, r in sharded.items():  # the real FSDP2 path: the pass ran inside every reduce-scatter
+        assert r["pass_ms"] > 0 and r["step_ms"] > r["pass_ms"] and r["input_elements"] > 0, (world, r)
+        assert r["pass_ns_per_element"] == pytest.approx(1e6 * r["pass_ms"] / r["input_elements"])
+    assert sharded[8]["input_elements"] == sharded[64]["input_elements"]  # this model's sizes divide by 64: no padding
 
 
 def test_transport_table():
