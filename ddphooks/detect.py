@@ -1308,7 +1308,7 @@ class Detector:
             self.step_scores[key] = np.array(z, dtype=float)  # every part, before the cap
         previous = self.parts.get(key)
         if previous is None:  # the first scored step, or other parameters (see _parameter_changes)
-            previous, self.parts_start[key] = np.zeros_like(z), np.full(z.shape, -1)
+            previous, self.parts_start[key] = np.zeros_like(z), np.full(z.shape, -1, dtype=np.int32)  # steps < 2**31
         updated = np.minimum(z, self.cap[key])  # S + min(z, cap) - allowance, floored at 0, in one buffer
         updated += previous
         updated -= self.allowance[key]
