@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-from test_hook import TIMEOUT, _batch, _loss, _make_ddp
+from test_hook import TIMEOUT, _batch, _loss, _make_ddp, _spawn_cases
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 import ddphooks
@@ -86,8 +86,26 @@ def _captured_losses(rank: int, kind: str) -> list:
     return results
 
 
-def test_attach_records_each_ranks_loss_from_the_forward_output():
-    by_kind = spawn(_check_attach_captures_the_loss, 2, timeout=TIMEOUT)[0]
+@pytest.fixture(scope="module")
+def two_rank_attach() -> dict:
+    """The two-rank runs of this file in one spawn, but resume's (which needs a fresh process group
+    for its second half): loss capture, the lazily bound state, attach's errors, the missing loss."""
+    return _spawn_cases(2, [
+        ("captures", _check_attach_captures_the_loss, ()),
+        ("lazy_state", _check_lazy_state, (pickle.dumps(_unbound_state()),)),
+        ("attach_errors", _check_attach_errors, ()),
+        ("no_loss", _check_no_loss_is_said_once, ()),
+    ], TIMEOUT)  # fmt: skip
+
+
+def _unbound_state() -> SilentState:
+    state = SilentState(sketch_dim=64)  # no process group in this process
+    assert not state.bound and state.latest is None
+    return state
+
+
+def test_attach_records_each_ranks_loss_from_the_forward_output(two_rank_attach):
+    by_kind = two_rank_attach["captures"][0]
     for kind, results in by_kind.items():
         assert [step for step, _, _ in results] == [0, 1, 2], kind
         for _, losses, expected in results:
@@ -117,11 +135,9 @@ def _check_lazy_state(rank: int, world: int, pickled: bytes) -> tuple:
     return out, lazy.world_size
 
 
-def test_state_created_and_pickled_before_the_process_group_binds_lazily():
-    state = SilentState(sketch_dim=64)  # no process group in this process
-    assert not state.bound and state.latest is None
-    results = spawn(_check_lazy_state, 2, args=(pickle.dumps(state),), timeout=TIMEOUT)
-    assert results == [([True] * 3, 2)] * 2
+def test_state_created_and_pickled_before_the_process_group_binds_lazily(two_rank_attach):
+    _unbound_state()  # the state the fixture pickled: unbound in this process
+    assert two_rank_attach["lazy_state"] == [([True] * 3, 2)] * 2
 
 
 def test_lazy_state_still_rejects_bad_values_at_once_and_binding_needs_a_group():
@@ -163,8 +179,8 @@ def _check_attach_errors(rank: int, world: int) -> list[str]:
     return messages
 
 
-def test_attach_errors_name_the_problem_and_the_fix():
-    messages = spawn(_check_attach_errors, 2, timeout=TIMEOUT)[0]
+def test_attach_errors_name_the_problem_and_the_fix(two_rank_attach):
+    messages = two_rank_attach["attach_errors"][0]
     expected = [
         r"TypeError: attach needs a DistributedDataParallel module or an FSDP2 \(fully_shard\) root, got _Net: wrap the model first",
         r"RuntimeError: ddphooks is already attached to this model",
@@ -241,8 +257,9 @@ def _check_no_loss_is_said_once(rank: int, world: int) -> dict:
         logging.getLogger("ddphooks").removeHandler(handler)
 
 
-def test_a_model_that_returns_logits_is_told_once_how_to_give_its_loss():
-    for rank, said in enumerate(spawn(_check_no_loss_is_said_once, 2, timeout=TIMEOUT)):
+def test_a_model_that_returns_logits_is_told_once_how_to_give_its_loss(two_rank_attach):
+    assert len(two_rank_attach["no_loss"]) == 2
+    for rank, said in enumerate(two_rank_attach["no_loss"]):
         warnings, losses = said[False]
         assert len(warnings) == 1 and losses is None, said  # three steps, one warning
         assert f"step 0 on rank {rank}" in warnings[0] and "loss_from=" in warnings[0] and "state.observe_loss(loss)" in warnings[0]

@@ -8,6 +8,7 @@ division) or to fp32 rounding where the reference divides in another order.
 """
 
 import json
+import logging
 
 import pytest
 import torch
@@ -16,8 +17,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from test_fsdp import _Messages
-from test_hook import _Net
+from test_hook import _Messages, _Net, _spawn_cases
 
 import ddphooks
 from ddphooks import JsonlSink
@@ -79,6 +79,7 @@ def _check_join(rank: int, world: int, counts: list[int], divide_by_initial_worl
     state = ddphooks.attach(model, sinks=[JsonlSink(path)], check_replicas_every=2)
     losses = _train_join(rank, model, counts[rank], divide_by_initial_world_size, state)
     state.close()
+    logging.getLogger("ddphooks").removeHandler(messages)  # the next case in this process counts its own
     got, expected = _parameters(model), _parameters(reference)
     if divide_by_initial_world_size and world == 2:
         assert all(torch.equal(a, b) for a, b in zip(got, expected)), "training changed under Join"
@@ -88,14 +89,25 @@ def _check_join(rank: int, world: int, counts: list[int], divide_by_initial_worl
     return {"alerts": state.alerts, "losses": losses, "messages": messages.messages, "steps": state.step}
 
 
-@pytest.mark.parametrize(
-    "counts, divide",
-    [([6, 1], True), ([6, 0], True), ([8, 5, 1], False)],
-    ids=["6-1", "6-0", "8-5-1-divide-by-present"],
-)
-def test_join_with_uneven_inputs_trains_as_plain_ddp_and_leaves_joined_ranks_out(tmp_path, counts, divide):
-    path = tmp_path / "stats.jsonl"
-    results = spawn(_check_join, len(counts), args=(counts, divide, str(path)), timeout=TIMEOUT)
+JOIN_CASES = {"6-1": ([6, 1], True), "6-0": ([6, 0], True), "8-5-1-divide-by-present": ([8, 5, 1], False)}
+
+
+@pytest.fixture(scope="module")
+def join_runs(tmp_path_factory) -> dict:
+    """Every Join case, the cases of one world size in one spawn; per case its results and file."""
+    runs = {}
+    for world in sorted({len(counts) for counts, _ in JOIN_CASES.values()}):
+        cases = [(name, counts, divide) for name, (counts, divide) in JOIN_CASES.items() if len(counts) == world]
+        paths = {name: tmp_path_factory.mktemp(f"join-{name}") / "stats.jsonl" for name, _, _ in cases}
+        results = _spawn_cases(world, [(name, _check_join, (counts, divide, str(paths[name]))) for name, counts, divide in cases], TIMEOUT)
+        runs.update({name: (results[name], paths[name]) for name, _, _ in cases})
+    return runs
+
+
+@pytest.mark.parametrize("case", list(JOIN_CASES))
+def test_join_with_uneven_inputs_trains_as_plain_ddp_and_leaves_joined_ranks_out(join_runs, case):
+    counts, divide = JOIN_CASES[case]
+    results, path = join_runs[case]
     steps = max(counts)
     assert all(r["steps"] == steps for r in results), "every rank counts the steps the others trained"
     assert all(r["alerts"] == [] for r in results), results[0]["alerts"]
@@ -211,20 +223,31 @@ def _check_loss_capture(rank: int, world: int, kind: str) -> dict:
         loss.backward()
         state.flush()
         recorded = state.latest.losses
-        assert recorded is None if kind == "value_head" else recorded[rank] == pytest.approx(losses[-1], rel=1e-6), (recorded, losses)
+        assert recorded is None if kind == "value_head" else recorded[rank] == pytest.approx(losses[-1], rel=1e-6), (kind, recorded, losses)
     state.close()
+    logging.getLogger("ddphooks").removeHandler(messages)  # the next case in this process counts its own
     return {"messages": [m for m in messages.messages if "no loss was recorded" in m]}
 
 
-@pytest.mark.parametrize("kind", ["logits_loss", "loss_first", "value_head"])
-def test_the_loss_is_taken_only_where_it_is_unambiguous(kind):
-    for rank, result in enumerate(spawn(_check_loss_capture, 2, args=(kind,), timeout=TIMEOUT)):
+LOSS_KINDS = ["logits_loss", "loss_first", "value_head"]
+
+
+@pytest.fixture(scope="module")
+def loss_captures() -> dict:
+    """Every ``_check_loss_capture`` kind on two ranks, in one spawn."""
+    return _spawn_cases(2, [(kind, _check_loss_capture, (kind,)) for kind in LOSS_KINDS], TIMEOUT)
+
+
+@pytest.mark.parametrize("kind", LOSS_KINDS)
+def test_the_loss_is_taken_only_where_it_is_unambiguous(loss_captures, kind):
+    assert len(loss_captures[kind]) == 2, kind
+    for rank, result in enumerate(loss_captures[kind]):
         if kind == "value_head":  # a (1, 1) prediction is not recorded as the loss, and the warning says what it was
             assert len(result["messages"]) == 1, result
             assert "a float32 tensor of shape (1, 1), requires grad: one element but not 0-dim" in result["messages"][0]
             assert "state.observe_loss(loss)" in result["messages"][0] and "unscaled" in result["messages"][0]
         else:
-            assert result["messages"] == []
+            assert result["messages"] == [], (kind, result)
 
 
 # -- DDP's own mixed precision ----------------------------------------------------------------------
@@ -381,10 +404,17 @@ def _check_pattern(rank: int, world: int, pattern: str) -> dict:
     return {"alerts": [a for state in states for a in state.alerts]}
 
 
-@pytest.mark.parametrize(
-    "pattern",
-    ["require_backward_grad_sync", "two_models", "autocast", "bf16_parameters", "checkpoint", "reentrant_checkpoint", "compile_before_wrap"],
-)
-def test_common_ddp_patterns_are_measured_correctly(pattern):
-    for result in spawn(_check_pattern, 2, args=(pattern,), timeout=TIMEOUT):
-        assert result["alerts"] == [], result["alerts"]
+PATTERNS = ["require_backward_grad_sync", "two_models", "autocast", "bf16_parameters", "checkpoint", "reentrant_checkpoint", "compile_before_wrap"]
+
+
+@pytest.fixture(scope="module")
+def pattern_runs() -> dict:
+    """Every pattern on two ranks, in one spawn (``_check_pattern`` asserts inside, per pattern)."""
+    return _spawn_cases(2, [(pattern, _check_pattern, (pattern,)) for pattern in PATTERNS], TIMEOUT)
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_common_ddp_patterns_are_measured_correctly(pattern_runs, pattern):
+    assert len(pattern_runs[pattern]) == 2, pattern
+    for result in pattern_runs[pattern]:
+        assert result["alerts"] == [], (pattern, result["alerts"])

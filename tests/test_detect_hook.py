@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from test_hook import TIMEOUT, _batch, _loss, _make_ddp, _Net
+from test_hook import TIMEOUT, _batch, _loss, _make_ddp, _Net, _spawn_cases
 
 import ddphooks
 import ddphooks.hook as hook_module
@@ -56,8 +56,33 @@ def _check_detection(rank: int, world: int) -> tuple:
     return _train_with_fault(rank, world, 45, fault_rank=2, check_replicas_every=0)
 
 
-def test_the_hook_names_the_faulty_rank_on_every_rank_and_warns_once_per_alert():
-    results = spawn(_check_detection, 3, timeout=TIMEOUT)
+def _check_replicas(rank: int, world: int, lr_fault: bool) -> tuple:
+    return _train_with_fault(rank, world, FAULT_STEP + 7, fault_rank=1, lr_fault=lr_fault, check_replicas_every=4, detect=DetectorConfig(warmup=200))
+
+
+@pytest.fixture(scope="module")
+def three_rank_faults() -> dict:
+    """The three-rank runs that end normally, in one spawn: the silent data fault, and the replica
+    check of a healthy run and of one with a replica fault. (The runs that abort on purpose, and
+    the one that makes subgroups, keep spawns of their own.)"""
+    return _spawn_cases(3, [
+        ("detection", _check_detection, ()),
+        ("healthy", _check_replicas, (False,)),
+        ("lr_fault", _check_replicas, (True,)),
+    ], TIMEOUT)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def two_rank_faults(tmp_path_factory) -> dict:
+    """The stuck loader and the non-finite loss on two ranks, in one spawn; the non-finite run's
+    file in the folder under "non_finite_folder"."""
+    folder = tmp_path_factory.mktemp("non_finite")
+    runs = _spawn_cases(2, [("stuck", _check_stuck, ()), ("non_finite", _check_non_finite, (str(folder),))], TIMEOUT)
+    return {**runs, "non_finite_folder": folder}
+
+
+def test_the_hook_names_the_faulty_rank_on_every_rank_and_warns_once_per_alert(three_rank_faults):
+    results = three_rank_faults["detection"]
     alerts, warnings, _ = results[0]
     assert alerts, "no alert for a rank whose targets flipped sign"
     assert alerts[0]["rank"] == 2 and FAULT_STEP <= alerts[0]["step"] <= FAULT_STEP + 5
@@ -70,8 +95,8 @@ def _check_stuck(rank: int, world: int) -> tuple:
     return _train_with_fault(rank, world, 45, fault_rank=1, stuck=True, check_replicas_every=0)
 
 
-def test_a_stuck_loader_is_named_at_two_ranks_from_the_cosine_to_the_previous_step():
-    alerts, _, _ = spawn(_check_stuck, 2, timeout=TIMEOUT)[0]
+def test_a_stuck_loader_is_named_at_two_ranks_from_the_cosine_to_the_previous_step(two_rank_faults):
+    alerts, _, _ = two_rank_faults["stuck"][0]
     assert alerts, "no alert for a rank that trains on the same batch over and over"
     assert {a["rank"] for a in alerts} == {1} and FAULT_STEP <= alerts[0]["step"] <= FAULT_STEP + 8, alerts
     assert any(signal.startswith("cosine_previous") for signal in alerts[0]["signals"]), alerts[0]
@@ -104,14 +129,10 @@ def test_on_alert_raising_stops_every_rank_without_a_hang(slow_rank):
         assert re.match(r"[\w.]*_Abort: stopping on rank 2 has diverged", report.strip().splitlines()[-1]), (rank, report[-1500:])
 
 
-def _check_replicas(rank: int, world: int, lr_fault: bool) -> tuple:
-    return _train_with_fault(rank, world, FAULT_STEP + 7, fault_rank=1, lr_fault=lr_fault, check_replicas_every=4, detect=DetectorConfig(warmup=200))
-
-
-def test_replica_check_flags_the_drifting_rank_and_never_identical_replicas():
-    healthy = spawn(_check_replicas, 3, args=(False,), timeout=TIMEOUT)[0]
-    assert healthy[0] == [] and healthy[2] == {"ranks": [], "tensors": 0, "parameters": [], "not_compared": 0}
-    alerts, _, replicas = spawn(_check_replicas, 3, args=(True,), timeout=TIMEOUT)[0]
+def test_replica_check_flags_the_drifting_rank_and_never_identical_replicas(three_rank_faults):
+    healthy = three_rank_faults["healthy"][0]
+    assert healthy[0] == [] and healthy[2] == {"ranks": [], "tensors": 0, "parameters": [], "not_compared": 0}, healthy
+    alerts, _, replicas = three_rank_faults["lr_fault"][0]
     # The optimizer of rank 1 runs with another learning rate from step 30: its parameters
     # differ from step 31 on, and step 32 is the first check after that.
     assert [(a["step"], a["rank"], a["kind"]) for a in alerts] == [(32, 1, "replica")]
@@ -145,8 +166,9 @@ def _check_non_finite(rank: int, world: int, folder: str) -> list:
     return state.alerts, scaler.get_scale()
 
 
-def test_the_rank_whose_loss_went_nan_first_is_named_on_every_rank_and_a_skipped_overflow_never(tmp_path):
-    results = spawn(_check_non_finite, 2, args=(str(tmp_path),), timeout=TIMEOUT)
+def test_the_rank_whose_loss_went_nan_first_is_named_on_every_rank_and_a_skipped_overflow_never(two_rank_faults):
+    results, tmp_path = two_rank_faults["non_finite"], two_rank_faults["non_finite_folder"]
+    assert len(results) == 2
     # Offline, on the run file (where Inf and NaN are null), the same detector finds the same alerts.
     assert detect_run(read_run(str(tmp_path / "run.jsonl")).records) == results[0][0]
     for alerts, scale in results:

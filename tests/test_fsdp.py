@@ -7,7 +7,6 @@ gradients are all-gathered and every statistic is computed from them in float64.
 
 import copy
 import json
-import logging
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import ddphooks
 from ddphooks.launch import spawn
-from test_hook import TIMEOUT, _batch, _compare, _loss, _Net, _reference
+from test_hook import TIMEOUT, _batch, _compare, _loss, _Messages, _Net, _reference
 
 
 def _sharded(mesh_shape: tuple, seed: int = 0, **fsdp_kwargs) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -123,18 +122,6 @@ def _check_root_only_every(rank: int, world: int) -> list:
         measured.append((state.step, state.latest.step, len(state.latest.to_dict()["parameters"])))
     state.close()
     return measured
-
-
-class _Messages(logging.Handler):
-    """The warnings on the "ddphooks" logger."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.messages: list[str] = []
-        logging.getLogger("ddphooks").addHandler(self)
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
 
 
 def _check_unused_parameters(rank: int, world: int) -> dict:

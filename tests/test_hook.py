@@ -8,8 +8,10 @@ are computed directly from them in float64.
 """
 
 import json
+import logging
 import math
 import os
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -24,6 +26,39 @@ BUCKET_CAP_MB = 0.002  # about 500 fp32 elements per bucket: three buckets in th
 RTOL = 1e-5
 COSINE_ATOL = 1e-6
 TIMEOUT = 240
+
+
+def _check_cases(rank: int, world: int, cases: list[tuple[str, Callable, tuple]]) -> dict:
+    """Several cases in one process group: one spawn instead of one per case (each costs seconds of
+    process start-up). Each ``check(rank, world, *args)`` runs in turn and builds its own models,
+    states and files; returns each case's result by name. A case that raises ends the run with
+    the case and the rank named (every rank's traceback comes back through ``spawn``)."""
+    results = {}
+    for name, check, args in cases:
+        try:
+            results[name] = check(rank, world, *args)
+        except Exception as error:
+            raise AssertionError(f"case {name!r} failed on rank {rank}: {type(error).__name__}: {error}") from error
+    return results
+
+
+def _spawn_cases(world: int, cases: list[tuple[str, Callable, tuple]], timeout: float = TIMEOUT) -> dict:
+    """``_check_cases`` on ``world`` ranks, ``timeout`` per case; returns, per case name, the
+    results of every rank (indexed by rank)."""
+    by_rank = spawn(_check_cases, world, args=(cases,), timeout=timeout * len(cases))
+    return {name: [results[name] for results in by_rank] for name, _, _ in cases}
+
+
+class _Messages(logging.Handler):
+    """The warnings on the "ddphooks" logger."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+        logging.getLogger("ddphooks").addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 class _Net(torch.nn.Module):
@@ -168,32 +203,50 @@ def _check_reference(rank: int, world: int, sketch_dim: int, steps: int, ddp_kwa
     return records
 
 
+ALL_GATHER_REFERENCE = ("all_gather_reference", _check_reference, (1024, 4, {}))
+#: Where the run of test_statistics_match_the_all_gather_reference at each world size comes from:
+#: a spawn of its own at W = 4, a case of the world size's fixture below at W = 2 and 3.
+REFERENCE_FIXTURES = {2: "reference_two_ranks", 3: "three_ranks"}
+
+
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_statistics_match_the_all_gather_reference(world):
-    records = spawn(_check_reference, world, args=(1024, 4, {}), timeout=TIMEOUT)
+def test_statistics_match_the_all_gather_reference(request, world):
+    if world in REFERENCE_FIXTURES:
+        records = request.getfixturevalue(REFERENCE_FIXTURES[world])[ALL_GATHER_REFERENCE[0]]
+    else:
+        records = spawn(_check_reference, world, args=ALL_GATHER_REFERENCE[2], timeout=TIMEOUT)
+    assert len(records) == world and all(len(r) == 4 for r in records), world
     assert all(r == records[0] for r in records), "statistics must be identical on every rank"
     assert len(records[0][-1]["buckets"]) >= 3, "the model must span several buckets"
     assert records[0][-1]["transport"] == "piggyback"
 
 
-@pytest.mark.parametrize(
-    "ddp_kwargs",
-    [
-        {"gradient_as_bucket_view": True},
-        {"static_graph": True},
-        {"find_unused_parameters": True, "unused": True},
-    ],
-    ids=["bucket_view", "static_graph", "find_unused"],
-)
-def test_statistics_match_reference_under_ddp_options(ddp_kwargs):
-    records = spawn(_check_reference, 2, args=(256, 3, ddp_kwargs), timeout=TIMEOUT)
-    if "unused" in ddp_kwargs:
+DDP_OPTIONS = {
+    "bucket_view": {"gradient_as_bucket_view": True},
+    "static_graph": {"static_graph": True},
+    "find_unused": {"find_unused_parameters": True, "unused": True},
+}
+
+
+@pytest.fixture(scope="module")
+def reference_two_ranks() -> dict:
+    """``_check_reference`` on two ranks: the all-gather reference, every DDP option and
+    sketch_dim=0, in one spawn."""
+    cases = [(name, _check_reference, (256, 3, ddp_kwargs)) for name, ddp_kwargs in DDP_OPTIONS.items()]
+    return _spawn_cases(2, [ALL_GATHER_REFERENCE, *cases, ("sketch_dim_zero", _check_reference, (0, 2, {}))])
+
+
+@pytest.mark.parametrize("option", list(DDP_OPTIONS))
+def test_statistics_match_reference_under_ddp_options(reference_two_ranks, option):
+    records = reference_two_ranks[option]  # _check_reference compared every step on every rank
+    assert len(records) == 2 and all(len(r) == 3 for r in records), option
+    if "unused" in DDP_OPTIONS[option]:
         unused = [p for p in records[0][-1]["parameters"] if p["name"].startswith("unused.")]
         assert unused and all(p["grad_norms"] == [0.0, 0.0] for p in unused)
 
 
-def test_sketch_dim_zero_gives_norms_and_losses_only():
-    records = spawn(_check_reference, 2, args=(0, 2, {}), timeout=TIMEOUT)
+def test_sketch_dim_zero_gives_norms_and_losses_only(reference_two_ranks):
+    records = reference_two_ranks["sketch_dim_zero"]
     assert records[0][-1]["sketch_dim"] == 0
 
 
@@ -222,8 +275,8 @@ def _check_sketch_exact(rank: int, world: int) -> None:
     torch.testing.assert_close(sketches, expected, rtol=1e-4, atol=1e-6)
 
 
-def test_gathered_sketches_are_exact_projections():
-    spawn(_check_sketch_exact, 3, timeout=TIMEOUT)
+def test_gathered_sketches_are_exact_projections(three_ranks):
+    assert three_ranks["sketch_exact"] == [None] * 3  # _check_sketch_exact compared the sketches on every rank
 
 
 # -- training is numerically unchanged -----------------------------------------------------------
@@ -254,27 +307,48 @@ def _check_parameters_unchanged(rank: int, world: int, hook_kwargs: dict, dtype:
     return bitwise, state.latest.transport
 
 
-@pytest.mark.parametrize("ddp_kwargs", [{}, {"gradient_as_bucket_view": True}], ids=["default", "bucket_view"])
-def test_parameters_bitwise_equal_to_allreduce_hook_on_two_ranks(ddp_kwargs):
-    results = spawn(_check_parameters_unchanged, 2, args=({"sketch_dim": 256}, torch.float32, ddp_kwargs), timeout=TIMEOUT)
-    assert results == [(True, "piggyback")] * 2
+@pytest.fixture(scope="module")
+def unchanged_two_ranks() -> dict:
+    """Every two-rank ``_check_parameters_unchanged`` case (and ``_check_bf16``) in one spawn."""
+    return _spawn_cases(2, [
+        ("default", _check_parameters_unchanged, ({"sketch_dim": 256}, torch.float32, {})),
+        ("bucket_view", _check_parameters_unchanged, ({"sketch_dim": 256}, torch.float32, {"gradient_as_bucket_view": True})),
+        ("auto_transport", _check_parameters_unchanged, ({"sketch_dim": 64, "piggyback_limit_mb": 0.001}, torch.float32, {})),
+        ("bf16_statistics", _check_bf16, ()),
+        ("bf16", _check_parameters_unchanged, ({"sketch_dim": 256}, torch.bfloat16, {})),
+    ])  # fmt: skip
 
 
-def test_parameters_equal_to_rounding_on_three_ranks():
+@pytest.fixture(scope="module")
+def three_ranks() -> dict:
+    """Every three-rank case of this file in one spawn: the all-gather reference, the exact
+    sketches, and both ``_check_parameters_unchanged`` cases."""
+    return _spawn_cases(3, [
+        ALL_GATHER_REFERENCE,
+        ("sketch_exact", _check_sketch_exact, ()),
+        ("rounding", _check_parameters_unchanged, ({"sketch_dim": 256}, torch.float32, {})),
+        ("separate", _check_parameters_unchanged, ({"sketch_dim": 256, "transport": "separate"}, torch.float32, {})),
+    ])  # fmt: skip
+
+
+@pytest.mark.parametrize("case", ["default", "bucket_view"])
+def test_parameters_bitwise_equal_to_allreduce_hook_on_two_ranks(unchanged_two_ranks, case):
+    assert unchanged_two_ranks[case] == [(True, "piggyback")] * 2, case
+
+
+def test_parameters_equal_to_rounding_on_three_ranks(three_ranks):
     # assert_close(rtol=1e-5, atol=0) runs inside; the piggyback buffer may change the reduction order.
-    results = spawn(_check_parameters_unchanged, 3, args=({"sketch_dim": 256}, torch.float32, {}), timeout=TIMEOUT)
-    assert {transport for _, transport in results} == {"piggyback"}
+    results = three_ranks["rounding"]
+    assert len(results) == 3 and {transport for _, transport in results} == {"piggyback"}
 
 
-def test_auto_transport_keeps_the_piggyback_buffer_bounded():
+def test_auto_transport_keeps_the_piggyback_buffer_bounded(unchanged_two_ranks):
     # The last bucket holds ~500 fp32 elements (2 KB): a 1 KB limit sends the slots separately.
-    results = spawn(_check_parameters_unchanged, 2, args=({"sketch_dim": 64, "piggyback_limit_mb": 0.001}, torch.float32, {}), timeout=TIMEOUT)
-    assert results == [(True, "separate")] * 2
+    assert unchanged_two_ranks["auto_transport"] == [(True, "separate")] * 2
 
 
-def test_separate_transport_is_bitwise_on_three_ranks():
-    results = spawn(_check_parameters_unchanged, 3, args=({"sketch_dim": 256, "transport": "separate"}, torch.float32, {}), timeout=TIMEOUT)
-    assert results == [(True, "separate")] * 3
+def test_separate_transport_is_bitwise_on_three_ranks(three_ranks):
+    assert three_ranks["separate"] == [(True, "separate")] * 3
 
 
 def _check_bf16(rank: int, world: int) -> None:
@@ -296,10 +370,9 @@ def _check_bf16(rank: int, world: int) -> None:
         model.zero_grad()
 
 
-def test_bf16_model_gets_fp32_accurate_norms_and_unchanged_training():
-    spawn(_check_bf16, 2, timeout=TIMEOUT)
-    results = spawn(_check_parameters_unchanged, 2, args=({"sketch_dim": 256}, torch.bfloat16, {}), timeout=TIMEOUT)
-    assert results == [(True, "separate")] * 2
+def test_bf16_model_gets_fp32_accurate_norms_and_unchanged_training(unchanged_two_ranks):
+    assert unchanged_two_ranks["bf16_statistics"] == [None, None]  # _check_bf16 compared both steps
+    assert unchanged_two_ranks["bf16"] == [(True, "separate")] * 2
 
 
 def _check_wrapped_comm_hook(rank: int, world: int) -> tuple:
@@ -313,8 +386,23 @@ def _check_wrapped_comm_hook(rank: int, world: int) -> tuple:
     return all(torch.equal(a, b) for a, b in zip(expected, got)), state.latest.transport
 
 
-def test_wrapping_another_comm_hook_keeps_its_result():
-    assert spawn(_check_wrapped_comm_hook, 2, timeout=TIMEOUT) == [(True, "separate")] * 2
+@pytest.fixture(scope="module")
+def two_rank_steps(tmp_path_factory) -> dict:
+    """The two-rank runs of a wrapped comm hook, every, no_sync, non-finite values and the JSONL
+    sink in one spawn; the sink's folder under "jsonl_folder"."""
+    folder = tmp_path_factory.mktemp("jsonl")
+    runs = _spawn_cases(2, [
+        ("wrapped_comm_hook", _check_wrapped_comm_hook, ()),
+        ("every", _check_every, ()),
+        ("no_sync", _check_no_sync, ()),
+        ("nonfinite", _check_nonfinite, ()),
+        ("jsonl", _check_jsonl, (str(folder),)),
+    ])  # fmt: skip
+    return {**runs, "jsonl_folder": folder}
+
+
+def test_wrapping_another_comm_hook_keeps_its_result(two_rank_steps):
+    assert two_rank_steps["wrapped_comm_hook"] == [(True, "separate")] * 2
 
 
 # -- sampling, accumulation, non-finite values ---------------------------------------------------
@@ -339,8 +427,8 @@ def _check_every(rank: int, world: int) -> list:
     return seen, records
 
 
-def test_every_instruments_one_step_in_n_and_keeps_the_last_record():
-    seen, records = spawn(_check_every, 2, timeout=TIMEOUT)[0]
+def test_every_instruments_one_step_in_n_and_keeps_the_last_record(two_rank_steps):
+    seen, records = two_rank_steps["every"][0]
     assert seen == [(1, 0), (2, 0), (3, 0), (4, 3), (5, 3), (6, 3), (7, 6), (8, 6), (9, 6)]
     # A record is final when backward() returns: the step-6 record read after step 6 is the one
     # read after steps 7 and 8 (the pipeline works on it in between), cosine_previous included.
@@ -369,8 +457,8 @@ def _check_no_sync(rank: int, world: int) -> None:
         model.zero_grad()
 
 
-def test_gradient_accumulation_with_no_sync():
-    spawn(_check_no_sync, 2, timeout=TIMEOUT)
+def test_gradient_accumulation_with_no_sync(two_rank_steps):
+    assert two_rank_steps["no_sync"] == [None, None]  # _check_no_sync compared every step on every rank
 
 
 def _check_nonfinite(rank: int, world: int) -> dict:
@@ -388,8 +476,8 @@ def _check_nonfinite(rank: int, world: int) -> dict:
     return record
 
 
-def test_non_finite_gradients_and_losses_are_reported_not_raised():
-    record = spawn(_check_nonfinite, 2, timeout=TIMEOUT)[0]
+def test_non_finite_gradients_and_losses_are_reported_not_raised(two_rank_steps):
+    record = two_rank_steps["nonfinite"][0]
     assert record["nonfinite"]["losses"] == [0]
     bad = record["nonfinite"]["gradients"]
     assert [(b["rank"], b["parameter"]) for b in bad] == [(1, "hidden.weight")]
@@ -407,8 +495,9 @@ def _check_jsonl(rank: int, world: int, folder: str) -> None:
     state.close()
 
 
-def test_jsonl_sink_writes_one_flushed_line_per_instrumented_step_on_rank_zero(tmp_path):
-    spawn(_check_jsonl, 2, args=(str(tmp_path),), timeout=TIMEOUT)
+def test_jsonl_sink_writes_one_flushed_line_per_instrumented_step_on_rank_zero(two_rank_steps):
+    tmp_path = two_rank_steps["jsonl_folder"]
+    assert two_rank_steps["jsonl"] == [None, None]
     assert not (tmp_path / "stats-1.jsonl").exists()
     lines = (tmp_path / "stats-0.jsonl").read_text().splitlines()
     assert json.loads(lines[0]) == {"header": {"run": "test"}}

@@ -7,9 +7,9 @@ no replica alert at any check, and a rank whose parameters drift is still named.
 
 import pytest
 import torch
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from test_hook import _spawn_cases
 
 import ddphooks
 from ddphooks.launch import spawn
@@ -62,15 +62,36 @@ def _check_ddp(rank: int, world: int, broadcast: bool, drift_rank: int | None) -
 
 
 def _check_fsdp2(rank: int, world: int) -> tuple[list, list]:
+    # Imported here: torch.distributed.fsdp takes most of a second to import, in every worker.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
     torch.manual_seed(0)
     model = _ConvNet()
     fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
     return _train(rank, model, None)
 
 
+def _ddp_runs(world: int, drift_rank: int | None) -> dict:
+    """``_check_ddp`` with broadcast_buffers on and off, in one spawn; keyed by broadcast."""
+    results = _spawn_cases(world, [(f"broadcast={broadcast}", _check_ddp, (broadcast, drift_rank)) for broadcast in (True, False)], TIMEOUT)
+    return {broadcast: results[f"broadcast={broadcast}"] for broadcast in (True, False)}
+
+
+@pytest.fixture(scope="module")
+def healthy_ddp_runs() -> dict:
+    return _ddp_runs(2, None)
+
+
+@pytest.fixture(scope="module")
+def drifting_ddp_runs() -> dict:
+    return _ddp_runs(3, 1)
+
+
 @pytest.mark.parametrize("broadcast", [True, False])
-def test_batchnorm_under_ddp_raises_no_replica_alert(broadcast):
-    results = spawn(_check_ddp, 2, args=(broadcast, None), timeout=TIMEOUT)
+def test_batchnorm_under_ddp_raises_no_replica_alert(healthy_ddp_runs, broadcast):
+    results = healthy_ddp_runs[broadcast]
+    assert len(results) == 2, broadcast
     for alerts, replicas in results:
         assert [a for a in alerts if a[2] == "replica"] == []
         assert all(r["ranks"] == [] and r["tensors"] == 0 for r in replicas), replicas
@@ -85,8 +106,8 @@ def test_batchnorm_under_fsdp2_raises_no_replica_alert():
 
 
 @pytest.mark.parametrize("broadcast", [True, False])
-def test_a_drifting_replica_is_still_named_beside_batchnorm(broadcast):
-    alerts, replicas = spawn(_check_ddp, 3, args=(broadcast, 1), timeout=TIMEOUT)[0]
+def test_a_drifting_replica_is_still_named_beside_batchnorm(drifting_ddp_runs, broadcast):
+    alerts, replicas = drifting_ddp_runs[broadcast][0]
     assert all(r["ranks"] == [] for r in replicas[:3])
     assert replicas[3]["ranks"] == [1] and {p["name"] for p in replicas[3]["parameters"]} >= {"head.weight"}
     assert ("replica" in {kind for _, _, kind in alerts}) and {rank for _, rank, kind in alerts if kind == "replica"} == {1}

@@ -240,16 +240,25 @@ def test_sketched_cosine_rms_error_within_bound():
     families of gradients; with table signs no more than 1.3 times the error with independent
     signs."""
     squared = {}
-    for seed in range(SEEDS):  # outermost: each seed's projections are made once (_projection)
-        for family in ("dense", "contiguous", "column", "constant"):
-            for cosine in (-0.5, 0.0, 0.5, 0.9):
-                rng = np.random.default_rng([seed, int(cosine * 10) + 10, len(family)])
-                pair = [torch.from_numpy(v).float() for v in _pair(family, cosine, rng)]
-                for k in SKETCH_DIMS:
-                    for scheme in SCHEMES[:2]:
-                        sketches = np.stack([_sketch(vector, scheme, seed, sketch_bins(k)) for vector in pair])
-                        error = cosine_from_sketches(sketches)[0, 1] - cosine
-                        squared.setdefault((scheme, k, family, cosine), []).append(error**2)
+    # One torch thread: numpy's BLAS threads (the dot products of _pair) still spin when torch's
+    # start, and on a 2-core machine the two pools fought over the cores (the loop ran 3x slower).
+    # Every sketch is the same at any thread count (bitwise: the element-wise reference, and the
+    # kernel, see test_sketch_is_the_same_in_another_process_with_other_threads_and_chunks).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for seed in range(SEEDS):  # outermost: each seed's projections are made once (_projection)
+            for family in ("dense", "contiguous", "column", "constant"):
+                for cosine in (-0.5, 0.0, 0.5, 0.9):
+                    rng = np.random.default_rng([seed, int(cosine * 10) + 10, len(family)])
+                    pair = [torch.from_numpy(v).float() for v in _pair(family, cosine, rng)]
+                    for k in SKETCH_DIMS:
+                        for scheme in SCHEMES[:2]:
+                            sketches = np.stack([_sketch(vector, scheme, seed, sketch_bins(k)) for vector in pair])
+                            error = cosine_from_sketches(sketches)[0, 1] - cosine
+                            squared.setdefault((scheme, k, family, cosine), []).append(error**2)
+    finally:
+        torch.set_num_threads(threads)
     rms = {}
     for (scheme, k, family, _), errors in squared.items():
         rms.setdefault((scheme, k, family), []).extend(errors)
