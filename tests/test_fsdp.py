@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import ddphooks
+import ddphooks.fsdp
 from ddphooks.launch import spawn
 from test_hook import TIMEOUT, _batch, _compare, _loss, _Messages, _Net, _reference
 
@@ -166,7 +167,18 @@ def _check_two_ranks(rank: int, world: int) -> dict:
         "errors": _check_errors(rank, world),
         "root_only_every_2": _check_root_only_every(rank, world),
         "unused": _check_unused_parameters(rank, world),
+        "by_column": _check_by_column(rank, world),
     }
+
+
+def _check_by_column(rank: int, world: int) -> list[dict]:
+    """The per-parameter norms by column (what groups of many shards use) on the same reference."""
+    segments = ddphooks.fsdp.COLUMN_SEGMENTS
+    ddphooks.fsdp.COLUMN_SEGMENTS = 0  # every group by column, at 2 shards
+    try:
+        return _check_reference(rank, world, (world,), 1, False)
+    finally:
+        ddphooks.fsdp.COLUMN_SEGMENTS = segments
 
 
 def _check_replica_divergence(rank: int, world: int) -> dict:
@@ -238,6 +250,31 @@ def test_hsdp_statistics_span_the_whole_mesh_with_accumulation(hsdp):
     records = [r["accumulation"] for r in hsdp]
     _same_on_every_rank_and_linked(records, hsdp=True)
     assert all(len(record["losses"]) == 4 for record in records[0])
+
+
+def test_norms_by_column_match_the_unsharded_reference(two_ranks):
+    # _check_reference compares every record with the reference (as for "fp32"); here the same checks
+    # pass with every group's per-parameter norms taken by column
+    _same_on_every_rank_and_linked([r["by_column"] for r in two_ranks], hsdp=False)
+    by_column, by_segment = (two_ranks[0][case][1]["parameters"] for case in ("by_column", "fp32"))
+    assert [v for p in by_column for v in p["grad_norms"]] == pytest.approx([v for p in by_segment for v in p["grad_norms"]], rel=1e-5)
+
+
+def test_column_norms_of_many_shards_equal_the_float64_sums():
+    from ddphooks.fsdp import _column_norms
+
+    shards, lengths = 1024, [36, 96, 1, 2]
+    rows = torch.randn(shards, sum(lengths), generator=torch.Generator().manual_seed(0))
+    columns = [(sum(lengths[:j]), sum(lengths[: j + 1])) for j in range(len(lengths))]
+    expected = [float((rows[:, a:b].double() ** 2).sum()) for a, b in columns]
+    for block_elems in (1, 1000, 1 << 17):  # a row at a time, blocks that split the rows unevenly, one block
+        out = torch.empty(len(lengths))
+        _column_norms(rows, lengths, out, block_elems)
+        assert out.tolist() == pytest.approx(expected, rel=1e-5), block_elems
+    out = torch.empty(len(lengths))
+    _column_norms(rows.to(torch.bfloat16), lengths, out, 1000)  # half precision summed in fp32
+    expected = [float((rows[:, a:b].to(torch.bfloat16).double() ** 2).sum()) for a, b in columns]
+    assert out.tolist() == pytest.approx(expected, rel=1e-5)
 
 
 def test_training_is_bitwise_unchanged(two_ranks):
