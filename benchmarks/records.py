@@ -172,7 +172,8 @@ def measure_after(fresh, world, submits, detail_submits, folder):
     for line in sink.path.read_text(encoding="utf-8").splitlines():
         record = json.loads(line)
         sizes[record["detail"]].append(len(line.encode()) + 1)
-        with_previous.append(record["cosine_previous"] is not None)
+        # Above per_rank_max_world a compact record carries the signal over ranks, not per rank.
+        with_previous.append(record["cosine_previous" if record["per_rank"] else "cosine_previous_over_ranks"] is not None)
     compact, detail = statistics.median(sizes[False]), statistics.median(sizes[True])
     writer_s = {kind: [b + w for b, w in zip(build_s[kind], write_s[kind])] for kind in (True, False)}
     per_step = lambda compact_value, detail_value: (detail_value + (builder.detail_every - 1) * compact_value) / builder.detail_every
