@@ -9,6 +9,7 @@ writes the ddphooks records to ``OUT/stats.jsonl``.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -63,4 +64,9 @@ info = {
 }
 (out / f"losses-rank{rank}.json").write_text(json.dumps(info))
 dist.barrier()
+# Release everything that holds the process group (DDP's reducer, the state) while the interpreter
+# is alive: a gloo group destroyed only at interpreter exit can abort it (torch's worker threads
+# still hold work whose tensors need the GIL), "terminate called without an active exception".
+del model, state, optimizer, loss
+gc.collect()
 dist.destroy_process_group()
