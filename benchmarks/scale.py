@@ -42,7 +42,7 @@ input per step (each parameter padded to a multiple of W rows: it grows with W o
 and the pass per element of it, and the step (forward and backward, no communication) for scale.
 
     python benchmarks/scale.py                  # W = 8, 64, 256, 1024, 4096, a 16 M-parameter tiny Llama (273 tensors)
-    python benchmarks/scale.py --quick          # W = 8 and 64, a 2-layer tiny Llama (seconds)
+    python benchmarks/scale.py --quick          # W = 8, 64 and 512, a 2-layer tiny Llama (seconds)
     python benchmarks/scale.py --worlds 8 1024 --steps 5 --json scale.json
 """
 
@@ -80,7 +80,7 @@ ATTACH = importlib.import_module("ddphooks.attach")  # the module (ddphooks.atta
 HOOK = importlib.import_module("ddphooks.hook")
 
 # -- config ----------------------------------------------------------------------------------------
-WORLDS, QUICK_WORLDS = (8, 64, 256, 1024, 4096), (8, 64)
+WORLDS, QUICK_WORLDS = (8, 64, 256, 1024, 4096), (8, 64, 512)
 # 30 layers x 9 tensors + embedding, norm and head: 273 parameter tensors, 16.4 M parameters.
 MODEL = dict(vocab_size=8192, hidden=192, layers=30, heads=8)
 QUICK_MODEL = dict(vocab_size=512, hidden=64, layers=2, heads=4)
@@ -319,7 +319,9 @@ def _measure(world: int, model_args: dict, steps: int, collectives: FakeCollecti
     stats = state.latest
     compact = RecordBuilder(1, DEFAULTS.detail_every, DEFAULTS.detail_max_world).build(stats)
     detail = RecordBuilder(1, 1, DEFAULTS.detail_max_world).build(stats)
-    assert not compact["detail"] and detail["detail"] and compact["cosine_previous"] is not None
+    # Above per_rank_max_world the compact record carries each per-rank signal over the ranks.
+    previous = compact["cosine_previous" if compact["per_rank"] else "cosine_previous_over_ranks"]
+    assert not compact["detail"] and detail["detail"] and previous is not None
     kept = retained_tensors(state)
     gradient_bytes = 4 * parameter_count(module)
     beyond = [s - a for s, a in zip(timer.samples["silent"], timer.samples["allreduce"])]
@@ -404,7 +406,7 @@ def measure_fsdp(world: int, model_args: dict, steps: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="W = 8 and 64, a 2-layer tiny Llama, 3 timed steps")
+    parser.add_argument("--quick", action="store_true", help="W = 8, 64 and 512, a 2-layer tiny Llama, 3 timed steps")
     parser.add_argument("--worlds", type=int, nargs="+", default=None)
     parser.add_argument("--steps", type=int, default=None, help="timed steps per W (after the warm-up)")
     parser.add_argument("--json", default=None, help="write the rows to this file")

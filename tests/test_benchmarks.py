@@ -219,7 +219,7 @@ def test_scale_quick_table_on_the_fake_process_group(tmp_path):
     out = tmp_path / "scale.json"
     stdout = _run("scale.py", "--quick", "--json", str(out))
     rows = {r["world_size"]: r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {8, 64}
+    assert set(rows) == {8, 64, 512}
     for world, r in rows.items():
         assert r["transport"] == "piggyback" and r["tensors"] == 21 and r["steps"] == 3  # the real DDP path, its final buckets
         for key in ("allreduce_hook_ms", "silent_hook_ms", "slot_parts_ms", "detector_ms", "kept_bytes", "slot_numel", "replica_check_ms"):
@@ -229,11 +229,12 @@ def test_scale_quick_table_on_the_fake_process_group(tmp_path):
         assert 0 < r["slot_fraction_of_gradient_bytes"] < 1
         assert 0 < r["compact_record_bytes"] < r["detail_record_bytes"]
     assert rows[64]["compact_record_bytes"] > rows[8]["compact_record_bytes"]  # O(W) per-rank vectors
+    assert rows[512]["compact_record_bytes"] < rows[64]["compact_record_bytes"]  # above per_rank_max_world: over ranks, O(1)
     table = [line for line in stdout.splitlines() if line.startswith("| ")]
-    assert table[0].startswith("| W | DDP in-hook ms beyond allreduce_hook | detector ms") and len(table) == 2 * (1 + 2)
-    assert table[3].startswith("| W | FSDP2 statistics pass ms/step")
+    assert table[0].startswith("| W | DDP in-hook ms beyond allreduce_hook | detector ms") and len(table) == 2 * (1 + 3)
+    assert table[4].startswith("| W | FSDP2 statistics pass ms/step")
     sharded = {r["world_size"]: r for r in json.loads(out.read_text())["fsdp_rows"]}
-    assert set(sharded) == {8, 64}
+    assert set(sharded) == {8, 64, 512}
     for world, r in sharded.items():  # the real FSDP2 path: the pass ran inside every reduce-scatter
         assert r["pass_ms"] > 0 and r["step_ms"] > r["pass_ms"] and r["input_elements"] > 0, (world, r)
         assert r["pass_ns_per_element"] == pytest.approx(1e6 * r["pass_ms"] / r["input_elements"])
