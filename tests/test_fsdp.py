@@ -277,6 +277,45 @@ def test_column_norms_of_many_shards_equal_the_float64_sums():
     assert out.tolist() == pytest.approx(expected, rel=1e-5)
 
 
+def test_many_shards_skip_the_padding_rows_and_keep_the_norms():
+    # One rank of 256 on the fake process group: the real fully_shard copy-in, with more shards than
+    # any of _Net's parameters has rows along dim 0. The rows past a group's last parameter row are
+    # FSDP2's zero padding, left out of the pass; the per-parameter norms equal the float64 sums
+    # over the whole input, padding included.
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    shards = 256  # 2 parameters x 256 rows a group: by column (COLUMN_SEGMENTS)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=shards)
+    try:
+        torch.manual_seed(0)
+        model = _Net()
+        mesh = init_device_mesh("cpu", (shards,))
+        for layer in (model.inp, model.hidden):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        state = ddphooks.attach(model, detect=False)
+        inputs, measure = {}, state._measure
+        state._measure = lambda comm, output, flat: (inputs.__setitem__(id(comm), flat.clone()), measure(comm, output, flat))
+        for _ in range(2):  # the second step after the plans exist
+            loss = model(torch.randn(4, 16)).square().mean()
+            state.observe_loss(loss)
+            loss.backward()
+        checked = {}
+        for key, entry in state._entries.items():
+            rows = inputs[key].view(shards, -1)
+            assert entry.by_column and torch.count_nonzero(rows[entry.data_rows :]) == 0
+            bounds = torch.tensor([0, *entry.shard_lengths]).cumsum(0).tolist()
+            expected = [float((rows[:, a:b].double() ** 2).sum()) for a, b in zip(bounds, bounds[1:])]
+            assert entry.sq_norms.tolist() == pytest.approx(expected, rel=1e-5)
+            checked[entry.layout.names[0]] = entry.data_rows
+        state.close()
+    finally:
+        dist.destroy_process_group()
+    # inp (48 rows along dim 0), hidden (64), the root with out (8): every group skips rows
+    assert sorted(checked.values()) == [8, 48, 64]
+
+
 def test_training_is_bitwise_unchanged(two_ranks):
     # reshard_after_forward True and False in fp32; bf16 parameters with accumulation
     assert [r["unchanged"] for r in two_ranks] == [[True, True, True]] * 2
