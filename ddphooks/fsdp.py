@@ -263,7 +263,7 @@ class ShardedSilentState(BaseSilentState):
             # exact) and say so once.
             fqn = getattr(group, "_module_fqn", "") or "model"
             lengths, names, numels = [flat.numel() // self._shards], (f"{fqn}.(parameters with gradients)",), (flat.numel(),)
-            params = []
+            params = []  # one unit: no parameter's rows to go by
             self._say_once(
                 "unused",
                 "ddphooks: some parameters of FSDP module %r got no gradient, so its per-parameter norms are recorded as "
@@ -274,13 +274,12 @@ class ShardedSilentState(BaseSilentState):
             kernel.forget(entry.plan)
         chunk = self.config.chunk_elems or (CPU_CHUNK_ELEMS if flat.device.type == "cpu" else ACCELERATOR_CHUNK_ELEMS)
         by_column = self._shards * len(lengths) > COLUMN_SEGMENTS
-        data_rows = self._shards
+        data_rows = _rows_with_data(params, self._shards) if by_column else self._shards
         if by_column:
             # The kernel takes the sketch of the input (the same signs, position by position) and
             # one norm; the parameters' norms come by column. Both stop after the last row that holds
             # gradient: with more shards than a parameter has rows along dim 0, FSDP2 pads the rest
             # with zeros (3.3x the gradient at 1024 shards for the 16 M tiny Llama), which add nothing.
-            data_rows = _rows_with_data(params, self._shards) if params else self._shards
             plan = BucketPlan([data_rows * sum(lengths)], self.bins, comm.base, flat.device, chunk)
             sq_rows = torch.empty(1, dtype=torch.float32, device=flat.device)
         else:
@@ -387,7 +386,9 @@ def _rows_with_data(params: list, shards: int) -> int:
     """How many leading rows of a group's reduce-scatter input hold gradient: FSDP2 gives shard
     row ``r`` the rows ``[r c, (r + 1) c)`` of a parameter sharded on dim 0 (``c`` its padded
     shard's length there), zeros past the parameter's end; on another dim it shards evenly, every
-    row full."""
+    row full. Without parameters to go by (a group measured as one unit), every row."""
+    if not params:
+        return shards
     rows = 0
     for param in params:
         chunk = param.padded_sharded_param_size[0] if len(param.padded_sharded_param_size) else 0
