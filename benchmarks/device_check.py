@@ -220,19 +220,25 @@ def _train(rank: int, device: torch.device, hook: str, kernel: str | None, shard
     return {"records": records, "params": params, "kernels": kernels}
 
 
-def _correctness_worker(rank: int, world: int, small: bool, kernels: list[str], sharded: bool) -> dict:
-    """On every rank: the CPU reference, the device runs with each kernel and the plain device run.
-    A run that raises is reported (every rank raises alike: the same code on the same shapes)."""
+#: The runs of a correctness part: the CPU reference, the plain device run, then ddphooks on the device.
+def correctness_runs(kernels: list[str]) -> list[tuple[str, str, str | None]]:
+    return [("cpu", "silent", "torch"), ("device", "plain", None)] + [("device", "silent", kernel) for kernel in kernels]
+
+
+def _correctness_worker(rank: int, world: int, small: bool, run: tuple[str, str, str | None], sharded: bool) -> dict:
+    """One run on every rank (the CPU reference, the plain device run or ddphooks on the device).
+    A run that raises is reported (every rank raises alike: the same code on the same shapes); a
+    crash (a signal) is reported by ``run_part``, which starts each run in its own processes, with
+    Python's traceback of the crash on stderr (faulthandler)."""
+    import faulthandler
+
+    faulthandler.enable()
     device = the_device(small)
-    runs = {("cpu", "silent", "torch"): torch.device("cpu"), ("device", "plain", None): device}
-    runs.update({("device", "silent", kernel): device for kernel in kernels})
-    results = {}
-    for (where, hook, kernel), run_device in runs.items():
-        try:
-            results[f"{where}/{hook}/{kernel}"] = _train(rank, run_device, hook, kernel, sharded)
-        except Exception as error:
-            results[f"{where}/{hook}/{kernel}"] = {"error": error_text(error), "traceback": traceback.format_exc()[-3000:]}
-    return results
+    where, hook, kernel = run
+    try:
+        return _train(rank, torch.device("cpu") if where == "cpu" else device, hook, kernel, sharded)
+    except Exception as error:
+        return {"error": error_text(error), "traceback": traceback.format_exc()[-3000:]}
 
 
 def correctness_rows(part: str, ranks: list[dict], kernels: list[str], device_name: str, backend: str) -> list[dict]:
@@ -410,7 +416,10 @@ def _stats_worker(rank: int, world: int, small: bool, with_triton: bool, sizes: 
             for n_params in (8, 160):
                 key = {"bucket_mb": size_mb, "dtype": str(dtype).removeprefix("torch."), "params": n_params}
                 try:
-                    results.append({**key, **measure_layout(device, size_mb, dtype, n_params, rounds, 256, with_triton=with_triton)})
+                    result = {**key, **measure_layout(device, size_mb, dtype, n_params, rounds, 256, with_triton=with_triton)}
+                    if with_triton:
+                        result["division"] = divides_like_torch(device, size_mb, dtype, n_params)
+                    results.append(result)
                 except Exception as error:
                     results.append({**key, "error": error_text(error)})
                 if device.type == "cuda":
@@ -418,16 +427,49 @@ def _stats_worker(rank: int, world: int, small: bool, with_triton: bool, sizes: 
     return results
 
 
+def divides_like_torch(device: torch.device, size_mb: float, dtype: torch.dtype, n_params: int) -> dict:
+    """The Triton pass's division by W (``run(divide_by=...)``, allreduce_hook's division done in
+    the statistics pass) on one bucket layout: whether the kernel's probe accepts it for this dtype
+    (``divides_like_torch``; else the hook divides with torch), and whether the bucket is then
+    bitwise equal to ``torch.div``."""
+    from triton_sketch import bucket_layout
+
+    from ddphooks.sketch import BucketPlan, SignTable, sketch_bins
+    from ddphooks.triton_stats import TritonBucketStats
+
+    bins, world = sketch_bins(256), 3
+    lengths = bucket_layout(size_mb, dtype, n_params)
+    plan = BucketPlan(lengths, bins, 0, device, 1 << 23)
+    flat = torch.randn(plan.numel, generator=torch.Generator().manual_seed(1)).to(device=device, dtype=dtype)
+    kernel = TritonBucketStats(bins, device, SignTable(0, bins, device))
+    if not kernel.divides_like_torch(dtype, world):
+        return {"accepted": False, "bitwise": None}
+    divided = flat.clone()
+    kernel.run(divided, plan, torch.zeros(bins, device=device), torch.empty(n_params, device=device), divide_by=world)
+    return {"accepted": True, "bitwise": torch.equal(divided, torch.div(flat, world))}
+
+
 def stats_rows(results: list[dict], small: bool, triton_reason: str | None) -> list[dict]:
     rows = []
     for r in results:
+        if "division" in r:
+            name = f"triton pass divides by W like torch.div, bitwise: {r['bucket_mb']:g} MB {r['dtype']} {r['params']} params"
+            accepted, bitwise = r["division"]["accepted"], r["division"]["bitwise"]
+            if not accepted:  # the hook divides with torch: a launch more, nothing wrong
+                refused = "the kernel's probe found it does not divide like torch here, so the hook divides with torch"
+                if small and r["dtype"] != "float32":
+                    rows.append(row("stats", name, "goal", "skipped", refused + " (Triton's interpreter truncates fp32 to bf16)", **r["division"]))
+                else:
+                    rows.append(row("stats", name, "goal", "fail", refused, **r["division"]))
+            else:
+                rows.append(row("stats", name, "correctness", "pass" if bitwise else "fail", "" if bitwise else "the probe accepted a division that is not bitwise", **r["division"]))
         name = f"statistics pass {r['bucket_mb']:g} MB {r['dtype']} {r['params']} params: torch path, triton vs a read"
         if "error" in r:
             rows.append(row("stats", name, "goal", "fail", "error: " + r["error"]))
             continue
         misses = [f"{path} {r['x_read'][path]['median']:.2f}x read" for path in r["x_read"] if r["x_read"][path]["median"] > GOAL_X_READ]
         misses += [f"{path} {n} launches" for path, n in r["launches"].items() if n > GOAL_LAUNCHES]
-        figures = {k: v for k, v in r.items() if k not in ("bucket_mb", "dtype", "params")}
+        figures = {k: v for k, v in r.items() if k not in ("bucket_mb", "dtype", "params", "division")}
         figures.update(bucket_mb=r["bucket_mb"], dtype=r["dtype"], params=r["params"], read_gb_s=r["bytes"] / r["read_s"] / 1e9)
         if small:
             status, reason = "skipped", "no CUDA: the CPU (and Triton's interpreter) only exercise the code"
@@ -651,7 +693,18 @@ def run_part(part: str, small: bool, kernels: list[str], triton_reason: str | No
     budget = args.budget_scale * BUDGET_S[part]
     try:
         if part in ("correctness", "fsdp"):
-            ranks = spawn(_correctness_worker, 2, args=(small, kernels, part == "fsdp"), timeout=budget, threads=1)
+            # Each run in its own two processes, within the part's budget: a run that crashes its
+            # processes (a signal, not an exception) is named, and the others still run.
+            ranks: list[dict] = [{}, {}]
+            deadline = time.monotonic() + budget
+            for run in correctness_runs(kernels):
+                key = "/".join(map(str, run))
+                try:
+                    results = spawn(_correctness_worker, 2, args=(small, run, part == "fsdp"), timeout=max(1.0, deadline - time.monotonic()), threads=1)
+                except WorkerError as error:
+                    results = [{"error": "the run's processes failed: " + error_text(error), "traceback": str(error)[-3000:]}] * 2
+                for rank, result in enumerate(results):
+                    ranks[rank][key] = result
             rows = correctness_rows(part, ranks, kernels, device_name, "gloo")
         elif part == "sync":
             rows = sync_rows(spawn(_sync_worker, 1, args=(small, kernels, 2, 3), timeout=budget)[0], kernels, small)

@@ -48,10 +48,10 @@ class SilentConfig:
 
     stats_kernel: str = "torch"
     """How the statistics pass runs: "torch" (torch ops in chunks, every device, the default) or
-    "triton" (one Triton kernel per bucket, two launches whatever the bucket's size; CUDA only,
+    "triton" (one Triton kernel per bucket, five launches whatever the bucket's size; CUDA only,
     needs the ``triton`` package and a sketch). Both compute the same norms and sketch, to fp32
-    rounding; see ``ddphooks.triton_stats``. The Triton kernel's speed has not been measured on a
-    GPU yet (``benchmarks/triton_sketch.py --time``)."""
+    rounding; see ``ddphooks.triton_stats``. Measured once on a GPU, before its latest changes
+    (``docs/results/device-2026-12-04.md``): not the default yet."""
 
     detail_every: int = 100
     """Every ``detail_every``-th instrumented step (and the first) writes a *detail* record with

@@ -78,6 +78,8 @@ class _Step:
         self.local_sq: list[torch.Tensor] = []
         self.reduced_sq: list[torch.Tensor | None] = []
         self.fused = device.type != "cpu"  # fused multi-tensor norms of the reduced buckets (accelerators)
+        self.kernel: object = None  # the statistics kernel; its ``norms`` (the Triton kernel) takes the reduced norms
+        self.plans: list[BucketPlan] = []
         self.fingerprinted: list[str] = []  # names of the tensors fingerprinted on a replica-check step
         self.fingerprint: torch.Tensor | None = None
         self.gathered: torch.Tensor | None = None
@@ -366,6 +368,27 @@ class SilentState(BaseSilentState):
         buffer = bucket.buffer().div_(self._divisor)
         return dist.all_reduce(buffer, group=self.process_group, async_op=True).get_future().then(lambda future: future.value()[0])
 
+    def _piggybacks(self, buffer: torch.Tensor) -> bool:
+        """Whether the last bucket, ``buffer``, carries the slots in its own all-reduce (see
+        ``SilentConfig.transport``); raises for a "piggyback" it cannot carry."""
+        transport = self.config.transport
+        piggyback = self.comm_hook is None and transport != "separate" and buffer.dtype == torch.float32
+        if transport == "piggyback" and not piggyback:
+            raise ValueError(f"transport='piggyback' needs fp32 gradient buckets, got {buffer.dtype}; use transport='auto'")
+        if transport == "auto" and buffer.numel() * buffer.element_size() > self.config.piggyback_limit_mb * 2**20:
+            piggyback = False  # keep the persistent copy of the last bucket bounded (a large embedding, say)
+        if transport == "auto" and not self._buckets_final():
+            piggyback = False  # DDP rebuilds its buckets after the first step: size the copy once, for the final last bucket
+        return piggyback
+
+    def _divides_in_pass(self, kernel: object, buffer: torch.Tensor) -> bool:
+        """Whether ``kernel`` does allreduce_hook's division by W in its statistics pass: a kernel
+        that can (the Triton kernel) and does it bitwise as torch does on this device for this
+        dtype and W (checked once, ``divides_like_torch``), for the plain average (no comm_hook,
+        not the present ranks' count under Join)."""
+        divides_like_torch = getattr(kernel, "divides_like_torch", None)
+        return divides_like_torch is not None and self.comm_hook is None and self._divisor is None and divides_like_torch(buffer.dtype, self.world_size)
+
     def _entry(self, bucket: dist.GradBucket, buffer: torch.Tensor, index: int | None = None) -> _BucketEntry:
         """The plan of this bucket's layout; rebuilt when DDP rebuilds its buckets."""
         index = bucket.index() if index is None else index
@@ -487,6 +510,8 @@ def silent_hook(state: SilentState, bucket: dist.GradBucket) -> torch.futures.Fu
        shared by every rank) into the step's sketch.
     2. Every bucket but the last is averaged like ``allreduce_hook``: divide by W first (to avoid
        overflow), allreduce (SUM). Its callback computes ``|gbar_p|^2`` of the reduced gradient.
+       (With ``stats_kernel="triton"`` step 1's pass divides, where a one-time probe shows it
+       bitwise equal to ``torch.div`` on the device.)
     3. The last bucket also carries every rank's slot ``[loss_sum, loss_count, status, |g_p|^2, s]``:
        with the fp32 "piggyback" transport the allreduce runs on one persistent buffer
        ``[bucket / W | W slots]`` where each rank filled its own slot and zeroed the rest, so the
@@ -533,14 +558,25 @@ def silent_hook(state: SilentState, bucket: dist.GradBucket) -> torch.futures.Fu
         raise NotImplementedError("silent_hook does not handle sparse gradients (nn.Embedding(sparse=True)); use dense gradients")
     record = state._current or state._open_step(buffer.device)
     entry = state._entry(bucket, buffer, index)
-    state._kernel(buffer.device).run(buffer, entry.plan, state._sketch if state.bins else None, entry.sq_norms)
+    kernel = state._kernel(buffer.device)
+    piggyback = last and state._piggybacks(buffer)
+    # The Triton kernel divides by W in its pass, bitwise as allreduce_hook would (one launch fewer:
+    # on a GPU the host's launches bound the step); the piggyback divides into its own buffer.
+    divided = not piggyback and state._divides_in_pass(kernel, buffer)
+    if divided:
+        kernel.run(buffer, entry.plan, state._sketch, entry.sq_norms, divide_by=state.world_size)
+    else:
+        kernel.run(buffer, entry.plan, state._sketch if state.bins else None, entry.sq_norms)
     position = len(record.layouts)
+    record.kernel = kernel
+    record.plans.append(entry.plan)
     record.layouts.append(entry.layout)
     record.local_sq.append(entry.sq_norms)
     record.reduced_sq.append(None)
 
     if not last:
-        return state._communicate(bucket).then(partial(_reduced_bucket, state, record, position))
+        future = _all_reduce_divided(state, buffer) if divided else state._communicate(bucket)
+        return future.then(partial(_reduced_bucket, state, record, position))
 
     # The last bucket: every other bucket's statistics are known, pack this rank's slot.
     world = state.world_size
@@ -552,14 +588,6 @@ def silent_hook(state: SilentState, bucket: dist.GradBucket) -> torch.futures.Fu
     n_params = sum(len(layout.numels) for layout in record.layouts)
     slot = slot_size(n_params, state.bins, len(record.fingerprinted))
     widest = slot_size(n_params, state.bins, len(state._replica_tensors or ()))  # a replica check's slot: the buffers' capacity
-    transport = state.config.transport
-    piggyback = state.comm_hook is None and transport != "separate" and buffer.dtype == torch.float32
-    if transport == "piggyback" and not piggyback:
-        raise ValueError(f"transport='piggyback' needs fp32 gradient buckets, got {buffer.dtype}; use transport='auto'")
-    if transport == "auto" and buffer.numel() * buffer.element_size() > state.config.piggyback_limit_mb * 2**20:
-        piggyback = False  # keep the persistent copy of the last bucket bounded (a large embedding, say)
-    if transport == "auto" and not state._buckets_final():
-        piggyback = False  # DDP rebuilds its buckets after the first step: size the copy once, for the final last bucket
     record.transport = "piggyback" if piggyback else "separate"
     status = state._slot_status(record)
     with record.lock:  # before launching: the last callback may run before this call returns
@@ -576,7 +604,7 @@ def silent_hook(state: SilentState, bucket: dist.GradBucket) -> torch.futures.Fu
         future = dist.all_reduce(combined, group=state.process_group, async_op=True).get_future()
         future = future.then(partial(_reduced_piggyback, state, record, position, numel, slot))
     else:
-        gradient_future = state._communicate(bucket)
+        gradient_future = _all_reduce_divided(state, buffer) if divided else state._communicate(bucket)
         slots = state._stats_buffer("_separate", world * slot, torch.float32, buffer.device, world * widest)
         slots.zero_()
         state._pack_slot(record.local_sq, record.fingerprint, slots[state.rank * slot : (state.rank + 1) * slot], status)
@@ -587,10 +615,20 @@ def silent_hook(state: SilentState, bucket: dist.GradBucket) -> torch.futures.Fu
     return future
 
 
+def _all_reduce_divided(state: SilentState, buffer: torch.Tensor) -> torch.futures.Future:
+    """allreduce_hook's all-reduce of a bucket the statistics pass has already divided by W."""
+    work = dist.all_reduce(buffer, group=state.process_group, async_op=True)
+    return work.get_future().then(lambda future: future.value()[0])
+
+
 def _record_reduced(record: _Step, position: int, reduced: torch.Tensor) -> None:
     layout = record.layouts[position]
     out = torch.empty(len(layout.numels), dtype=torch.float32, device=reduced.device)
-    squared_norms(reduced, list(layout.numels), out, fused=record.fused)
+    norms = getattr(record.kernel, "norms", None)  # the Triton kernel: one launch (fp64 keeps the torch path's fp64 sums)
+    if norms is not None and reduced.dtype != torch.float64 and reduced.numel() == record.plans[position].numel:
+        norms(reduced, record.plans[position], out)
+    else:
+        squared_norms(reduced, list(layout.numels), out, fused=record.fused)
     record.reduced_sq[position] = out
 
 

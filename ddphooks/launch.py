@@ -18,6 +18,7 @@ import datetime
 import multiprocessing as mp
 import os
 import queue
+import signal
 import tempfile
 import time
 import traceback
@@ -112,7 +113,7 @@ def spawn(fn: Callable, world: int, args: tuple = (), timeout: float = 300.0, th
                 except queue.Empty:
                     for rank, process in enumerate(processes):
                         if process.exitcode not in (None, 0) and rank not in failures and results.empty():
-                            failures[rank] = f"exited with code {process.exitcode} without reporting"
+                            failures[rank] = f"exited with code {process.exitcode}{_signal_name(process.exitcode)} without reporting"
                     continue
                 if ok:
                     values[rank] = value
@@ -126,3 +127,11 @@ def spawn(fn: Callable, world: int, args: tuple = (), timeout: float = 300.0, th
         if failures:
             raise WorkerError("\n".join(f"rank {rank} failed:\n{text}" for rank, text in sorted(failures.items())))
     return [values[rank] for rank in range(world)]
+
+
+def _signal_name(exitcode: int) -> str:
+    """`` (SIGSEGV)`` for a process killed by a signal (a negative exit code), else empty."""
+    try:
+        return f" ({signal.Signals(-exitcode).name})" if exitcode < 0 else ""
+    except ValueError:
+        return ""

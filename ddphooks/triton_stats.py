@@ -2,35 +2,54 @@
 
 It computes what :class:`ddphooks.sketch.BucketStatsKernel` computes (the squared norm of every
 parameter segment and the sketch with the same signs, ``sigma_x = T[x mod M] v[(x div p) mod R]``)
-in two kernel launches per bucket, whatever the bucket's size and number of parameters: one to
-zero the norms, one for the pass. The torch path needs about five per chunk of 8 M elements.
+in five kernel launches per bucket, whatever the bucket's size and number of parameters: the pass,
+two zeroings (norms, sketch copies) and the copies' sum into the sketch. The torch path needs about
+five per chunk of 8 M elements, and as many again for the reduced bucket's norms, which this kernel
+takes in two (``norms``). Under DDP the pass can also divide the bucket by W (``divide_by``: the
+division ``allreduce_hook`` launches before its all-reduce, saved).
 
 How the pass works:
 
 1. the bucket is cut into tiles of ``ROWS`` rows of ``p`` elements (a ``ROWS x PB`` block, ``PB``
-   the next power of two of ``p``, the columns past ``p`` masked); one program per tile;
+   the next power of two of ``p``, the columns past ``p`` masked); one program per tile. Tiles
+   are small (``TILE_ELEMS``) so that many programs fit on each multiprocessor: a program is a
+   chain of dependent memory reads (its gradient, the segment search) whose latency only other
+   programs hide (8 K-element tiles ran at 150-600 GB/s on an H200, 2026-12-04);
 2. each program reads its gradient elements once (any floating dtype, summed in fp32), multiplies
-   them by their table signs and row signs, and adds its column sums into the sketch (``p``
-   atomic adds);
+   them by their table signs and row signs, and adds its column sums into one of ``COPIES``
+   copies of the sketch (``p`` atomic adds; copy ``program mod COPIES``, so that the thousands of
+   programs of a large bucket do not queue on the same ``p`` addresses); one column sum of the
+   copies then adds the bucket's sketch into the step's;
 3. it finds the first parameter segment that overlaps the tile by a binary search over the
    segment offsets (``n_segments + 1`` integers per plan, nothing per element), and adds its sum
    of squares restricted to each overlapping segment into that segment's norm (one atomic add per
-   segment; a tile of 8 K elements overlaps one or two).
+   segment; a tile overlaps one or two);
+4. with ``DIVIDE`` it writes the quotient back in place, in the gradient's dtype, computed the way
+   ``torch.div`` computes it on this device, so the average is bitwise what ``allreduce_hook``
+   gives: on CUDA torch multiplies by the fp32 reciprocal of a scalar divisor (``a * (1 / W)``,
+   one rounding more than a division), on the CPU it divides. Which one, and whether the kernel
+   matches it bit for bit, is not assumed: ``divides_like_torch`` compares both with
+   ``torch.div`` once per dtype and W on the device (Triton's interpreter rounds fp32 to bf16 by
+   truncation, so there bf16 is not divided in the pass), and the hook divides with torch where
+   the kernel does not match.
 
-Nothing is kept per element: per plan, the segment offsets on the device; per device, the sign
-tables of :class:`~ddphooks.sketch.SignTable`. The sums are taken in another order than the torch
+Offsets inside a tile are 32-bit (the tile's first element, a 64-bit number, is added to the
+pointer once), so no per-element 64-bit arithmetic. Nothing is kept per element: per plan, the
+segment offsets on the device; per kernel, the sign tables of :class:`~ddphooks.sketch.SignTable`
+and the sketch copies (``COPIES x PB`` fp32). The sums are taken in another order than the torch
 path's, so the results agree to rounding (fp32), not bitwise.
 
-Measured on the CPU only, under Triton's interpreter (``TRITON_INTERPRET=1``, set before triton is
+Tested on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``, set before triton is
 imported), where it matches the torch path to 1e-6 (``tests/test_triton_stats.py``); its speed on a
-GPU is what ``python benchmarks/triton_sketch.py --time`` measures, and until a GPU has measured it,
-the torch path stays the default. triton is imported only when this kernel is chosen.
+GPU is what ``benchmarks/device_check.py`` measures (``benchmarks/README.md``, "Device check").
+triton is imported only when this kernel is chosen.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import threading
 
 import torch
 import triton
@@ -39,27 +58,39 @@ import triton.language as tl
 from ddphooks.sketch import ROW_PERIOD, BucketPlan, SignTable
 
 #: Elements per tile (``ROWS`` rows of the next power of two >= ``p``): one program's block.
-TILE_ELEMS = 8192
+TILE_ELEMS = 2048
+#: Copies of the sketch the programs add into (see step 2 of the module's docstring).
+COPIES = 64
 
 
 @triton.jit
-def _bucket_stats(grad_ptr, table_ptr, rows_ptr, offsets_ptr, sketch_ptr, sq_ptr, numel, table_start, row_start, page, period, p,
-                  ROWS: tl.constexpr, PB: tl.constexpr, SEARCH: tl.constexpr):  # fmt: skip
-    first_row = tl.program_id(0).to(tl.int64) * ROWS
-    rows = first_row + tl.arange(0, ROWS)[:, None]
+def _bucket_stats(grad_ptr, table_ptr, rows_ptr, offsets_ptr, copies_ptr, sq_ptr, numel, table_start, row_start, page, period, p,
+                  divisor, ROWS: tl.constexpr, PB: tl.constexpr, SEARCH: tl.constexpr, COPIES: tl.constexpr,
+                  SKETCH: tl.constexpr, DIVIDE: tl.constexpr, RECIPROCAL: tl.constexpr):  # fmt: skip
+    program = tl.program_id(0)
+    first_row = program.to(tl.int64) * ROWS
+    low = first_row * p  # the tile's first element: 64-bit, added to the pointers once
+    size = tl.minimum(numel - low, ROWS * p).to(tl.int32)  # elements of the tile
+    rows = tl.arange(0, ROWS)[:, None]
     cols = tl.arange(0, PB)[None, :]
-    index = rows * p + cols  # the element's offset in the bucket
-    inside = (cols < p) & (index < numel)
-    g = tl.load(grad_ptr + index, mask=inside, other=0.0).to(tl.float32)
-    # The bucket's base enters as its table entry and row sign (base mod page, base row mod period):
-    # small numbers, so no product of the base overflows 32 bits at any model size.
-    table_sign = tl.load(table_ptr + ((table_start + index) & (page - 1)), mask=inside, other=0).to(tl.float32)
-    row_sign = tl.load(rows_ptr + (row_start + rows) % period)
-    column = tl.arange(0, PB)
-    tl.atomic_add(sketch_ptr + column, tl.sum(g * table_sign * row_sign, axis=0), mask=column < p)
-    # The segments that overlap [low, high): offsets[s] <= low < offsets[s + 1] for the first one.
-    low = first_row * p
-    high = tl.minimum(low + ROWS * p, numel)
+    local = rows * p + cols  # offset inside the tile (32-bit)
+    inside = (cols < p) & (local < size)
+    raw = tl.load(grad_ptr + low + local, mask=inside, other=0.0)
+    g = raw.to(tl.float32)
+    if DIVIDE:  # torch's quotient (see step 4): by the reciprocal, or a correctly rounded division
+        quotient = g * divisor if RECIPROCAL else tl.div_rn(g, divisor)
+        tl.store(grad_ptr + low + local, quotient.to(raw.dtype), mask=inside)
+    if SKETCH:
+        # The bucket's base enters as its table entry and row sign (base mod page, base row mod
+        # period): small numbers. The table is stored twice, so a tile's window needs no wrap.
+        first_sign = ((table_start + low) & (page - 1)).to(tl.int32)
+        table_sign = tl.load(table_ptr + first_sign + local, mask=inside, other=0).to(tl.float32)
+        row = ((row_start + first_row) % period).to(tl.int32) + rows
+        row_sign = tl.load(rows_ptr + tl.where(row >= period, row - period, row))
+        column = tl.arange(0, PB)
+        copy = copies_ptr + (program % COPIES) * PB
+        tl.atomic_add(copy + column, tl.sum(g * table_sign * row_sign, axis=0), mask=column < p)
+    # The segments that overlap the tile: offsets[s] <= low < offsets[s + 1] for the first one.
     # Binary search over the 2^SEARCH + 1 offsets (padded with numel, which is > low):
     # offsets[left] <= low < offsets[right] throughout; the last of equal offsets (empty segments,
     # whose norms stay 0) is the one kept.
@@ -72,10 +103,11 @@ def _bucket_stats(grad_ptr, table_ptr, rows_ptr, offsets_ptr, sketch_ptr, sq_ptr
         right = tl.where(go_right, right, middle)
     square = g * g
     segment = left
-    begin = tl.load(offsets_ptr + segment)
-    while begin < high:
-        end = tl.load(offsets_ptr + segment + 1)
-        tl.atomic_add(sq_ptr + segment, tl.sum(tl.where((index >= begin) & (index < end), square, 0.0)))
+    begin = tl.load(offsets_ptr + segment) - low  # <= 0
+    while begin < size:
+        end = tl.load(offsets_ptr + segment + 1) - low
+        part = (local >= begin.to(tl.int32)) & (local < tl.minimum(end, size).to(tl.int32))
+        tl.atomic_add(sq_ptr + segment, tl.sum(tl.where(part, square, 0.0)))
         segment += 1
         begin = end
 
@@ -84,7 +116,8 @@ class TritonBucketStats:
     """Per-parameter squared norms and the sketch of flat buckets, one Triton launch per bucket.
 
     The same interface as :class:`~ddphooks.sketch.BucketStatsKernel` (``run``, ``forget``,
-    ``persistent_bytes``), so the hook and the FSDP2 transport use either.
+    ``persistent_bytes``), so the hook and the FSDP2 transport use either; ``run`` can also divide
+    the bucket by W in the same pass, and ``norms`` takes the squared norms alone.
 
     Args:
         bins: sketch entries ``p`` (a prime > 0).
@@ -97,12 +130,21 @@ class TritonBucketStats:
         check_device(device)
         if bins < 2 or signs is None or signs.bins != bins:
             raise ValueError(f"the Triton kernel needs a sketch (bins={bins}) and a SignTable of as many bins")
+        if TILE_ELEMS > signs.page:
+            raise ValueError(f"tiles of {TILE_ELEMS} elements exceed the sign table's {signs.page} entries")
         self.bins = bins
         self.device = device
         self.signs = signs
         self.block = triton.next_power_of_2(bins)
         self.rows = max(1, TILE_ELEMS // self.block)
+        self.copies = COPIES
+        self._division: dict[tuple[torch.dtype, int], str | None] = {}  # (dtype, W): "reciprocal", "divide" or None
         self._offsets: dict[int, tuple[BucketPlan, torch.Tensor, int]] = {}
+        self._sketches: torch.Tensor | None = None  # COPIES x PB, made at the first run
+        # The reduced norms are taken in communication callbacks, which gloo runs on its own
+        # threads while the hook runs the next bucket: one launch at a time (Triton's interpreter
+        # keeps the grid in globals, and a first launch compiles).
+        self._launching = threading.Lock()
 
     def _prepared(self, plan: BucketPlan) -> tuple[torch.Tensor, int]:
         """The plan's segment offsets padded to a power of two (``2^k + 1`` entries, the padding at
@@ -118,29 +160,90 @@ class TritonBucketStats:
             self._offsets[id(plan)] = entry
         return entry[1], entry[2]
 
-    def run(self, flat: torch.Tensor, plan: BucketPlan, sketch_acc: torch.Tensor | None, sq_norms: torch.Tensor) -> None:
-        """Write ``|g_j|^2`` of every segment into ``sq_norms``; add the sketch into ``sketch_acc``."""
-        if flat.numel() != plan.numel:
-            raise ValueError(f"bucket has {flat.numel()} elements but its plan expects {plan.numel}")
+    def run(self, flat: torch.Tensor, plan: BucketPlan, sketch_acc: torch.Tensor | None, sq_norms: torch.Tensor, divide_by: int | None = None) -> None:
+        """Write ``|g_j|^2`` of every segment into ``sq_norms``; add the sketch into ``sketch_acc``;
+        with ``divide_by`` (W), also divide ``flat`` by it in place, after reading it, as
+        ``torch.div`` would (only where ``divides_like_torch(flat.dtype, W)`` said so)."""
         if plan.bins != self.bins or sketch_acc is None:
             raise ValueError(f"the Triton kernel sketches into {self.bins} bins; got a plan of {plan.bins} and sketch_acc={sketch_acc is not None}")
+        division = None
+        if divide_by is not None:
+            division = self._division.get((flat.dtype, divide_by))
+            if division is None:
+                raise ValueError(f"the Triton kernel does not divide {flat.dtype} by {divide_by} as torch.div does here (divides_like_torch)")
+        if self._sketches is None:
+            self._sketches = torch.zeros(self.copies, self.block, dtype=torch.float32, device=self.device)
+        else:
+            self._sketches.zero_()
+        self._launch(flat, plan, sq_norms, self._sketches, divide_by, division)
+        sketch_acc.add_(self._sketches[:, : self.bins].sum(dim=0))
+
+    def norms(self, flat: torch.Tensor, plan: BucketPlan, sq_norms: torch.Tensor) -> None:
+        """Write ``|g_j|^2`` of every segment into ``sq_norms`` (no sketch): the reduced bucket's."""
+        self._launch(flat, plan, sq_norms, None, None, None)
+
+    def divides_like_torch(self, dtype: torch.dtype, divide_by: int) -> bool:
+        """Whether ``run(divide_by=W)`` leaves a bucket of ``dtype`` bitwise equal to
+        ``torch.div(bucket, W)`` on this device (``allreduce_hook``'s division). Found once per
+        dtype and W, on a probe of 65536 values over every exponent the dtype has, both signs, zeros
+        and subnormals: torch's own quotient tells which formula it uses (see the module's step 4),
+        and the kernel must then reproduce it on the probe bit for bit. One synchronisation, at the
+        first bucket of that dtype."""
+        key = (dtype, divide_by)
+        if key not in self._division:
+            self._division[key] = self._probe_division(dtype, divide_by)
+        return self._division[key] is not None
+
+    def _probe_division(self, dtype: torch.dtype, divide_by: int) -> str | None:
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16) or divide_by < 1:
+            return None
+        generator = torch.Generator().manual_seed(divide_by)
+        info = torch.finfo(dtype)
+        exponents = torch.randint(int(math.log2(info.tiny)) - 8, int(math.log2(info.max)) - 3, (1 << 16,), generator=generator)
+        probe = torch.randn(1 << 16, generator=generator).mul_(torch.pow(2.0, exponents.float())).to(dtype)
+        probe[:4] = torch.tensor([0.0, -0.0, info.tiny, -info.max])
+        probe = probe.to(self.device)
+        expected = torch.div(probe, divide_by)
+        opmath = probe.float()
+        reciprocal = torch.tensor(1.0, dtype=torch.float32) / divide_by  # torch's fp32 reciprocal of a scalar divisor
+        candidates = {"reciprocal": opmath * reciprocal.to(self.device), "divide": opmath / divide_by}
+        plan = BucketPlan([probe.numel()], self.bins, 0, self.device, probe.numel())
+        sq, sketches = torch.empty(1, device=self.device), torch.zeros(self.copies, self.block, device=self.device)
+        for division, quotient in candidates.items():
+            if not torch.equal(quotient.to(dtype), expected):
+                continue  # not torch's formula here
+            divided = probe.clone()
+            self._launch(divided, plan, sq, sketches, divide_by, division)
+            if torch.equal(divided, expected):
+                return division
+        return None
+
+    def _launch(self, flat: torch.Tensor, plan: BucketPlan, sq_norms: torch.Tensor, sketches: torch.Tensor | None, divide_by: int | None, division: str | None) -> None:
+        if flat.numel() != plan.numel:
+            raise ValueError(f"bucket has {flat.numel()} elements but its plan expects {plan.numel}")
         offsets, steps = self._prepared(plan)
         sq_norms.zero_()
         if not plan.numel:
             return
         tiles = -(-plan.numel // (self.rows * self.bins))
-        _bucket_stats[(tiles,)](
-            flat, self.signs.values, self.signs.row_table, offsets, sketch_acc, sq_norms, plan.numel, plan.base % self.signs.page,
-            plan.base // self.bins % ROW_PERIOD, self.signs.page, ROW_PERIOD, self.bins, ROWS=self.rows, PB=self.block, SEARCH=steps,
-        )  # fmt: skip
+        reciprocal = division == "reciprocal"
+        divisor = 1.0 if divide_by is None else float(torch.tensor(1.0, dtype=torch.float32) / divide_by) if reciprocal else float(divide_by)
+        with self._launching:
+            _bucket_stats[(tiles,)](
+                flat, self.signs.values, self.signs.row_table, offsets, sq_norms if sketches is None else sketches, sq_norms, plan.numel,
+                plan.base % self.signs.page, plan.base // self.bins % ROW_PERIOD, self.signs.page, ROW_PERIOD, self.bins, divisor,
+                ROWS=self.rows, PB=self.block, SEARCH=steps, COPIES=self.copies, SKETCH=sketches is not None, DIVIDE=division is not None,
+                RECIPROCAL=reciprocal,
+            )  # fmt: skip
 
     def forget(self, plan: BucketPlan) -> None:
         """Drop the offsets of a plan that is no longer used (after a bucket rebuild)."""
         self._offsets.pop(id(plan), None)
 
     def persistent_bytes(self) -> int:
-        """Bytes kept between calls: the sign tables and each plan's segment offsets."""
-        return self.signs.nbytes() + sum(offsets.numel() * 8 for _, offsets, _ in self._offsets.values())
+        """Bytes kept between calls: the sign tables, the sketch copies and each plan's segment offsets."""
+        copies = 0 if self._sketches is None else self._sketches.numel() * 4
+        return self.signs.nbytes() + copies + sum(offsets.numel() * 8 for _, offsets, _ in self._offsets.values())
 
 
 def check_device(device: torch.device) -> None:

@@ -33,7 +33,8 @@ LAYOUTS = (
 
 
 def _check_kernel() -> list[tuple]:
-    """Per layout and dtype: the largest relative differences in the sketch and the norms."""
+    """Per layout and form: the largest relative differences in the sketch and the norms, and
+    whether the bucket after the pass is what it must be (unchanged, or divided like torch.div)."""
     from ddphooks.sketch import BucketPlan, BucketStatsKernel, SignTable
     from ddphooks.triton_stats import TritonBucketStats
 
@@ -41,15 +42,35 @@ def _check_kernel() -> list[tuple]:
     for bins, lengths, first_row in LAYOUTS:
         table = SignTable(3, bins, cpu)
         plan = BucketPlan(lengths, bins, first_row * bins, cpu, 1 << 16)
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype, form in ((torch.float32, "run"), (torch.bfloat16, "run"), (torch.bfloat16, "divide"), (torch.float32, "divide"), (torch.float32, "norms")):
             flat = torch.randn(plan.numel, generator=generator).to(dtype)
-            expected_sketch, expected_sq = torch.zeros(bins), torch.empty(len(lengths))
+            original = flat.clone()
+            before = torch.randn(bins, generator=generator)  # the sketch is added into the step's
+            expected_sketch, expected_sq = before.clone(), torch.empty(len(lengths))
             BucketStatsKernel(bins, cpu, table).run(flat, plan, expected_sketch, expected_sq)
-            sketch, sq = torch.zeros(bins), torch.full((len(lengths),), 7.0)  # norms are overwritten
-            TritonBucketStats(bins, cpu, table).run(flat, plan, sketch, sq)
+            kernel = TritonBucketStats(bins, cpu, table)
+            sketch, sq = before.clone(), torch.full((len(lengths),), 7.0)  # norms are overwritten
+            if form == "norms":
+                kernel.norms(flat, plan, sq)
+                expected_sketch = before  # untouched
+            elif form == "divide" and dtype == torch.bfloat16:
+                # Triton's interpreter rounds fp32 to bf16 by truncation, torch to nearest even: the
+                # probe finds the mismatch, and the kernel refuses to divide (the hook divides with torch)
+                assert not kernel.divides_like_torch(dtype, 3)
+                with pytest.raises(ValueError, match="does not divide torch.bfloat16 by 3 as torch.div does here"):
+                    kernel.run(flat, plan, sketch, sq, divide_by=3)
+                kernel.run(flat, plan, sketch, sq)
+                form = "divide refused"
+            elif form == "divide":
+                assert kernel.divides_like_torch(dtype, 3)
+                kernel.run(flat, plan, sketch, sq, divide_by=3)
+            else:
+                kernel.run(flat, plan, sketch, sq)
+            expected_flat = torch.div(original, 3) if form == "divide" else original
+            same = torch.equal(flat, expected_flat)
             sketch_diff = ((sketch - expected_sketch).abs().max() / expected_sketch.abs().max()).item()
             sq_diff = max(abs(a - b) / b if b else abs(a) for a, b in zip(sq.tolist(), expected_sq.tolist()))
-            found.append((bins, len(lengths), str(dtype), sketch_diff, sq_diff))
+            found.append((bins, len(lengths), f"{dtype} {form}", sketch_diff, sq_diff, same))
     return found
 
 
@@ -110,9 +131,10 @@ def results(tmp_path_factory) -> list[dict]:
 
 def test_the_kernel_matches_the_torch_path_on_ragged_layouts(results):
     found = results[0]["kernel"]
-    assert len(found) == 2 * len(LAYOUTS)
-    for bins, params, dtype, sketch_diff, sq_diff in found:
-        assert sketch_diff < 1e-5 and sq_diff < 1e-5, (bins, params, dtype, sketch_diff, sq_diff)
+    assert len(found) == 5 * len(LAYOUTS)
+    for bins, params, form, sketch_diff, sq_diff, bucket_as_expected in found:
+        assert sketch_diff < 1e-5 and sq_diff < 1e-5, (bins, params, form, sketch_diff, sq_diff)
+        assert bucket_as_expected, (bins, params, form)  # unchanged, or divided bitwise like torch.div
 
 
 @pytest.mark.parametrize("transport", ["ddp", "fsdp2"])
