@@ -47,6 +47,7 @@ triton is imported only when this kernel is chosen.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import threading
@@ -56,6 +57,8 @@ import triton
 import triton.language as tl
 
 from ddphooks.sketch import ROW_PERIOD, BucketPlan, SignTable
+
+logger = logging.getLogger("ddphooks")
 
 #: Elements per tile (``ROWS`` rows of the next power of two >= ``p``): one program's block.
 TILE_ELEMS = 2048
@@ -191,7 +194,11 @@ class TritonBucketStats:
         first bucket of that dtype."""
         key = (dtype, divide_by)
         if key not in self._division:
-            self._division[key] = self._probe_division(dtype, divide_by)
+            try:
+                self._division[key] = self._probe_division(dtype, divide_by)
+            except Exception as error:  # never into the backward: the hook then divides with torch
+                logger.warning("ddphooks: the Triton kernel's division probe failed (%r); torch divides %s buckets by %d instead", error, dtype, divide_by)
+                self._division[key] = None
         return self._division[key] is not None
 
     def _probe_division(self, dtype: torch.dtype, divide_by: int) -> str | None:

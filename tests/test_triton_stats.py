@@ -162,3 +162,23 @@ def test_settings_are_checked():
         ddphooks.SilentConfig(stats_kernel="cuda")
     with pytest.raises(ValueError, match=r"stats_kernel='triton' computes the norms with the sketch; with sketch_dim=0 use stats_kernel='torch'"):
         ddphooks.SilentConfig(stats_kernel="triton", sketch_dim=0)
+
+
+def test_a_failing_division_probe_leaves_the_division_to_torch(monkeypatch, caplog):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # read when the kernel checks its device
+    from ddphooks.sketch import SignTable
+    from ddphooks.triton_stats import TritonBucketStats
+
+    kernel = TritonBucketStats(13, torch.device("cpu"), SignTable(3, 13, torch.device("cpu")))
+
+    def broken(dtype, divide_by):
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    monkeypatch.setattr(kernel, "_probe_division", broken)
+    with caplog.at_level("WARNING", logger="ddphooks"):
+        assert not kernel.divides_like_torch(torch.float32, 2)
+        assert not kernel.divides_like_torch(torch.float32, 2)  # found once
+    assert [r.getMessage() for r in caplog.records] == [
+        "ddphooks: the Triton kernel's division probe failed (RuntimeError('no kernel image is available for execution on the device')); "
+        "torch divides torch.float32 buckets by 2 instead"
+    ]
