@@ -434,7 +434,13 @@ def squared_norms(flat: torch.Tensor, lengths: list[int], out: torch.Tensor, fus
     """
     if fused:
         accumulate = None if flat.dtype == torch.float64 else torch.float32  # fp64 stays fp64, the rest sums in fp32
-        out.copy_(torch.stack(torch._foreach_norm(flat.split(lengths), 2, dtype=accumulate)).square_())
+        norms = torch._foreach_norm(flat.split(lengths), 2, dtype=accumulate)
+        if out.dtype == (accumulate or flat.dtype):
+            # Stacked into ``out`` and squared there: a launch fewer than stacking, squaring and
+            # copying (on a GPU the host's launches bound the step: docs/results/device-2026-12-04.md).
+            torch.stack(norms, out=out).square_()
+        else:
+            out.copy_(torch.stack(norms).square_())
         return
     if flat.dtype == torch.float32 and len(lengths) > 1 and sum(lengths) == flat.numel():
         # One dot per segment, stacked into ``out`` in one copy: the same values as a dot into each

@@ -14,7 +14,8 @@ How the pass works:
    the next power of two of ``p``, the columns past ``p`` masked); one program per tile. Tiles
    are small (``TILE_ELEMS``) so that many programs fit on each multiprocessor: a program is a
    chain of dependent memory reads (its gradient, the segment search) whose latency only other
-   programs hide (8 K-element tiles ran at 150-600 GB/s on an H200, 2026-12-04);
+   programs hide. (8 K-element tiles read 120-180 GB/s on an H200, 2026-12-04; that smaller ones
+   do better is the hypothesis the next device run tests.)
 2. each program reads its gradient elements once (any floating dtype, summed in fp32), multiplies
    them by their table signs and row signs, and adds its column sums into one of ``COPIES``
    copies of the sketch (``p`` atomic adds; copy ``program mod COPIES``, so that the thousands of
