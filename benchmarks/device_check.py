@@ -31,7 +31,8 @@ Parts (``--parts``):
   cost         what a user pays: a ~1.1B Llama-shaped model (transformers LlamaConfig, random
                weights, bf16) under DDP with its default 25 MB buckets, one rank: the hook's extra
                GPU time in the backward and its host time, per step, against the step (forward +
-               backward) of plain allreduce_hook, goal <= 1%; the extra device memory
+               backward) of plain allreduce_hook, goal <= 1%, and of that host time the
+               statistics pass's and the reduced norms'; the extra device memory
                (memory_allocated after warm-up, max_memory_allocated during a step).
 
 Without CUDA (or with ``--small``) it runs the small form: the CPU plays the device (so every
@@ -519,6 +520,39 @@ def memory_allocated(device: torch.device) -> int | None:
     return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
 
 
+class _PartTimer:
+    """Host seconds of the hook's two per-bucket parts in the current step: the statistics pass
+    (the kernel's ``run``) and the reduced bucket's norms (in the communication callback, which
+    runs on the training thread under NCCL). The device run of 2026-12-04 needed a separate script
+    to find that these, not the GPU, bound the step."""
+
+    PARTS = ("statistics_pass", "reduced_norms")
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(self.PARTS, 0.0)
+
+    def wrap(self, part: str, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[part] += time.perf_counter() - start
+
+        return timed
+
+    def install(self, kernels: list[str]) -> None:
+        import ddphooks.hook
+        from ddphooks.sketch import BucketStatsKernel
+
+        BucketStatsKernel.run = self.wrap("statistics_pass", BucketStatsKernel.run)
+        if "triton" in kernels:
+            from ddphooks.triton_stats import TritonBucketStats
+
+            TritonBucketStats.run = self.wrap("statistics_pass", TritonBucketStats.run)
+        ddphooks.hook._record_reduced = self.wrap("reduced_norms", ddphooks.hook._record_reduced)
+
+
 def _cost_worker(rank: int, world: int, small: bool, kernels: list[str], rounds: int, warmup: int) -> dict:
     import gc
 
@@ -555,7 +589,9 @@ def _cost_worker(rank: int, world: int, small: bool, kernels: list[str], rounds:
         after = memory_allocated(device)
         memory[config] = {"model_bytes": None if built is None else built - before, "step_state_bytes": None if after is None else after - built}
         models[config] = model
-    samples = {config: {"forward": [], "backward": [], "hook_host": [], "peak": []} for config in configs}
+    parts = _PartTimer()
+    parts.install(kernels)
+    samples = {config: {"forward": [], "backward": [], "hook_host": [], "peak": [], **{part: [] for part in parts.PARTS}} for config in configs}
     gc.disable()
     for round_index in range(warmup + rounds):
         order = [configs[(round_index + i) % len(configs)] for i in range(len(configs))]  # rotate: no config always follows another
@@ -566,6 +602,7 @@ def _cost_worker(rank: int, world: int, small: bool, kernels: list[str], rounds:
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             timer.seconds = 0.0
+            parts.seconds = dict.fromkeys(parts.PARTS, 0.0)
             clock = _Clock(device)
             clock.mark()
             loss = model(input_ids=ids, labels=ids).loss
@@ -578,7 +615,7 @@ def _cost_worker(rank: int, world: int, small: bool, kernels: list[str], rounds:
             peak = None if base is None else torch.cuda.max_memory_allocated(device) - base
             model.zero_grad(set_to_none=False)
             if round_index >= warmup:
-                for key, value in (("forward", forward), ("backward", backward), ("hook_host", timer.seconds), ("peak", peak)):
+                for key, value in (("forward", forward), ("backward", backward), ("hook_host", timer.seconds), ("peak", peak), *parts.seconds.items()):
                     samples[config][key].append(value)
         gc.collect()
     gc.enable()
@@ -617,7 +654,8 @@ def cost_rows(result: dict, kernels: list[str], small: bool) -> list[dict]:
             allreduce_hook_host_s=statistics.median(plain["hook_host"]), extra_host_fraction_of_step=extra_host,
             extra_step_state_bytes=None if memory[kernel]["step_state_bytes"] is None else memory[kernel]["step_state_bytes"] - memory["allreduce_hook"]["step_state_bytes"],
             extra_peak_bytes=max(peaks) - max(plain_peaks) if peaks and plain_peaks else None, state_persistent_bytes=result["state_bytes"][kernel],
-            rounds=len(got["backward"]),
+            rounds=len(got["backward"]), host_statistics_pass_s=statistics.median(got["statistics_pass"]),
+            host_reduced_norms_s=statistics.median(got["reduced_norms"]),
         )  # fmt: skip
         name = f"what a user pays: {shape} bf16 DDP backward, stats_kernel={kernel}"
         if small:
@@ -674,7 +712,8 @@ def figures_cell(r: dict) -> str:
     if "extra_gpu_fraction_of_step" in f:
         memory = "" if f["extra_peak_bytes"] is None else f", +{f['extra_step_state_bytes'] / 2**20:.0f}/{f['extra_peak_bytes'] / 2**20:.0f} MiB kept/peak"
         return (f"device {100 * f['extra_gpu_fraction_of_step']['median']:+.2f}%, host {100 * f['extra_host_fraction_of_step']['median']:+.2f}% "
-                f"of {1e3 * f['step_s']:.1f} ms, {f['buckets']} buckets{memory}")  # fmt: skip
+                f"of {1e3 * f['step_s']:.1f} ms, {f['buckets']} buckets{memory}; host pass / reduced norms "
+                f"{1e3 * f['host_statistics_pass_s']:.1f} / {1e3 * f['host_reduced_norms_s']:.1f} ms")  # fmt: skip
     if "checked_steps" in f:
         return f"{f['checked_steps']} steps checked, {f['warmup_sync_count']} syncs in warm-up"
     return ""

@@ -67,6 +67,8 @@ def test_small_form_passes_its_correctness_rows_and_writes_every_part(tmp_path):
         f = r["figures"]
         assert r["status"] == "skipped" and f["buckets"] > 1 and f["step_s"] > 0 and f["hook_host_s"] > 0 and f["rounds"] == 3, r
         assert f["state_persistent_bytes"] > 0 and f["extra_peak_bytes"] is None  # no device memory on the CPU
+        # the two parts timed: the pass inside the hook; the reduced norms in callbacks (gloo may run them on its threads)
+        assert 0 < f["host_statistics_pass_s"] < f["hook_host_s"] and f["host_reduced_norms_s"] > 0
         assert {"median", "iqr"} <= set(f["extra_gpu_fraction_of_step"]) and {"median", "iqr"} <= set(f["extra_host_fraction_of_step"])
     assert "default stats_kernel on CUDA: not decided" in stdout and stdout.count("\n") == 3 + len(rows) + 1
 
