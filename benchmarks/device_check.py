@@ -221,8 +221,8 @@ def _train(rank: int, device: torch.device, hook: str, kernel: str | None, shard
     return {"records": records, "params": params, "kernels": kernels}
 
 
-#: The runs of a correctness part: the CPU reference, the plain device run, then ddphooks on the device.
 def correctness_runs(kernels: list[str]) -> list[tuple[str, str, str | None]]:
+    """The runs of a correctness part: the CPU reference, the plain device run, then ddphooks on the device."""
     return [("cpu", "silent", "torch"), ("device", "plain", None)] + [("device", "silent", kernel) for kernel in kernels]
 
 

@@ -142,7 +142,8 @@ class TritonBucketStats:
         self.block = triton.next_power_of_2(bins)
         self.rows = max(1, TILE_ELEMS // self.block)
         self.copies = COPIES
-        self._division: dict[tuple[torch.dtype, int], str | None] = {}  # (dtype, W): "reciprocal", "divide" or None
+        # (dtype, W): how the pass divides like torch.div, (by the reciprocal?, the number passed), or None
+        self._division: dict[tuple[torch.dtype, int], tuple[bool, float] | None] = {}
         self._offsets: dict[int, tuple[BucketPlan, torch.Tensor, int]] = {}
         self._sketches: torch.Tensor | None = None  # COPIES x PB, made at the first run
         # The reduced norms are taken in communication callbacks, which gloo runs on its own
@@ -179,12 +180,12 @@ class TritonBucketStats:
             self._sketches = torch.zeros(self.copies, self.block, dtype=torch.float32, device=self.device)
         else:
             self._sketches.zero_()
-        self._launch(flat, plan, sq_norms, self._sketches, divide_by, division)
+        self._launch(flat, plan, sq_norms, self._sketches, division)
         sketch_acc.add_(self._sketches[:, : self.bins].sum(dim=0))
 
     def norms(self, flat: torch.Tensor, plan: BucketPlan, sq_norms: torch.Tensor) -> None:
         """Write ``|g_j|^2`` of every segment into ``sq_norms`` (no sketch): the reduced bucket's."""
-        self._launch(flat, plan, sq_norms, None, None, None)
+        self._launch(flat, plan, sq_norms, None, None)
 
     def divides_like_torch(self, dtype: torch.dtype, divide_by: int) -> bool:
         """Whether ``run(divide_by=W)`` leaves a bucket of ``dtype`` bitwise equal to
@@ -202,7 +203,7 @@ class TritonBucketStats:
                 self._division[key] = None
         return self._division[key] is not None
 
-    def _probe_division(self, dtype: torch.dtype, divide_by: int) -> str | None:
+    def _probe_division(self, dtype: torch.dtype, divide_by: int) -> tuple[bool, float] | None:
         if dtype not in (torch.float32, torch.bfloat16, torch.float16) or divide_by < 1:
             return None
         generator = torch.Generator().manual_seed(divide_by)
@@ -213,20 +214,22 @@ class TritonBucketStats:
         probe = probe.to(self.device)
         expected = torch.div(probe, divide_by)
         opmath = probe.float()
-        reciprocal = torch.tensor(1.0, dtype=torch.float32) / divide_by  # torch's fp32 reciprocal of a scalar divisor
-        candidates = {"reciprocal": opmath * reciprocal.to(self.device), "divide": opmath / divide_by}
+        reciprocal = float(torch.tensor(1.0, dtype=torch.float32) / divide_by)  # torch's fp32 reciprocal of a scalar divisor
+        candidates = {(True, reciprocal): opmath * reciprocal, (False, float(divide_by)): opmath / divide_by}
         plan = BucketPlan([probe.numel()], self.bins, 0, self.device, probe.numel())
         sq, sketches = torch.empty(1, device=self.device), torch.zeros(self.copies, self.block, device=self.device)
         for division, quotient in candidates.items():
             if not torch.equal(quotient.to(dtype), expected):
                 continue  # not torch's formula here
             divided = probe.clone()
-            self._launch(divided, plan, sq, sketches, divide_by, division)
+            self._launch(divided, plan, sq, sketches, division)
             if torch.equal(divided, expected):
                 return division
         return None
 
-    def _launch(self, flat: torch.Tensor, plan: BucketPlan, sq_norms: torch.Tensor, sketches: torch.Tensor | None, divide_by: int | None, division: str | None) -> None:
+    def _launch(self, flat: torch.Tensor, plan: BucketPlan, sq_norms: torch.Tensor, sketches: torch.Tensor | None, division: tuple[bool, float] | None) -> None:
+        """One pass: the norms into ``sq_norms``, the sketch into ``sketches`` (None: norms only),
+        and with ``division`` (by the reciprocal?, the number) the quotient written back."""
         if flat.numel() != plan.numel:
             raise ValueError(f"bucket has {flat.numel()} elements but its plan expects {plan.numel}")
         offsets, steps = self._prepared(plan)
@@ -234,8 +237,7 @@ class TritonBucketStats:
         if not plan.numel:
             return
         tiles = -(-plan.numel // (self.rows * self.bins))
-        reciprocal = division == "reciprocal"
-        divisor = 1.0 if divide_by is None else float(torch.tensor(1.0, dtype=torch.float32) / divide_by) if reciprocal else float(divide_by)
+        reciprocal, divisor = division or (False, 1.0)
         with self._launching:
             _bucket_stats[(tiles,)](
                 flat, self.signs.values, self.signs.row_table, offsets, sq_norms if sketches is None else sketches, sq_norms, plan.numel,
