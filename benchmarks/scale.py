@@ -11,8 +11,11 @@ ranks' slots (this rank's slot with losses, per-parameter norms and sketches var
 losses +- 2%, norms x exp(0.1 N(0, 1)), sketches with pairwise cosines ~0.4; replica fingerprints
 equal). That writing is timed and left out of every figure.
 
-Each W builds the model twice (same weights): one DDP with ``allreduce_hook``, one with
-``attach``; every step runs both, forward and backward, on the same random tokens. The step's
+Each W runs twice: with every rank's whole slot (the default) and with the compact wire
+(``gather_max_world=1``, ``ddphooks.fleet``; the fake all-reduce then fills the other ranks' rows,
+sampled rows and sums alike). Each run builds the model twice (same weights): one DDP with
+``allreduce_hook``, one with ``attach``; every step runs both, forward and backward, on the same
+random tokens. The step's
 statistics are then handed to the detector (``state.flush()``, untimed), so its thread never
 competes with the timed hook calls. Figures, medians over the timed steps (after the detector's
 warm-up, so it scores):
@@ -24,9 +27,11 @@ warm-up, so it scores):
                    and this rank's slot; its callback: the copy of the W slots and the bucket's
                    reduced norms; building SilentStats)
   detector ms      its thread: Detector.update on the step (reading the step's statistics included)
-  slot bytes       what the W slots add to the step's all-reduce (W x slot x 4 B; a replica-check
-                   step adds 8 B per parameter and buffer to each slot), and that against the
-                   gradient bytes
+  statistics bytes what the statistics add to the step's all-reduce (the W slots, W x slot x 4 B,
+                   or the compact wire), and that against the gradient bytes; "with replica
+                   steps": averaged with one replica-check step in check_replicas_every (100),
+                   whose fingerprints add 8 B per parameter and buffer and rank (measured on
+                   step 0, a replica-check step)
   record bytes     RecordBuilder.build on the last step's SilentStats (with its cosine_previous),
                    serialised as JsonlSink writes it: compact, and detail (one every 100 steps)
   kept MB          everything the state keeps between steps (ddphooks.memory.retained_bytes: sign
@@ -100,7 +105,8 @@ class FakeCollectives:
     def __init__(self, world: int) -> None:
         self.world = world
         self.state = None  # the SilentState whose buffers carry slots
-        self.slot = None  # numel of this rank's slot on the step being reduced
+        self.record = None  # the step being reduced (its compact-wire layout, if any)
+        self.wire = None  # numel of the statistics in the step's all-reduce (W slots, or the compact wire)
         self.excluded = 0.0
         self.generator = torch.Generator().manual_seed(0)
         self._all_reduce, self._all_gather_object = dist.all_reduce, dist.all_gather_object
@@ -123,7 +129,7 @@ class FakeCollectives:
             tensor.mul_(self.world)  # W ranks' averaged gradients, all alike
         else:
             tensor[: tensor.numel() - slots.numel()].mul_(self.world)  # the piggyback buffer's gradient part
-            self._fill(slots.view(self.world, -1))
+            self._fill(slots)
         self.excluded += time.perf_counter() - start
         if not async_op:
             return None
@@ -134,16 +140,20 @@ class FakeCollectives:
     def _slots_of(self, tensor: torch.Tensor) -> torch.Tensor | None:
         """The W slots at the end of ``tensor`` if it is a buffer of the state's slots."""
         state = self.state
-        if state is None or self.slot is None:
+        if state is None or self.wire is None:
             return None
         for name in ("_piggyback", "_separate"):
             buffer = getattr(state, name, None)
             if buffer is not None and buffer.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
-                return tensor[tensor.numel() - self.world * self.slot :]
+                return tensor[tensor.numel() - self.wire :]
         return None
 
     def _fill(self, slots: torch.Tensor) -> None:
-        """Rows 1..W-1: rank 0's slot, varied per rank (losses, norms, sketches; fingerprints equal)."""
+        if self.record.fleet is not None:
+            self._fill_compact(slots, self.record.fleet)
+            return
+        slots = slots.view(self.world, -1)
+        # Rows 1..W-1: rank 0's slot, varied per rank (losses, norms, sketches; fingerprints equal).
         state, others = self.state, slots[1:]
         n_params = sum(len(entry.layout.numels) for entry in state._buckets.values())
         norms = slice(PARAMS_BEGIN, PARAMS_BEGIN + n_params)
@@ -157,6 +167,27 @@ class FakeCollectives:
             scale = own.norm() / own.numel() ** 0.5
             shared = SKETCH_SHARED**0.5
             others[:, sketch] = shared * own + (1 - SKETCH_SHARED) ** 0.5 * scale * normal(len(others), state.bins)
+
+
+    def _fill_compact(self, wire: torch.Tensor, layout) -> None:
+        """The compact wire summed over W ranks like rank 0: rows 1..W-1 rank 0's row varied (loss,
+        squared norm; its cosines as they are), every sampled row rank 0's norms varied, the sums W
+        times rank 0's part (the sketches' sums with pairwise cosines ~0.4), fingerprints equal."""
+        normal = partial(torch.randn, generator=self.generator)
+        rows = wire[layout.part("per_rank")].view(self.world, -1)
+        rows[1:] = rows[:1]
+        rows[1:, 0] *= 1 + LOSS_SPREAD * normal(self.world - 1)
+        rows[1:, 3] *= torch.exp(2 * NORM_SPREAD * normal(self.world - 1))
+        own = torch.cat(self.record.local_sq)
+        sampled = wire[layout.part("sampled")].view(layout.rows, layout.n_params)
+        sampled.copy_(own * torch.exp(NORM_SPREAD * normal(layout.rows, layout.n_params)))
+        for name in ("param_sq", "param_norms", "bucket_norms", "present"):
+            wire[layout.part(name)] *= self.world
+        for name in ("sketch_sum", "unit_sum"):
+            wire[layout.part(name)] *= 1 + SKETCH_SHARED * (self.world - 1)
+        if layout.fingerprinted:
+            prints = wire[layout.part("fingerprints")].view(self.world, -1)
+            prints[1:] = prints[:1]
 
 
 class _DoneWork:
@@ -246,17 +277,17 @@ def record_bytes(record: dict) -> int:
     return len(json.dumps(record, allow_nan=False).encode()) + 1
 
 
-def measure(world: int, model_args: dict, steps: int) -> dict:
+def measure(world: int, model_args: dict, steps: int, gather_max_world: int | None = None) -> dict:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
         with FakeCollectives(world) as collectives:
-            return _measure(world, model_args, steps, collectives)
+            return _measure(world, model_args, steps, collectives, gather_max_world)
     finally:
         dist.destroy_process_group()
         gc.collect()
 
 
-def _measure(world: int, model_args: dict, steps: int, collectives: FakeCollectives) -> dict:
+def _measure(world: int, model_args: dict, steps: int, collectives: FakeCollectives, gather_max_world: int | None) -> dict:
     module = tiny_llama(**model_args)
     plain, instrumented = DDP(copy.deepcopy(module)), DDP(module)
     timer = HookTimer(collectives)
@@ -267,32 +298,26 @@ def _measure(world: int, model_args: dict, steps: int, collectives: FakeCollecti
     registered = ATTACH.silent_hook
     ATTACH.silent_hook = timer.wrap("silent", silent_hook)  # attach registers the timed wrapper
     try:
-        state = ddphooks.attach(instrumented)
+        state = ddphooks.attach(instrumented, gather_max_world=gather_max_world)
     finally:
         ATTACH.silent_hook = registered
     collectives.state = state
-    pack_slot = state._pack_slot
-
-    def recorded_pack_slot(local_sq, fingerprint, slot, *status):
-        collectives.slot = slot.numel()
-        pack_slot(local_sq, fingerprint, slot, *status)
-
-    state._pack_slot = recorded_pack_slot
     # The parts of the hook that handle the W slots: the last bucket's buffer (division, zeroed
     # slots, this rank's slot), its callback (a copy of the W slots, the bucket's reduced norms)
     # and publishing the step's SilentStats.
-    stats_buffer, pack = state._stats_buffer, state._pack_slot
+    stats_buffer, pack = state._stats_buffer, state._pack
     marks = {}
 
     def timed_stats_buffer(*args):
         marks["start"] = time.perf_counter()
         return stats_buffer(*args)
 
-    def timed_pack(*args):
-        pack(*args)
+    def timed_pack(record, slots, *args):
+        collectives.record, collectives.wire = record, slots.numel()
+        pack(record, slots, *args)
         timer.slot_parts += time.perf_counter() - marks["start"]
 
-    state._stats_buffer, state._pack_slot = timed_stats_buffer, timed_pack
+    state._stats_buffer, state._pack = timed_stats_buffer, timed_pack
     detector_s, detect = [], state._pipeline._detect
 
     def timed_detect(stats):
@@ -313,8 +338,10 @@ def _measure(world: int, model_args: dict, steps: int, collectives: FakeCollecti
         collectives.state.flush()  # the detector on this step, before the next one is timed
         timed = step >= WARMUP
         timer.end_step(timed)
+        if step == 0:  # a replica-check step (the check runs on instrumented step 0, then every 100)
+            replica_wire = collectives.wire
         if timed:
-            slots.append(collectives.slot)
+            slots.append(collectives.wire)
     detector_s = detector_s[WARMUP:]
     stats = state.latest
     compact = RecordBuilder(1, DEFAULTS.detail_every, DEFAULTS.detail_max_world).build(stats)
@@ -325,9 +352,10 @@ def _measure(world: int, model_args: dict, steps: int, collectives: FakeCollecti
     kept = retained_tensors(state)
     gradient_bytes = 4 * parameter_count(module)
     beyond = [s - a for s, a in zip(timer.samples["silent"], timer.samples["allreduce"])]
-    slot_bytes = 4 * world * statistics.median(slots)
+    slot_bytes = 4 * statistics.median(slots)
     result = {
         "world_size": world,
+        "wire": "whole slots" if gather_max_world is None or world <= gather_max_world else "compact",
         "parameters": parameter_count(module),
         "tensors": sum(1 for p in module.parameters() if p.requires_grad),
         "buckets": len(state._buckets),
@@ -339,8 +367,11 @@ def _measure(world: int, model_args: dict, steps: int, collectives: FakeCollecti
         "in_hook_ms_beyond_allreduce_iqr": [1e3 * q for q in quartiles(beyond)],
         "slot_parts_ms": 1e3 * statistics.median(timer.slot_samples),
         "detector_ms": 1e3 * statistics.median(detector_s),
-        "slot_numel": statistics.median(slots),
+        "wire_numel": statistics.median(slots),
         "slot_bytes_per_step": slot_bytes,
+        "replica_step_bytes": 4 * replica_wire,
+        # Ordinary steps and one replica-check step in check_replicas_every, averaged per step.
+        "amortised_bytes_per_step": slot_bytes + (4 * replica_wire - slot_bytes) / DEFAULTS.check_replicas_every,
         "slot_fraction_of_gradient_bytes": slot_bytes / gradient_bytes,
         "compact_record_bytes": record_bytes(compact),
         "detail_record_bytes": record_bytes(detail),
@@ -423,17 +454,18 @@ def main() -> None:
           f"{BATCH} x {TOKENS} tokens, attach() defaults; medians over {steps} steps after {WARMUP} warm-up steps\n")  # fmt: skip
     print("in-hook: median [IQR] per step of ddphooks' calls less allreduce_hook's (their medians in brackets; slots: the\n"
           "last bucket's buffer and slot, its callback with the copy of the W slots, and building SilentStats)\n")
-    print("| W | DDP in-hook ms beyond allreduce_hook | detector ms (its thread) | slot bytes/step (% of gradient bytes) "
-          "| compact record bytes | detail record bytes | kept MB | replica check ms |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| W | wire | DDP in-hook ms beyond allreduce_hook | detector ms (its thread) | statistics bytes/step (% of gradient bytes) "
+          "| with replica steps | compact record bytes | detail record bytes | kept MB | replica check ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for world in worlds:
-        r = measure(world, model_args, steps)
-        rows.append(r)
-        q1, q3 = r["in_hook_ms_beyond_allreduce_iqr"]
-        print(f"| {world} | {r['in_hook_ms_beyond_allreduce']:.1f} [{q1:.1f}, {q3:.1f}] ({r['silent_hook_ms']:.1f} - {r['allreduce_hook_ms']:.1f}; slots {r['slot_parts_ms']:.1f}) "
-              f"| {r['detector_ms']:.2f} | {r['slot_bytes_per_step']:,.0f} ({100 * r['slot_fraction_of_gradient_bytes']:.3f}%) "
-              f"| {r['compact_record_bytes']:,d} | {r['detail_record_bytes']:,d} | {r['kept_bytes'] / 2**20:.1f} | {r['replica_check_ms']:.1f} |", flush=True)  # fmt: skip
+        for gather_max_world in (None, 1):  # every rank's whole slot; the compact wire (ddphooks.fleet)
+            r = measure(world, model_args, steps, gather_max_world)
+            rows.append(r)
+            q1, q3 = r["in_hook_ms_beyond_allreduce_iqr"]
+            print(f"| {world} | {r['wire']} | {r['in_hook_ms_beyond_allreduce']:.1f} [{q1:.1f}, {q3:.1f}] ({r['silent_hook_ms']:.1f} - {r['allreduce_hook_ms']:.1f}; slots {r['slot_parts_ms']:.1f}) "
+                  f"| {r['detector_ms']:.2f} | {r['slot_bytes_per_step']:,.0f} ({100 * r['slot_fraction_of_gradient_bytes']:.3f}%) | {r['amortised_bytes_per_step']:,.0f} "
+                  f"| {r['compact_record_bytes']:,d} | {r['detail_record_bytes']:,d} | {r['kept_bytes'] / 2**20:.1f} | {r['replica_check_ms']:.1f} |", flush=True)  # fmt: skip
     if rows:
         last = rows[-1]
         print(f"\n{last['parameters'] / 1e6:.1f} M parameters, {last['tensors']} tensors, {last['buckets']} buckets, transport "

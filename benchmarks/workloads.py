@@ -9,6 +9,7 @@ one fault on one rank from FAULT_STEP and measure the steps until an alert names
     python benchmarks/workloads.py --worlds 4 --healthy-runs 2      # a campaign (results appended, resumable)
     python benchmarks/workloads.py --summarize /work/runs/zoo/results.jsonl --json zoo.json
     python benchmarks/workloads.py --summarize /work/runs/zoo/results.jsonl --redetect   # this checkout's detector, offline
+    python benchmarks/workloads.py --summarize /work/runs/zoo/results.jsonl --redetect --compact-wire 16   # as the compact wire
     python benchmarks/detection.py /work/runs/zoo/files              # d' and --oracle on the run files (--records)
 
 Families (FAMILIES): cnn (BatchNorm, SGD momentum, step LR), gpt2 (transformers GPT-2, AdamW, warmup
@@ -48,6 +49,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import ddphooks
 from ddphooks.detect import DetectorConfig, detect_run
 from ddphooks.experiment.report import read_run
+from ddphooks.fleet import as_compact_records
 from ddphooks.launch import spawn
 
 # -- configuration (chosen before any result) -------------------------------------------------------
@@ -426,16 +428,22 @@ def brief(alert: dict) -> dict:
     return {k: alert[k] for k in ("step", "rank", "kind", "since", "score", "signals", "parameters")}
 
 
-def redetect(rows: list[dict], files: Path, config: DetectorConfig | None = None) -> list[dict]:
+def redetect(rows: list[dict], files: Path, config: DetectorConfig | None = None, compact_wire: int | None = None) -> list[dict]:
     """The rows with their alerts detected again, offline, from each run's records (written with
     ``--records``: every step in detail, all the detector reads) by the detector of this checkout:
-    the same alerts as online for the same detector, so a changed rule is measured on finished runs."""
+    the same alerts as online for the same detector, so a changed rule is measured on finished runs.
+    ``compact_wire``: the records as the compact wire with that many sampled ranks would have
+    written them (``ddphooks.fleet.as_compact_records``: cosines one step late, the sampled
+    ranks' layer norms), what the detector would have read above ``gather_max_world``."""
     out = []
     for row in rows:
         path = files / f"run-{row['name']}.jsonl"
         if not path.exists():
             raise SystemExit(f"--redetect: {path} is missing (the campaign ran without --records?)")
-        out.append({**row, "alerts": [brief(a) for a in detect_run(read_run(path).records, config)]})
+        records = read_run(path).records
+        if compact_wire is not None:
+            records = as_compact_records(records, compact_wire)
+        out.append({**row, "alerts": [brief(a) for a in detect_run(records, config)]})
     return out
 
 
@@ -618,6 +626,7 @@ def main() -> int:
     parser.add_argument("--redetect", action="store_true", help="with --summarize: detect every run again from its records (RESULTS' folder/files) with this checkout's detector")
     parser.add_argument("--norm-dprime", action="store_true", help="with --summarize: per fault run, d' of the faulty rank's log gradient norm against the others' (from RESULTS' folder/files) and the delay it allows")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="with --redetect: a DetectorConfig field (repeatable), e.g. --set scale_quantile=0.5")
+    parser.add_argument("--compact-wire", type=int, default=None, metavar="SAMPLED", help="with --redetect: the records as the compact wire (gather_max_world below W) with SAMPLED ranks' layer norms a step would have written them")
     parser.add_argument("--json", default=None, help="also write the tables to this file")
     args = parser.parse_args()
     for name, seeds in (("healthy_runs", HEALTHY_SEEDS), ("fault_runs", FAULT_SEEDS)):
@@ -639,7 +648,7 @@ def main() -> int:
     if args.summarize:
         rows = [json.loads(line) for line in Path(args.summarize).read_text().splitlines() if line.strip()]
         if args.redetect:
-            rows = redetect(rows, Path(args.summarize).parent / "files", DetectorConfig.from_overrides(args.set))
+            rows = redetect(rows, Path(args.summarize).parent / "files", DetectorConfig.from_overrides(args.set), args.compact_wire)
     elif args.smoke:
         specs = [Spec(f, args.smoke_world, 0, None, args.smoke_steps, None, None) for f in args.families]
         rows = spawn(train_many, args.smoke_world, args=(specs, None, None, False), timeout=1200)[0]

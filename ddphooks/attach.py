@@ -17,6 +17,8 @@ from ddphooks.loss import describe_output, loss_of
 
 #: Settings of ``SilentState`` that only DDP's hook has.
 DDP_ONLY_SETTINGS = {"transport", "piggyback_limit_mb", "comm_hook", "comm_state", "watch_sync"}
+#: Settings of the compact wire (``ddphooks.fleet``), built for DDP's transport only so far.
+COMPACT_WIRE_SETTINGS = {"gather_max_world", "sampled_ranks"}
 
 #: ``loss_from(module, args, kwargs, output)``: the rank's scalar loss of one forward, or None.
 LossFrom = Callable[[torch.nn.Module, tuple, dict, object], "torch.Tensor | None"]
@@ -166,6 +168,12 @@ def _attach_per_step(target: torch.nn.Module, state, loss_from, settings: dict, 
     ddp_only = sorted(set(settings) & DDP_ONLY_SETTINGS)
     if ddp_only:
         raise TypeError(f"{', '.join(ddp_only)} appl{'ies' if len(ddp_only) == 1 else 'y'} to DDP only; under {stack} the statistics travel in one all-reduce per step: drop {'it' if len(ddp_only) == 1 else 'them'}")
+    compact = sorted(set(settings) & COMPACT_WIRE_SETTINGS)
+    if compact:
+        raise TypeError(
+            f"{', '.join(compact)} (the compact wire, ddphooks.fleet) {'is' if len(compact) == 1 else 'are'} built for DDP only so far; "
+            f"under {stack} every rank's whole slot travels at any world size: drop {'it' if len(compact) == 1 else 'them'}"
+        )
     if getattr(target, "_ddphooks_state", None) is not None:
         raise RuntimeError(f"ddphooks is already attached to this {noun}; attach once per {noun} and reuse the returned state")
     state = state if state is not None else state_class(**settings)

@@ -75,6 +75,21 @@ class SilentConfig:
     whatever this is; offline detection (``ddphooks detect``) needs them in every record: set
     it to at least W for a run to be detected again offline."""
 
+    gather_max_world: int | None = None
+    """Largest world size whose ranks each send their whole slot (every per-parameter norm and
+    the sketch) on every instrumented step: W x (3 + parameters + sketch_dim) numbers, a share of
+    the all-reduce that grows with W. Above it, the compact wire (``ddphooks.fleet``): 28 bytes
+    per rank plus sums over the ranks and ``sampled_ranks`` ranks' per-parameter norms, about
+    131 KB a step at W = 4096 instead of 8.6 MB; the per-rank cosines then arrive one
+    instrumented step late and there is no W x W cosine matrix. None (the default): always the
+    whole slot. DDP only for now; opt-in until the detector's delays and false alarms are
+    measured with it."""
+
+    sampled_ranks: int = 16
+    """With the compact wire, the ranks per instrumented step whose per-parameter norms travel
+    (the detector's and the detail records' layer view): a window that moves on every step, so
+    each rank's every ``ceil(W / sampled_ranks)`` steps."""
+
     max_pending_records: int = 1024
     """Records waiting for the sink writer thread at most; when a sink is slower than training,
     the oldest waiting record is dropped (and counted) instead of letting memory grow."""
@@ -145,6 +160,13 @@ class SilentConfig:
             raise ValueError(f"check_replicas_every={self.check_replicas_every} must be >= 0 (0 turns the replica check off, 100 is the default)")
         if not isinstance(self.watch_sync, bool):
             raise TypeError(f"watch_sync must be True or False, got {self.watch_sync!r}")
+        if self.gather_max_world is not None:
+            _check_int("gather_max_world", self.gather_max_world)
+            if self.gather_max_world < 1:
+                raise ValueError(f"gather_max_world={self.gather_max_world} must be >= 1 (the compact wire above it) or None (always the whole slot)")
+        _check_int("sampled_ranks", self.sampled_ranks)
+        if self.sampled_ranks < 1:
+            raise ValueError(f"sampled_ranks={self.sampled_ranks} must be >= 1 (16 is the default)")
         _check_int("max_pending_records", self.max_pending_records)
         if self.max_pending_records < 1:
             raise ValueError(f"max_pending_records={self.max_pending_records} must be >= 1 (1024 is the default)")

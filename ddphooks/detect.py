@@ -577,7 +577,9 @@ class Observation:
     cosine_previous: np.ndarray | None = None  # W, None without a sketch or a comparable previous step
     replicas: dict | None = None
     parameter_names: list[str] | None = None
-    parameter_norms: np.ndarray | None = None  # W x P, only where the step carries them
+    parameter_norms: np.ndarray | None = None  # W x P (rows x P with parameter_rows), only where the step carries them
+    parameter_rows: list[int] | None = None  # the ranks of parameter_norms' rows where not every rank's (the compact wire)
+    parameter_mean_norms: np.ndarray | None = None  # P, with parameter_rows: each parameter's mean norm over all present ranks
     nonfinite: dict | None = None  # a record's ``nonfinite``: ``losses`` (ranks), ``gradients`` ({rank, parameter, ...})
     absent: list[int] = field(default_factory=list)  # ranks that did not train on the step (joined under Join): all NaN
 
@@ -600,11 +602,15 @@ class Observation:
                 return None
             return np.array([math.nan if v is None else float(v) for v in values], dtype=float)
 
-        names = norms = None
+        names = norms = rows = means = None
         parameters = record.get("parameters")
-        if parameters and all("grad_norms" in p for p in parameters):
+        key = "grad_norms_sampled" if record.get("sampled_ranks") is not None else "grad_norms"  # the compact wire: sampled ranks
+        if parameters and all(key in p for p in parameters):
             names = [p["name"] for p in parameters]
-            norms = np.array([[math.nan if v is None else v for v in p["grad_norms"]] for p in parameters], dtype=float).T
+            norms = np.array([[math.nan if v is None else v for v in p[key]] for p in parameters], dtype=float).T
+            if key == "grad_norms_sampled":
+                rows = list(record["sampled_ranks"])
+                means = np.array([math.nan if p.get("grad_norm_mean") is None else p["grad_norm_mean"] for p in parameters], dtype=float)
         noise = record.get("cosine_noise")
         return cls(
             step=int(record["step"]),
@@ -617,13 +623,17 @@ class Observation:
             replicas=record.get("replicas"),
             parameter_names=names,
             parameter_norms=norms,
+            parameter_rows=rows,
+            parameter_mean_norms=means,
             nonfinite=record.get("nonfinite"),
             absent=list(record.get("absent") or []),
         )
 
     @classmethod
     def from_stats(cls, stats) -> "Observation":
-        """From a live ``SilentStats`` (per-parameter norms of every step included)."""
+        """From a live ``SilentStats`` (per-parameter norms of every step included: every rank's, or
+        with the compact wire those of the step's sampled ranks)."""
+        rows = stats.parameter_rows
         return cls(
             step=stats.step,
             world_size=stats.world_size,
@@ -634,7 +644,9 @@ class Observation:
             cosine_previous=stats.cosine_previous,
             replicas=stats.replicas,
             parameter_names=stats.parameter_names,
-            parameter_norms=_present_norms(stats.param_sq, stats.absent),
+            parameter_norms=_present_norms(stats.param_sq, stats.absent) if rows is None else _present_norms(stats.sampled_param_sq, stats.absent[rows]),
+            parameter_rows=rows,
+            parameter_mean_norms=None if rows is None else stats.mean_param_norms,
             nonfinite=stats.nonfinite,
             absent=stats.absent_ranks,
         )
@@ -1046,6 +1058,7 @@ class Detector:
         self.parameter_level: np.ndarray | None = None  # W x P exponential averages of log|g_{i,p}|
         self.parameter_scale: np.ndarray | None = None  # standard deviations of their rises, 1 x P (W = 2: W x P; see _learn_parameters)
         self.parameter_change: np.ndarray | None = None  # this step's W x P change (see _parameter_changes)
+        self.parameter_rows: np.ndarray | None = None  # the ranks of parameter_change's rows, where not every rank's
         self.parameter_names: list[str] | None = None
 
     # -- the step ------------------------------------------------------------------------------
@@ -1267,7 +1280,7 @@ class Detector:
     def _score_alerts(self, obs: Observation, scores: dict, values: dict) -> list[dict]:
         config = self.config
         for key, z in scores.items():
-            self._accumulate(key, z, obs.step)
+            self._accumulate(key, z, obs.step, self.parameter_rows if key == ("own", "layer") else None)
         alerts = []
         # Only ranks over their alert level or in an episode need a look (a few, not W).
         for rank in sorted(set(np.flatnonzero(self.evidence() > 1).tolist()) | set(self.episodes)):
@@ -1297,16 +1310,21 @@ class Detector:
             return np.zeros(0)
         return np.max(np.stack([self.cusum[key] / self.limit[key] for key in self.cusum]), axis=0)
 
-    def _accumulate(self, key: tuple[str, str], z: np.ndarray, step: int) -> None:
+    def _accumulate(self, key: tuple[str, str], z: np.ndarray, step: int, rows: np.ndarray | None = None) -> None:
         """One CUSUM per rank and part of ``z`` (W x parts, see ``_scores``), ``S <- max(0, S +
         min(z, cap) - allowance)``; the rank's level of ``key`` is its largest part. Parts keep
         their evidence apart: a rise and a fall of a signal scored either way (a gradient norm
         that dips on one step and spikes on the next is no lasting shift), and the parameters
         (a lasting rise of one parameter's gradient norm on one rank, silent corruption of that
-        layer, accumulates there instead of drowning in the noise of all the others)."""
+        layer, accumulates there instead of drowning in the noise of all the others). ``rows``:
+        ``z`` holds these ranks' parts only (the compact wire's sampled ranks); the others'
+        CUSUMs stay as they are, neither fed nor drained by a step that did not see them."""
         if self.step_scores is not None:
             self.step_scores[key] = np.array(z, dtype=float)  # every part, before the cap
         previous = self.parts.get(key)
+        if rows is not None:
+            self._accumulate_rows(key, z, step, rows)
+            return
         if previous is None:  # the first scored step, or other parameters (see _parameter_changes)
             previous, self.parts_start[key] = np.zeros_like(z), np.full(z.shape, -1, dtype=np.int32)  # steps < 2**31
         updated = np.minimum(z, self.cap[key])  # S + min(z, cap) - allowance, floored at 0, in one buffer
@@ -1322,6 +1340,24 @@ class Detector:
         ranks = np.arange(self.world)
         level = updated[ranks, top]
         self.cusum[key], self.rising_since[key] = level, np.where(level > 0, start[ranks, top], -1)
+
+    def _accumulate_rows(self, key: tuple[str, str], z: np.ndarray, step: int, rows: np.ndarray) -> None:
+        """``_accumulate`` of the rows ``rows`` of a W x parts CUSUM: O(rows x parts), not O(W x parts)."""
+        parts = self.parts.get(key)
+        if parts is None:
+            parts = self.parts[key] = np.zeros((self.world, z.shape[1]), dtype=z.dtype)
+            self.parts_start[key] = np.full(parts.shape, -1, dtype=np.int32)
+        before = parts[rows]
+        updated = np.minimum(z, self.cap[key])
+        updated += before
+        updated -= self.allowance[key]
+        np.maximum(0.0, updated, out=updated)
+        start = self.parts_start[key][rows]
+        start[(before == 0) & (updated > 0)] = step
+        parts[rows], self.parts_start[key][rows] = updated, start
+        top = updated.argmax(axis=1)
+        level = updated[np.arange(len(rows)), top]
+        self.cusum[key][rows], self.rising_since[key][rows] = level, np.where(level > 0, start[np.arange(len(rows)), top], -1)
 
     def parts_since(self, key: tuple[str, str]) -> np.ndarray:
         """W x parts: the step since which each part of CUSUM ``key`` has been above 0 (-1 where it is 0)."""
@@ -1578,10 +1614,16 @@ class Detector:
     def _parameter_changes(self, obs: Observation) -> None:
         """Per rank and parameter, how far ``d_{i,p} - median_q d_{i,q}`` (with ``d_{i,p} =
         log|g_{i,p}| - median_j log|g_{j,p}|``) rose above its exponential average, in standard
-        deviations (``parameter_change``; None without the norms)."""
+        deviations (``parameter_change``; None without the norms). With ``parameter_rows`` (the
+        compact wire) only those ranks' rows: ``median_j log|g_{j,p}|`` is then the log of the
+        mean norm of the other ranks present, exact from ``parameter_mean_norms`` (a few sampled
+        rows would make a poor median, one row none at all: the rank itself), and each rank's
+        baseline is the one it had when it was last sampled."""
         self.parameter_change = None
         if obs.parameter_norms is None or obs.parameter_names is None:
             return
+        rows = None if obs.parameter_rows is None else np.asarray(obs.parameter_rows, dtype=np.intp)
+        self.parameter_rows = rows
         with np.errstate(divide="ignore", invalid="ignore"):
             # Non-finite norms are unknown, as offline (null); _nonfinite_alerts reports them. So is a
             # zero norm: a parameter the rank's batch did not use (conditional computation, an
@@ -1599,7 +1641,15 @@ class Detector:
             # rank's parameters: O(W x P), not a sort.
             known = self._parameters_known
             full = None if not known else np.full(logs.shape[1], logs.shape[0])  # every rank known
-            deviation = logs - _select_quantiles(_transposed(logs), 0.5, full)
+            if rows is not None and obs.parameter_mean_norms is not None:
+                # The other ranks' mean norm: (n mean - own) / (n - 1), over the n ranks present.
+                present = obs.world_size - len(obs.absent)
+                others = (present * obs.parameter_mean_norms.astype(PARAMETER_DTYPE) - norms) / max(present - 1, 1)
+                reference = np.log(others)
+                reference[~np.isfinite(reference)] = np.nan
+                deviation = logs - reference
+            else:
+                deviation = logs - _select_quantiles(_transposed(logs), 0.5, full)
             if deviation.shape[1] >= COMMON_FACTOR_PARAMETERS:
                 # A batch that makes one rank's whole gradient larger moves every parameter alike;
                 # the median over parameters is that common factor, which one corrupted parameter
@@ -1611,17 +1661,23 @@ class Detector:
             self._reorder_parameters(obs.parameter_names)
         if self.parameter_names != obs.parameter_names or self.parameter_level is None:  # other parameters: start afresh
             self.parameter_names = list(obs.parameter_names)
-            self.parameter_level = self._parameter_now.copy()
+            if rows is None:
+                self.parameter_level = self._parameter_now.copy()
+            else:  # a rank's level is unknown (NaN) until it is first sampled
+                self.parameter_level = np.full((self.world, self._parameter_now.shape[1]), np.nan, dtype=PARAMETER_DTYPE)
+                self.parameter_level[rows] = self._parameter_now
             # W >= 3: one scale per parameter, pooled over ranks (1 x P, broadcast); W = 2: each rank's.
             self.parameter_scale = np.zeros((1 if self.world >= 3 else len(self.parameter_level), self.parameter_level.shape[1]), dtype=PARAMETER_DTYPE)
             self.parameter_seen = 0
             self.parts.pop(("own", "layer"), None)
             return
         if self.parameter_seen >= self.config.warmup:
-            rise = self._parameter_rise = self._parameter_now - self.parameter_level
+            level = self.parameter_level if rows is None else self.parameter_level[rows]
+            rise = self._parameter_rise = self._parameter_now - level
             # The scale's average starts from zero: divided by the weight it has gathered (as in
             # Adam's bias correction), it is not underestimated over the first steps.
-            scale = self.parameter_scale / (1 - (1 - PARAMETER_RATE) ** self.parameter_seen)
+            scale = self.parameter_scale if rows is None or len(self.parameter_scale) == 1 else self.parameter_scale[rows]
+            scale = scale / (1 - (1 - PARAMETER_RATE) ** self.parameter_seen)
             scale += 1e-3
             with np.errstate(invalid="ignore"):
                 change = np.divide(rise, scale)
@@ -1649,22 +1705,32 @@ class Detector:
         if obs.parameter_norms is None or self.parameter_level is None or self.parameter_names != obs.parameter_names:
             return
         rate = PARAMETER_RATE
+        rows = self.parameter_rows
         level = self._parameter_now
-        rise = self._parameter_rise if self._parameter_rise is not None else level - self.parameter_level
+        stored = self.parameter_level if rows is None else self.parameter_level[rows]  # rows: a copy, written back below
+        rise = self._parameter_rise if self._parameter_rise is not None else level - stored
         self._parameter_rise = None
+        if rows is not None:
+            suspect = suspect[rows]
         # A suspect rank does not teach the baseline its fault (with every norm known, the
         # learnable entries are its rows: no W x P pass to find them).
         learnable = ~suspect[:, None] if self._parameters_known else np.isfinite(level) & ~suspect[:, None]
         keep = np.broadcast_to(learnable, level.shape)
-        if self.layer_level is not None and self.layer_level.shape == keep.shape:
-            keep = keep & (self.layer_level == 0)  # nor does a parameter whose evidence is accumulating
+        layer_level = self.layer_level
+        if layer_level is not None and layer_level.shape[0] == self.world and layer_level.shape[1] == keep.shape[1]:
+            keep = keep & ((layer_level if rows is None else layer_level[rows]) == 0)  # nor does a parameter whose evidence is accumulating
         # (1 - rate) * level + rate * now where kept, in place; the few entries not kept (a
         # scattered few of W x P: a branch per entry would cost more) put back after.
         held = np.flatnonzero(~keep)
-        kept_before = self.parameter_level.flat[held]
-        self.parameter_level *= 1 - rate
-        self.parameter_level += rate * level
-        self.parameter_level.flat[held] = kept_before
+        kept_before = stored.flat[held]
+        stored *= 1 - rate
+        stored += rate * level
+        if rows is not None:
+            first = np.isnan(stored)  # a rank sampled for the first time: its level is this step's
+            stored[first] = level[first]
+        stored.flat[held] = kept_before
+        if rows is not None:
+            self.parameter_level[rows] = stored
         if self.world >= 3:
             # Every step, pooled over ranks: the median absolute rise (1.4826 of it is a standard
             # deviation), which the one rank that is off cannot move (by selection, over each
@@ -1687,15 +1753,26 @@ class Detector:
             # No majority: each rank's own average absolute rise (sqrt(pi/2) of it is a standard
             # deviation), only while its evidence on the parameter is not accumulating, or the
             # fault would become the scale.
-            typical, learned = math.sqrt(math.pi / 2) * np.abs(rise), keep
-            self.parameter_scale = np.where(learned, (1 - rate) * self.parameter_scale + rate * np.nan_to_num(typical), self.parameter_scale)
+            typical, learned = math.sqrt(math.pi / 2) * np.abs(rise), keep & np.isfinite(rise)
+            scale = self.parameter_scale if rows is None else self.parameter_scale[rows]
+            scale = np.where(learned, (1 - rate) * scale + rate * np.nan_to_num(typical), scale)
+            if rows is None:
+                self.parameter_scale = scale
+            else:
+                self.parameter_scale[rows] = scale
         self.parameter_seen += 1
 
     def _suspicious_parameters(self, rank: int) -> list[str]:
         if self.parameter_change is None:
             return []
+        rows = self.parameter_rows
+        if rows is None:
+            change = self.parameter_change[rank].astype(float)  # float64: the tie-break below stays above rounding
+        elif rank in rows:  # the compact wire: this step's rise where the rank was sampled, else none
+            change = self.parameter_change[int(np.flatnonzero(rows == rank)[0])].astype(float)
+        else:
+            change = np.zeros(self.parameter_change.shape[1])
         # Accumulated evidence first (the per-parameter CUSUMs), this step's rise where there is none.
-        change = self.parameter_change[rank].astype(float)  # float64: the tie-break below stays above rounding
         relative = change if self.layer_level is None else self.layer_level[rank] + 1e-6 * change
         order = np.argsort(-relative)[: self.config.top_parameters]
         return [self.parameter_names[p] for p in order if relative[p] > 0]

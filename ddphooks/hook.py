@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
+from ddphooks import fleet
 from ddphooks.config import SilentConfig
 from ddphooks.detect import DetectorConfig
 from ddphooks.replicas import ReplicaTensors
@@ -83,6 +84,9 @@ class _Step:
         self.fingerprinted: list[str] = []  # names of the tensors fingerprinted on a replica-check step
         self.fingerprint: torch.Tensor | None = None
         self.gathered: torch.Tensor | None = None
+        self.fleet: fleet.FleetLayout | None = None  # the compact wire's layout (above gather_max_world), None: whole slots
+        self.sampled: list[int] = []  # with the compact wire: the ranks whose per-parameter norms travel
+        self.cosines_step: int | None = None  # with the compact wire: the step of the values this rank sends
         self.transport = ""
         self.absent = False  # this rank has joined under Join: it contributes zeros and is left out
         self.divided_by_present = False  # the sum was divided by the ranks present (Join, divide_by_initial_world_size=False)
@@ -131,6 +135,9 @@ class SilentState(BaseSilentState):
         per_rank_max_world: largest world size whose compact records keep one value per rank of
             each per-rank signal; above it, quantiles over ranks and the ranks that stand out (see
             ``SilentConfig``).
+        gather_max_world: above this world size the statistics travel in the compact wire
+            (``ddphooks.fleet``; None, the default: every rank's whole slot at any W; see ``SilentConfig``).
+        sampled_ranks: with the compact wire, the ranks per step whose per-parameter norms travel.
         max_pending_records: records waiting for the writer thread at most (see ``SilentConfig``).
         detect: run the online detector (``ddphooks.detect``; a ``DetectorConfig`` to set its
             thresholds) on a background thread; alerts go to ``state.alerts``, the records'
@@ -172,6 +179,8 @@ class SilentState(BaseSilentState):
         detail_every: int = 100,
         detail_max_world: int = 64,
         per_rank_max_world: int = 256,
+        gather_max_world: int | None = None,
+        sampled_ranks: int = 16,
         max_pending_records: int = 1024,
         detect: bool | DetectorConfig = True,
         check_replicas_every: int = 100,
@@ -181,7 +190,7 @@ class SilentState(BaseSilentState):
         settings = dict(
             sketch_dim=sketch_dim, every=every, seed=seed, transport=transport, piggyback_limit_mb=piggyback_limit_mb,
             log_rank=log_rank, chunk_elems=chunk_elems, stats_kernel=stats_kernel, detail_every=detail_every, detail_max_world=detail_max_world, per_rank_max_world=per_rank_max_world,
-            max_pending_records=max_pending_records, detect=detect, check_replicas_every=check_replicas_every,
+            gather_max_world=gather_max_world, sampled_ranks=sampled_ranks, max_pending_records=max_pending_records, detect=detect, check_replicas_every=check_replicas_every,
             watch_sync=watch_sync,
         )  # fmt: skip
         super().__init__(settings, sinks=sinks, on_alert=on_alert)
@@ -250,6 +259,11 @@ class SilentState(BaseSilentState):
         self._forward_since_step = False  # a training forward ran on this rank since the last step
         self._joined = False  # this rank has joined under Join: DDP's join hook reduces zeros for it
         self._divisor: torch.Tensor | None = None  # the ranks present this step, where the average is over them
+        # -- the compact wire (above gather_max_world): this rank's values, sent one step late -------
+        self._own_values: torch.Tensor | None = None  # [cos_loo, cos_previous, layer] of _own_values_step
+        self._own_values_step: int | None = None
+        self._own_previous: tuple[list[BucketLayout], torch.Tensor] | None = None  # layouts and sketch of the last step
+        self._layer_average: tuple[list[BucketLayout], torch.Tensor] | None = None  # layouts and running average of this rank's parameters' deviations
         self._watch_forwards(model)
         self._bound = True
 
@@ -423,6 +437,51 @@ class SilentState(BaseSilentState):
         self._buckets[index] = entry
         return entry
 
+    def _fleet_layout(self, record: _Step, n_params: int) -> "fleet.FleetLayout | None":
+        """The compact wire's layout of this step above ``gather_max_world`` ranks (None: every
+        rank's whole slot). It sets the all-reduce's size, so it depends only on what every rank
+        shares: W, the bucket layouts, the settings and whether this is a replica-check step."""
+        limit = self.config.gather_max_world
+        if limit is None or self.world_size <= limit:
+            return None
+        return fleet.FleetLayout(self.world_size, n_params, len(record.layouts), self.bins, self.config.sampled_ranks, len(record.fingerprinted))
+
+    def _pack(self, record: _Step, slots: torch.Tensor, slot: int, status: int) -> None:
+        """Write this rank's share of the step's statistics into the zeroed ``slots``: its slot at
+        its row, or its parts of the compact wire."""
+        if record.fleet is None:
+            self._pack_slot(record.local_sq, record.fingerprint, slots[self.rank * slot : (self.rank + 1) * slot], status)
+            return
+        own = self._own_values
+        if own is None or own.device != slots.device:
+            own = torch.full((3,), float("nan"), dtype=torch.float32, device=slots.device)
+        record.cosines_step = self._own_values_step if self._own_values is not None else None
+        # The previous step's layer scores, the same on every rank (its gathered rows): they choose
+        # half the sampled ranks, so a rank whose layer stands out sends its layer view every step.
+        previous = self._previous_stats
+        try:
+            scores = previous.layer_scores if isinstance(previous, fleet.FleetStats) else None
+        except Exception:  # never into backward: the window alone (only which rows, not the size, could differ)
+            scores = None
+        record.sampled = fleet.choose_sampled(self.world_size, self.config.sampled_ranks, record.step // self.config.every, scores)
+        fingerprint = None if record.fingerprint is None else record.fingerprint.to(slots.device)
+        fleet.pack(record.fleet, record.sampled, self.rank, self._head(status, slots.device), record.local_sq, self._sketch if self.bins else None, own, fingerprint, record.absent, slots)
+
+    def _fleet_stats(self, record: _Step) -> "fleet.FleetStats":
+        layout = record.fleet
+        return fleet.FleetStats(
+            record.step,
+            record.layouts,
+            layout,
+            record.gathered,
+            torch.cat(record.reduced_sq),
+            record.transport,
+            record.sampled,
+            record.cosines_step,
+            record.fingerprinted,
+            divided_by_present=record.divided_by_present,
+        )
+
     def _open_step(self, device: torch.device) -> _Step:
         self._current = _Step(self.step, device)
         self._current.absent = self._joined
@@ -450,7 +509,7 @@ class SilentState(BaseSilentState):
             return
         if record.error is None:
             try:
-                result = SilentStats(
+                result = self._fleet_stats(record) if record.fleet is not None else SilentStats(
                     record.step,
                     self.world_size,
                     record.layouts,
@@ -516,7 +575,9 @@ def silent_hook(state: SilentState, bucket: dist.GradBucket) -> torch.futures.Fu
        with the fp32 "piggyback" transport the allreduce runs on one persistent buffer
        ``[bucket / W | W slots]`` where each rank filled its own slot and zeroed the rest, so the
        sum gathers all slots in the same collective; otherwise one small allreduce of the slots
-       follows the bucket's (the "separate" transport).
+       follows the bucket's (the "separate" transport). Above ``gather_max_world`` ranks the
+       same collective carries the compact wire instead (``ddphooks.fleet``): each rank's few
+       numbers, sums over the ranks and the sampled ranks' per-parameter norms.
     4. When every bucket has reported, ``state.latest`` becomes the step's ``SilentStats``:
        dispersion of losses and norms, the exact norm-weighted mean cosine from
        ``sum_{i!=j} <g_i,g_j> = W^2 |gbar|^2 - sum_i |g_i|^2``, and the sketched cosine matrix.
@@ -586,8 +647,13 @@ def silent_hook(state: SilentState, bucket: dist.GradBucket) -> torch.futures.Fu
         record.fingerprinted = state._replica_tensors.names
         record.fingerprint = state._replica_tensors.fingerprint(record.step)
     n_params = sum(len(layout.numels) for layout in record.layouts)
-    slot = slot_size(n_params, state.bins, len(record.fingerprinted))
-    widest = slot_size(n_params, state.bins, len(state._replica_tensors or ()))  # a replica check's slot: the buffers' capacity
+    record.fleet = state._fleet_layout(record, n_params)
+    if record.fleet is None:
+        slot = slot_size(n_params, state.bins, len(record.fingerprinted))
+        wire, widest = world * slot, world * slot_size(n_params, state.bins, len(state._replica_tensors or ()))
+    else:  # the compact wire
+        slot = wire = record.fleet.size
+        widest = fleet.FleetLayout(world, n_params, len(record.layouts), state.bins, state.config.sampled_ranks, len(state._replica_tensors or ())).size
     record.transport = "piggyback" if piggyback else "separate"
     status = state._slot_status(record)
     with record.lock:  # before launching: the last callback may run before this call returns
@@ -595,19 +661,20 @@ def silent_hook(state: SilentState, bucket: dist.GradBucket) -> torch.futures.Fu
 
     if piggyback:
         numel = buffer.numel()
-        combined = state._stats_buffer("_piggyback", numel + world * slot, buffer.dtype, buffer.device, numel + world * widest)
+        # A replica check's wider slots are the buffer's capacity, so that it is sized once.
+        combined = state._stats_buffer("_piggyback", numel + wire, buffer.dtype, buffer.device, numel + widest)
         # Same division as allreduce_hook (divide first to avoid overflow), into the big buffer.
         torch.div(buffer, world if state._divisor is None else state._divisor, out=combined[:numel])
         slots = combined[numel:]
         slots.zero_()
-        state._pack_slot(record.local_sq, record.fingerprint, slots[state.rank * slot : (state.rank + 1) * slot], status)
+        state._pack(record, slots, slot, status)
         future = dist.all_reduce(combined, group=state.process_group, async_op=True).get_future()
         future = future.then(partial(_reduced_piggyback, state, record, position, numel, slot))
     else:
         gradient_future = _all_reduce_divided(state, buffer) if divided else state._communicate(bucket)
-        slots = state._stats_buffer("_separate", world * slot, torch.float32, buffer.device, world * widest)
+        slots = state._stats_buffer("_separate", wire, torch.float32, buffer.device, widest)
         slots.zero_()
-        state._pack_slot(record.local_sq, record.fingerprint, slots[state.rank * slot : (state.rank + 1) * slot], status)
+        state._pack(record, slots, slot, status)
         slots_future = dist.all_reduce(slots, group=state.process_group, async_op=True).get_future()
         both = torch.futures.collect_all([gradient_future, slots_future])
         future = both.then(partial(_reduced_separate, state, record, position, slot))
@@ -642,14 +709,32 @@ def _reduced_bucket(state: SilentState, record: _Step, position: int, future: to
     return reduced
 
 
+def _keep_gathered(state: SilentState, record: _Step, slots: torch.Tensor, slot: int) -> None:
+    """Copy the all-reduced statistics off the buffer (reused next step); with the compact wire,
+    this rank's cosines of the step too, which it sends with its next instrumented step."""
+    if record.fleet is None:
+        record.gathered = slots.view(state.world_size, slot).clone()
+        return
+    record.gathered = slots.clone()
+    previous = state._own_previous
+    comparable = previous is not None and previous[0] == record.layouts
+    param_sq = torch.cat(record.local_sq) if len(record.local_sq) > 1 else record.local_sq[0]
+    kept = state._layer_average
+    average = kept[1] if kept is not None and kept[0] == record.layouts else None  # DDP's bucket rebuild reorders the parameters
+    sketch = state._sketch if state.bins else None
+    state._own_values, average = fleet.own_values(record.fleet, record.gathered, sketch, previous[1] if comparable else None, param_sq, average)
+    state._layer_average = (list(record.layouts), average)
+    state._own_values_step = record.step
+    state._own_previous = (list(record.layouts), state._sketch.clone()) if state.bins else None
+
+
 def _reduced_piggyback(
     state: SilentState, record: _Step, position: int, numel: int, slot: int, future: torch.futures.Future
 ) -> torch.Tensor:
     combined = future.value()[0]
     gradient = combined[:numel]
     try:
-        # The buffer is reused next step: keep a copy of the gathered slots.
-        record.gathered = combined[numel:].view(state.world_size, slot).clone()
+        _keep_gathered(state, record, combined[numel:], slot)
         _record_reduced(record, position, gradient)
     except Exception as error:
         record.error = error
@@ -661,7 +746,7 @@ def _reduced_separate(state: SilentState, record: _Step, position: int, slot: in
     gradient_future, slots_future = future.value()
     gradient = gradient_future.value()
     try:
-        record.gathered = slots_future.value()[0].view(state.world_size, slot).clone()
+        _keep_gathered(state, record, slots_future.value()[0], slot)
         _record_reduced(record, position, gradient)
     except Exception as error:
         record.error = error

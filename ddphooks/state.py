@@ -250,14 +250,19 @@ class BaseSilentState:
             else:
                 self._sketch.zero_()
 
+    def _head(self, status: int, device: torch.device) -> torch.Tensor:
+        """``[loss_sum, loss_count, status]`` of this rank's step, on ``device`` (a buffer reused
+        from step to step)."""
+        if self._slot_head is None or self._slot_head.device != device:
+            self._slot_head = torch.zeros(3, dtype=torch.float32, device=device)
+        self._losses.pack(self._slot_head[:2])
+        self._slot_head[2].fill_(status)
+        return self._slot_head
+
     def _pack_slot(self, local_sq: list[torch.Tensor], fingerprint: torch.Tensor | None, slot: torch.Tensor, status: int = 0) -> None:
         """Write ``[loss_sum, loss_count, status, |g_p|^2 ..., sketch, fingerprints]`` of this rank
         into ``slot`` (``status``: the flags of ``ddphooks.stats``, ``ABSENT`` ...)."""
-        if self._slot_head is None or self._slot_head.device != slot.device:
-            self._slot_head = torch.zeros(3, dtype=torch.float32, device=slot.device)
-        self._losses.pack(self._slot_head[:2])
-        self._slot_head[2].fill_(status)
-        parts = [self._slot_head, *local_sq]
+        parts = [self._head(status, slot.device), *local_sq]
         if self.bins:
             parts.append(self._sketch)
         if fingerprint is not None:

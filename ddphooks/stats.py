@@ -208,12 +208,18 @@ def weighted_mean_cosine(rank_sq: np.ndarray, reduced_sq: np.ndarray | float) ->
     Returns ``sum_{i!=j} <g_i,g_j> / sum_{i!=j} |g_i||g_j|``; NaN where undefined (W = 1 or a
     zero gradient on all but one rank).
     """
-    world = rank_sq.shape[0]
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):  # non-finite norms give NaN
-        total_sq = rank_sq.sum(axis=0)
+    with np.errstate(invalid="ignore", over="ignore"):  # non-finite norms give NaN
+        return weighted_mean_cosine_from_sums(rank_sq.sum(axis=0), np.sqrt(rank_sq).sum(axis=0), rank_sq.shape[0], reduced_sq)
+
+
+def weighted_mean_cosine_from_sums(total_sq: np.ndarray | float, norms_sum: np.ndarray | float, world: int, reduced_sq: np.ndarray | float) -> np.ndarray | float:
+    """``weighted_mean_cosine`` from sums over the ranks alone: ``total_sq = sum_i |g_i|^2`` and
+    ``norms_sum = sum_i |g_i|`` (what the compact wire carries, ``ddphooks.fleet``), for ``world``
+    ranks. NaN where undefined."""
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        total_sq = np.asarray(total_sq, dtype=np.float64)
         cross = world * world * np.asarray(reduced_sq) - total_sq
-        norms = np.sqrt(rank_sq)
-        pair_norms = norms.sum(axis=0) ** 2 - total_sq
+        pair_norms = np.asarray(norms_sum, dtype=np.float64) ** 2 - total_sq
         result = np.where(pair_norms > 0, cross / np.where(pair_norms > 0, pair_norms, 1.0), np.nan)
     return result if world > 1 else np.full_like(result, np.nan)
 
@@ -518,6 +524,10 @@ class SilentStats:
             return reduced_sq
         return np.asarray(reduced_sq) * (self.world_size / present) ** 2
 
+    #: The ranks whose per-parameter norms the step carries, where not every rank's (the compact
+    #: wire's sampled ranks, ``ddphooks.fleet``); None: every rank's, in ``param_sq``.
+    parameter_rows: list[int] | None = None
+
     @property
     def param_sq(self) -> np.ndarray:
         """W x P squared norms of each rank's local gradient per parameter (zeros for an absent rank)."""
@@ -649,9 +659,7 @@ class SilentStats:
             return None
         if self.absent.any():  # a joined rank's weights are stale until every rank has joined
             return {"ranks": [], "tensors": 0, "parameters": [], "not_compared": len(self.fingerprinted), "absent": self.absent_ranks}
-        gathered, _ = self._arrays
-        begin = gathered.shape[1] - FINGERPRINT_WIDTH * len(self.fingerprinted)
-        fingerprints = gathered[:, begin:].reshape(self.world_size, len(self.fingerprinted), FINGERPRINT_WIDTH)
+        fingerprints = self._fingerprints()
         if self.replica_groups is None:
             return replica_differences(fingerprints, self.fingerprinted)
         merged: dict = {"ranks": set(), "tensors": 0, "parameters": [], "not_compared": 0}
@@ -664,6 +672,12 @@ class SilentStats:
         merged["parameters"].sort(key=lambda d: -(d["relative_difference"] or 0.0))
         merged["parameters"] = merged["parameters"][:MAX_REPLICA_DIFFERENCES]
         return dict(merged, ranks=sorted(merged["ranks"]))
+
+    def _fingerprints(self) -> np.ndarray:
+        """W x T x 2 replica fingerprints of a replica-check step (the end of every slot)."""
+        gathered, _ = self._arrays
+        begin = gathered.shape[1] - FINGERPRINT_WIDTH * len(self.fingerprinted)
+        return gathered[:, begin:].reshape(self.world_size, len(self.fingerprinted), FINGERPRINT_WIDTH)
 
     @property
     def mean_cosine(self) -> float:
@@ -803,23 +817,9 @@ class SilentStats:
         """The layer view: cosine matrix, per-bucket and per-parameter norms and cosines."""
         per_rank = self.world_size <= detail_max_world
         cosine = self.cosine if per_rank else None
-        present = ~self.absent
-        param_sq, reduced_param_sq = self.param_sq, self.reduced_param_sq
-        param_wmc = weighted_mean_cosine(param_sq[present], self._present_reduced(reduced_param_sq))
-        bucket_sq, reduced_bucket_sq = self.bucket_sq, self.reduced_bucket_sq
-        bucket_wmc = weighted_mean_cosine(bucket_sq[present], self._present_reduced(reduced_bucket_sq))
-
-        def over_ranks(sq: np.ndarray) -> dict:
-            norms = np.where(present, np.sqrt(sq), np.nan)
-            if per_rank:
-                return {"grad_norms": _floats(norms)}
-            if not present.any():
-                return {"grad_norm_mean": None, "grad_norm_max": None, "grad_norm_argmax": None}
-            with np.errstate(invalid="ignore"):
-                ranks = np.flatnonzero(present)
-                top = ranks[int(np.argmax(norms[ranks]))]
-                return {"grad_norm_mean": _float(np.mean(norms[ranks])), "grad_norm_max": _float(norms[top]), "grad_norm_argmax": int(top)}
-
+        reduced_param_sq, reduced_bucket_sq = self.reduced_param_sq, self.reduced_bucket_sq
+        param_wmc, bucket_wmc = self._layer_cosines()
+        param_norms, bucket_norms = self._layer_norms(per_rank)
         parameters = []
         p = 0
         for bucket in self.buckets:
@@ -829,7 +829,7 @@ class SilentStats:
                         "name": name,
                         "bucket": bucket.index,
                         "numel": numel,
-                        **over_ranks(param_sq[:, p]),
+                        **param_norms[p],
                         "reduced_norm": _float(math.sqrt(reduced_param_sq[p])),
                         "weighted_mean_cosine": _float(param_wmc[p]),
                     }
@@ -842,7 +842,7 @@ class SilentStats:
                     "index": bucket.index,
                     "numel": bucket.numel,
                     "parameters": list(bucket.names),
-                    **over_ranks(bucket_sq[:, b]),
+                    **bucket_norms[b],
                     "reduced_norm": _float(math.sqrt(reduced_bucket_sq[b])),
                     "weighted_mean_cosine": _float(bucket_wmc[b]),
                 }
@@ -850,6 +850,32 @@ class SilentStats:
             ],
             "parameters": parameters,
         }
+
+    def _layer_cosines(self) -> tuple[np.ndarray, np.ndarray]:
+        """The exact weighted mean cosine of each parameter and each bucket over the present ranks."""
+        present = ~self.absent
+        param_wmc = weighted_mean_cosine(self.param_sq[present], self._present_reduced(self.reduced_param_sq))
+        bucket_wmc = weighted_mean_cosine(self.bucket_sq[present], self._present_reduced(self.reduced_bucket_sq))
+        return param_wmc, bucket_wmc
+
+    def _layer_norms(self, per_rank: bool) -> tuple[list[dict], list[dict]]:
+        """Per parameter and per bucket, the ranks' local gradient norms: one per rank, or (not
+        ``per_rank``) their mean, max and the rank with the max."""
+        present = ~self.absent
+
+        def over_ranks(sq: np.ndarray) -> dict:
+            norms = np.where(present, np.sqrt(sq), np.nan)
+            if per_rank:
+                return {"grad_norms": _floats(norms)}
+            if not present.any():
+                return {"grad_norm_mean": None, "grad_norm_max": None, "grad_norm_argmax": None}
+            with np.errstate(invalid="ignore"):
+                ranks = np.flatnonzero(present)
+                top = ranks[int(np.argmax(norms[ranks]))]
+                return {"grad_norm_mean": _float(np.mean(norms[ranks])), "grad_norm_max": _float(norms[top]), "grad_norm_argmax": int(top)}
+
+        param_sq, bucket_sq = self.param_sq, self.bucket_sq
+        return [over_ranks(param_sq[:, p]) for p in range(param_sq.shape[1])], [over_ranks(bucket_sq[:, b]) for b in range(bucket_sq.shape[1])]
 
     def __repr__(self) -> str:
         return f"SilentStats(step={self.step}, world_size={self.world_size}, buckets={len(self.buckets)}, sketch_dim={self.bins})"

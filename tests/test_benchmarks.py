@@ -218,21 +218,28 @@ def test_comm_accounting_fields(tmp_path):
 def test_scale_quick_table_on_the_fake_process_group(tmp_path):
     out = tmp_path / "scale.json"
     stdout = _run("scale.py", "--quick", "--json", str(out))
-    rows = {r["world_size"]: r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {8, 64, 512}
-    for world, r in rows.items():
+    every_row = json.loads(out.read_text())["rows"]
+    rows = {r["world_size"]: r for r in every_row if r["wire"] == "whole slots"}
+    compact = {r["world_size"]: r for r in every_row if r["wire"] == "compact"}
+    assert set(rows) == set(compact) == {8, 64, 512} and len(every_row) == 6
+    for world, r in [*rows.items(), *compact.items()]:
         assert r["transport"] == "piggyback" and r["tensors"] == 21 and r["steps"] == 3  # the real DDP path, its final buckets
-        for key in ("allreduce_hook_ms", "silent_hook_ms", "slot_parts_ms", "detector_ms", "kept_bytes", "slot_numel", "replica_check_ms"):
+        for key in ("allreduce_hook_ms", "silent_hook_ms", "slot_parts_ms", "detector_ms", "kept_bytes", "wire_numel", "replica_check_ms"):
             assert math.isfinite(r[key]) and r[key] > 0, (world, key)
-        assert r["slot_numel"] == 3 + 21 + 251  # loss pair, status, one norm per tensor, the sketch
-        assert r["slot_bytes_per_step"] == 4 * world * r["slot_numel"]
+        assert r["slot_bytes_per_step"] == 4 * r["wire_numel"]
         assert 0 < r["slot_fraction_of_gradient_bytes"] < 1
         assert 0 < r["compact_record_bytes"] < r["detail_record_bytes"]
+    for world, r in rows.items():
+        assert r["wire_numel"] == world * (3 + 21 + 251)  # per rank: loss pair, status, one norm per tensor, the sketch
+    for world, r in compact.items():  # rows of 6, 16 sampled ranks' norms (at most W), sums of 2 x 21 norms, 1 bucket, 1 count, 2 x 251
+        assert r["wire_numel"] == 6 * world + min(16, world) * 21 + 2 * 21 + 1 + 1 + 2 * 251, world
+        assert r["slot_bytes_per_step"] <= 64 * 1024 + 16 * world  # the fleet budget
+    assert compact[512]["kept_bytes"] < rows[512]["kept_bytes"]
     assert rows[64]["compact_record_bytes"] > rows[8]["compact_record_bytes"]  # O(W) per-rank vectors
     assert rows[512]["compact_record_bytes"] < rows[64]["compact_record_bytes"]  # above per_rank_max_world: over ranks, O(1)
     table = [line for line in stdout.splitlines() if line.startswith("| ")]
-    assert table[0].startswith("| W | DDP in-hook ms beyond allreduce_hook | detector ms") and len(table) == 2 * (1 + 3)
-    assert table[4].startswith("| W | FSDP2 statistics pass ms/step")
+    assert table[0].startswith("| W | wire | DDP in-hook ms beyond allreduce_hook | detector ms") and len(table) == (1 + 6) + (1 + 3)
+    assert table[7].startswith("| W | FSDP2 statistics pass ms/step")
     sharded = {r["world_size"]: r for r in json.loads(out.read_text())["fsdp_rows"]}
     assert set(sharded) == {8, 64, 512}
     for world, r in sharded.items():  # the real FSDP2 path: the pass ran inside every reduce-scatter

@@ -62,7 +62,7 @@ def _train_join(rank: int, model: DDP, batches: int, divide_by_initial_world_siz
     return losses
 
 
-def _check_join(rank: int, world: int, counts: list[int], divide_by_initial_world_size: bool, path: str) -> dict:
+def _check_join(rank: int, world: int, counts: list[int], divide_by_initial_world_size: bool, settings: dict, path: str) -> dict:
     """Uneven inputs under Join: training as without ddphooks, joined ranks absent from the statistics."""
     reference = _make()
     if divide_by_initial_world_size:
@@ -76,7 +76,7 @@ def _check_join(rank: int, world: int, counts: list[int], divide_by_initial_worl
 
     messages = _Messages()
     model = _make()
-    state = ddphooks.attach(model, sinks=[JsonlSink(path)], check_replicas_every=2)
+    state = ddphooks.attach(model, sinks=[JsonlSink(path)], check_replicas_every=2, **settings)
     losses = _train_join(rank, model, counts[rank], divide_by_initial_world_size, state)
     state.close()
     logging.getLogger("ddphooks").removeHandler(messages)  # the next case in this process counts its own
@@ -89,24 +89,29 @@ def _check_join(rank: int, world: int, counts: list[int], divide_by_initial_worl
     return {"alerts": state.alerts, "losses": losses, "messages": messages.messages, "steps": state.step}
 
 
-JOIN_CASES = {"6-1": ([6, 1], True), "6-0": ([6, 0], True), "8-5-1-divide-by-present": ([8, 5, 1], False)}
+JOIN_CASES = {
+    "6-1": ([6, 1], True, {}),
+    "6-0": ([6, 0], True, {}),
+    "8-5-1-divide-by-present": ([8, 5, 1], False, {}),
+    "8-5-1-compact-wire": ([8, 5, 1], True, {"gather_max_world": 2, "sampled_ranks": 2}),
+}
 
 
 @pytest.fixture(scope="module")
 def join_runs(tmp_path_factory) -> dict:
     """Every Join case, the cases of one world size in one spawn; per case its results and file."""
     runs = {}
-    for world in sorted({len(counts) for counts, _ in JOIN_CASES.values()}):
-        cases = [(name, counts, divide) for name, (counts, divide) in JOIN_CASES.items() if len(counts) == world]
-        paths = {name: tmp_path_factory.mktemp(f"join-{name}") / "stats.jsonl" for name, _, _ in cases}
-        results = _spawn_cases(world, [(name, _check_join, (counts, divide, str(paths[name]))) for name, counts, divide in cases], TIMEOUT)
-        runs.update({name: (results[name], paths[name]) for name, _, _ in cases})
+    for world in sorted({len(counts) for counts, _, _ in JOIN_CASES.values()}):
+        cases = [(name, counts, divide, settings) for name, (counts, divide, settings) in JOIN_CASES.items() if len(counts) == world]
+        paths = {name: tmp_path_factory.mktemp(f"join-{name}") / "stats.jsonl" for name, *_ in cases}
+        results = _spawn_cases(world, [(name, _check_join, (counts, divide, settings, str(paths[name]))) for name, counts, divide, settings in cases], TIMEOUT)
+        runs.update({name: (results[name], paths[name]) for name, *_ in cases})
     return runs
 
 
 @pytest.mark.parametrize("case", list(JOIN_CASES))
 def test_join_with_uneven_inputs_trains_as_plain_ddp_and_leaves_joined_ranks_out(join_runs, case):
-    counts, divide = JOIN_CASES[case]
+    counts, divide, settings = JOIN_CASES[case]
     results, path = join_runs[case]
     steps = max(counts)
     assert all(r["steps"] == steps for r in results), "every rank counts the steps the others trained"
@@ -132,6 +137,12 @@ def test_join_with_uneven_inputs_trains_as_plain_ddp_and_leaves_joined_ranks_out
         if record["replicas"] is not None:  # a check while a rank has joined is not a comparison
             assert record["replicas"]["ranks"] == []
             assert record["replicas"].get("absent", []) == absent
+        if settings:  # the compact wire: a joined rank's cosines are unknown, the others' one step late
+            assert record["wire"] == "compact" and record["cosines_step"] == (step - 1 if step else None)
+            if step:
+                assert all(record["cosine_loo"][rank] is None for rank in absent)
+                before = [rank for rank in present if step - 1 < counts[rank]]
+                assert all(record["cosine_loo"][rank] is not None for rank in before if len(before) >= 2), (step, record["cosine_loo"])
 
 
 # -- two data-parallel groups in one job ------------------------------------------------------------

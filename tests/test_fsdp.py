@@ -100,6 +100,10 @@ def _check_errors(rank: int, world: int) -> dict:
         ddphooks.attach(model, transport="separate")
     except TypeError as error:
         errors["ddp_only"] = str(error)
+    try:
+        ddphooks.attach(model, gather_max_world=64)
+    except TypeError as error:
+        errors["compact_wire"] = str(error)
     ddphooks.attach(model).close()
     try:
         ddphooks.attach(model)
@@ -348,6 +352,7 @@ def test_hsdp_accumulation_without_all_reduce_is_not_measured_and_said_once(hsdp
 def test_errors_name_the_setting_and_the_fix(two_ranks):
     errors = two_ranks[0]["errors"]
     assert "transport applies to DDP only" in errors["ddp_only"]
+    assert "gather_max_world (the compact wire, ddphooks.fleet) is built for DDP only so far; under FSDP2" in errors["compact_wire"]
     assert "already attached" in errors["twice"]
 
 

@@ -13,6 +13,7 @@ import math
 import os
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -319,6 +320,66 @@ def unchanged_two_ranks() -> dict:
     ])  # fmt: skip
 
 
+def _check_compact_wire(rank: int, world: int) -> list[str]:
+    """The compact wire (``gather_max_world`` below W) against every rank's whole slot, on the same
+    data, with each transport and a replica check every other step (the last one after rank 1's
+    replica drifted): the same losses, norms, summary and replica verdicts on the same step, each
+    rank's cosines one step late, the sampled ranks' per-parameter norms, and training to rounding."""
+    kinds = []
+    for transport in ("piggyback", "separate"):
+        models = [_make_ddp(), _make_ddp()]
+        settings = dict(sketch_dim=256, transport=transport, check_replicas_every=2)
+        states = [SilentState(model=models[0], **settings), SilentState(model=models[1], gather_max_world=world - 1, sampled_ranks=2, **settings)]
+        optimizers = []
+        for model, state in zip(models, states):
+            model.register_comm_hook(state, silent_hook)
+            optimizers.append(torch.optim.SGD(model.parameters(), lr=0.05))
+        previous = None
+        for step in range(5):
+            x, y = _batch(rank, step)
+            if step == 4 and rank == 1:  # a replica drifts on one rank: the check of step 4 names it
+                for model in models:
+                    with torch.no_grad():
+                        model.module.out.bias[0] += 1e-3
+            for model, state in zip(models, states):
+                loss = _loss(model, x, y)
+                state.observe_loss(loss)
+                loss.backward()
+                state.flush()
+            full, compact = states[0].latest, states[1].latest
+            assert type(compact).__name__ == "FleetStats" and type(full).__name__ == "SilentStats"
+            np.testing.assert_array_equal(compact.losses, full.losses)
+            np.testing.assert_allclose(compact.grad_norms, full.grad_norms, rtol=1e-5)
+            got, expected = compact.summary(), full.summary()
+            for key in expected:
+                assert got[key] == pytest.approx(expected[key], rel=1e-4, abs=1e-5, nan_ok=True), (step, key)
+            assert compact.replicas == full.replicas, step
+            sampled = compact.sampled
+            assert len(sampled) == 2
+            np.testing.assert_allclose(compact.param_sq[sampled], full.param_sq[sampled], rtol=1e-5)
+            if previous is None:
+                assert compact.cosines_step is None and compact.cosine_loo is None
+            else:  # this rank's cosines of the previous step, computed on each rank
+                assert compact.cosines_step == step - 1 and compact.cosine_to_others is None
+                np.testing.assert_allclose(compact.cosine_loo, previous.cosine_loo, rtol=1e-4, atol=1e-5)
+                assert np.isfinite(compact.layer_scores).all()
+                if previous.cosine_previous is not None:
+                    np.testing.assert_allclose(compact.cosine_previous, previous.cosine_previous, rtol=1e-4, atol=1e-5)
+            json.dumps(compact.to_dict(), allow_nan=False)
+            previous = full
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad()
+        assert full.replicas["ranks"] == [1]
+        for a, b in zip(models[0].parameters(), models[1].parameters()):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+        for state in states:
+            state.close()
+        assert [a["kind"] for a in states[1].alerts] == [a["kind"] for a in states[0].alerts]
+        kinds.append(compact.transport)
+    return kinds
+
+
 @pytest.fixture(scope="module")
 def three_ranks() -> dict:
     """Every three-rank case of this file in one spawn: the all-gather reference, the exact
@@ -328,6 +389,7 @@ def three_ranks() -> dict:
         ("sketch_exact", _check_sketch_exact, ()),
         ("rounding", _check_parameters_unchanged, ({"sketch_dim": 256}, torch.float32, {})),
         ("separate", _check_parameters_unchanged, ({"sketch_dim": 256, "transport": "separate"}, torch.float32, {})),
+        ("compact_wire", _check_compact_wire, ()),
     ])  # fmt: skip
 
 
@@ -345,6 +407,10 @@ def test_parameters_equal_to_rounding_on_three_ranks(three_ranks):
 def test_auto_transport_keeps_the_piggyback_buffer_bounded(unchanged_two_ranks):
     # The last bucket holds ~500 fp32 elements (2 KB): a 1 KB limit sends the slots separately.
     assert unchanged_two_ranks["auto_transport"] == [(True, "separate")] * 2
+
+
+def test_compact_wire_gives_the_whole_slots_statistics_on_three_ranks(three_ranks):
+    assert three_ranks["compact_wire"] == [["piggyback", "separate"]] * 3
 
 
 def test_separate_transport_is_bitwise_on_three_ranks(three_ranks):

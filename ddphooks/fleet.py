@@ -1,0 +1,486 @@
+"""The compact wire: what each rank sends above ``SilentConfig.gather_max_world`` ranks, and the
+statistics built from it (no ``torch.distributed`` here: the transport calls these functions).
+
+Up to ``gather_max_world`` ranks every rank's whole slot travels on every instrumented step
+(``ddphooks.stats``): W x (3 + P + k) numbers for P parameters and a k-entry sketch, so each
+rank's share of the all-reduce grows with W (8.6 MB a step at W = 4096, P = 273, k = 256). Above
+it, most of what the statistics need is a sum over the ranks, which the same all-reduce gives at
+a size that does not depend on W, and each rank finishes its own cosines locally. One flat fp32
+buffer, each part summed over the ranks (a rank writes zeros where it has nothing):
+
+1. per rank, ``PER_RANK`` numbers (a gather: only rank i writes row i)::
+
+       [loss_sum, 4 loss_count + status, |g_i|^2, cos_loo_i, cos_previous_i, layer_i]
+
+   the last three being those of the rank's *previous* instrumented step (see 4);
+2. the per-parameter squared norms ``|g_{i,p}|^2`` of ``sampled`` ranks (a gather of
+   ``sampled`` rows; ``choose_sampled``): half a window of consecutive ranks that moves on every
+   instrumented step (every rank's layer view every ``ceil(2 W / sampled)`` steps), half the
+   ranks whose ``layer`` score was highest on the previous step (a rank whose layer keeps
+   standing out is sampled on every step); chosen from what every rank holds (the step number,
+   the previous step's rows), so every rank builds the same layout;
+3. sums over the ranks: ``sum_i |g_{i,p}|^2`` and ``sum_i |g_{i,p}|`` per parameter,
+   ``sum_i |g_{i,b}|`` per bucket (the exact weighted mean cosines of every layer), the number n
+   of ranks present, the sketches' sum ``S = sum_i s_i`` and their unit vectors' sum
+   ``U = sum_i s_i / |s_i|`` (an absent rank adds zeros);
+4. after the all-reduce each rank computes its own values from 3 (``own_values``): its cosines,
+   exactly what ``ddphooks.stats`` computes from every rank's sketch, ``cos(s_i, S - s_i)`` (to
+   the sum of the others) and ``cos(s_i, s_i(t'))`` (to its own sketch of the previous
+   instrumented step); and its layer score, how far its most unusual parameter stands out:
+   with ``d_p = log|g_{i,p}| - log(mean_{j != i} |g_{j,p}|)`` less its median over parameters,
+   ``layer_i = max_p (d_p - e_p)``, ``e_p`` the rank's running average of ``d_p``. They reach
+   the other ranks in the next instrumented step's row 1, one instrumented step late
+   (``cosines_step`` says which);
+5. on replica-check steps, every rank's fingerprints, as in the full slot (W x T x 2).
+
+Per rank and step: 24 B x W plus 4 (sampled x P + 2P + B + 1 + 2k) B: 120 KB at W = 4096 (P =
+273, k = 256, 16 sampled ranks), against 8.6 MB for every rank's whole slot.
+
+What it leaves out: the W x W cosine matrix and each rank's mean cosine to the others (no rank
+holds every sketch; the step's mean cosine ``(|U|^2 - n) / (n (n - 1))`` is exact), and each
+rank's layer view on the steps it is not sampled (the detector sees only the sampled rows, and
+compares them with the other ranks' exact mean norms). The per-rank cosines are one step late.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+import torch
+
+from ddphooks.stats import (
+    FINGERPRINT_WIDTH,
+    MAX_NONFINITE_LISTED,
+    REPLICA_CHECK_REQUESTED,
+    BucketLayout,
+    PendingHost,
+    SilentStats,
+    _float,
+    _floats,
+    weighted_mean_cosine_from_sums,
+)
+
+#: Numbers per rank in the compact wire's row (see the module docstring), and their places.
+PER_RANK = 6
+WIRE_LOSS_SUM, WIRE_COUNT_STATUS, WIRE_RANK_SQ, WIRE_OWN = 0, 1, 2, 3
+#: The row as ``FleetStats`` reads it, decoded: ``SilentStats``'s first three columns, then these.
+RANK_SQ, COSINE_LOO, COSINE_PREVIOUS, LAYER = 3, 4, 5, 6
+#: The status flags' room in the ``4 loss_count + status`` number (ABSENT 1, REPLICA_CHECK_REQUESTED 2).
+STATUS_ROOM = 4
+#: Weight of the newest step in a rank's running average of its parameters' deviations.
+LAYER_RATE = 0.05
+
+
+def choose_sampled(world: int, sampled: int, index: int, previous_layer: np.ndarray | None) -> list[int]:
+    """The ranks whose per-parameter norms travel on the ``index``-th instrumented step:
+    ``sampled_ranks(world, ceil(sampled / 2), index)``, then the ranks with the highest layer
+    score of the previous step (``previous_layer``, W; NaN: unknown) among the others, highest
+    first (the lower rank between equals); without it, ``sampled_ranks(world, sampled, index)``.
+    Every rank where ``world <= sampled``. The same on every rank: it reads only what every rank
+    holds.
+
+    Example::
+        >>> choose_sampled(8, 4, 0, np.array([0, 0, 0, 0, 0, 3.0, 0, 5.0]))
+        [0, 1, 7, 5]
+    """
+    if world <= sampled:
+        return list(range(world))
+    if previous_layer is None:
+        return sampled_ranks(world, sampled, index)
+    window = sampled_ranks(world, math.ceil(sampled / 2), index)
+    scores = np.where(np.isfinite(previous_layer), previous_layer, -np.inf)
+    chosen = set(window)
+    others = [int(r) for r in np.argsort(-scores, kind="stable") if int(r) not in chosen]  # unknown scores last, by rank
+    return window + others[: sampled - len(window)]
+
+
+def sampled_ranks(world: int, sampled: int, index: int) -> list[int]:
+    """The ranks whose per-parameter norms travel on the ``index``-th instrumented step: a window
+    of ``min(sampled, world)`` consecutive ranks (wrapping around) that starts ``sampled`` ranks
+    further on every step.
+
+    Example::
+        >>> sampled_ranks(world=10, sampled=4, index=2)
+        [8, 9, 0, 1]
+    """
+    count = min(sampled, world)
+    start = (index * count) % world
+    return [(start + j) % world for j in range(count)]
+
+
+@dataclass(frozen=True)
+class FleetLayout:
+    """Where each part sits in the compact wire's flat buffer of one step (see the module docstring)."""
+
+    world: int
+    n_params: int
+    n_buckets: int
+    bins: int
+    sampled: int
+    fingerprinted: int = 0
+
+    @property
+    def rows(self) -> int:
+        """Sampled rows of per-parameter norms."""
+        return min(self.sampled, self.world)
+
+    @cached_property
+    def _bounds(self) -> dict[str, tuple[int, int]]:
+        sizes = {
+            "per_rank": self.world * PER_RANK,
+            "sampled": self.rows * self.n_params,
+            "param_sq": self.n_params,
+            "param_norms": self.n_params,
+            "bucket_norms": self.n_buckets,
+            "present": 1,
+            "sketch_sum": self.bins,
+            "unit_sum": self.bins,
+            "fingerprints": self.world * self.fingerprinted * FINGERPRINT_WIDTH,
+        }
+        bounds, begin = {}, 0
+        for name, size in sizes.items():
+            bounds[name] = (begin, begin + size)
+            begin += size
+        return bounds
+
+    def part(self, name: str) -> slice:
+        begin, end = self._bounds[name]
+        return slice(begin, end)
+
+    @property
+    def size(self) -> int:
+        return self._bounds["fingerprints"][1]
+
+
+def pack(
+    layout: FleetLayout,
+    rows: list[int],
+    rank: int,
+    head: torch.Tensor,
+    local_sq: list[torch.Tensor],
+    sketch: torch.Tensor | None,
+    own: torch.Tensor,
+    fingerprint: torch.Tensor | None,
+    absent: bool,
+    out: torch.Tensor,
+) -> None:
+    """Write this rank's part of the compact wire into ``out`` (zeroed, ``layout.size`` fp32):
+    its row (``head`` = [loss_sum, loss_count, status], its squared norm, ``own`` = its
+    ``own_values`` of the previous step), its per-parameter squared norms (``local_sq``, one
+    tensor per bucket) where it is in ``rows`` (``choose_sampled``), and what it adds to the sums
+    (nothing but its row where it is ``absent``). Device ops only: nothing synchronises."""
+    param_sq = torch.cat(local_sq) if len(local_sq) > 1 else local_sq[0]
+    row = out[layout.part("per_rank")].view(layout.world, PER_RANK)[rank]
+    row[WIRE_LOSS_SUM] = head[0]
+    torch.add(head[2], head[1], alpha=STATUS_ROOM, out=row[WIRE_COUNT_STATUS])  # exact: small integers
+    row[WIRE_RANK_SQ] = param_sq.sum()
+    row[WIRE_OWN:] = own
+    if absent:
+        return
+    if rank in rows:
+        out[layout.part("sampled")].view(layout.rows, layout.n_params)[rows.index(rank)] = param_sq
+    out[layout.part("param_sq")] = param_sq
+    torch.sqrt(param_sq, out=out[layout.part("param_norms")])
+    bucket_norms = out[layout.part("bucket_norms")]
+    torch.stack([sq.sum() for sq in local_sq], out=bucket_norms)
+    bucket_norms.sqrt_()
+    out[layout.part("present")] = 1.0
+    if layout.bins and sketch is not None:
+        out[layout.part("sketch_sum")] = sketch
+        norm = torch.linalg.vector_norm(sketch)
+        # A zero sketch (no gradient on this rank) adds nothing to U, not 0/0.
+        torch.div(sketch, torch.where(norm > 0, norm, torch.ones_like(norm)), out=out[layout.part("unit_sum")])
+    if fingerprint is not None:
+        width = layout.fingerprinted * FINGERPRINT_WIDTH
+        out[layout.part("fingerprints")][rank * width : (rank + 1) * width] = fingerprint
+
+
+def own_values(
+    layout: FleetLayout, reduced: torch.Tensor, sketch: torch.Tensor | None, previous: torch.Tensor | None, param_sq: torch.Tensor, average: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's values of the step, from the all-reduced buffer ``reduced``: ``[cos_loo,
+    cos_previous, layer]`` in fp32 (NaN where undefined), and its running average of its
+    parameters' deviations, updated (see the module docstring, 4). The cosines are those
+    ``ddphooks.stats`` computes from every rank's sketch (``previous``: this rank's sketch of the
+    previous instrumented step where comparable, the same bucket layouts; ``average``: None on
+    the first step). Device ops in float64 (the host path's precision); nothing synchronises."""
+    nan = torch.tensor(math.nan, dtype=torch.float64, device=reduced.device)
+    loo = to_previous = nan
+    if layout.bins and sketch is not None:
+        s = sketch.double()
+        total = reduced[layout.part("sketch_sum")].double()
+        own = torch.dot(s, s)
+        others = total - s
+        loo = torch.dot(s, others) / (own.sqrt() * torch.dot(others, others).sqrt())
+        if previous is not None:
+            p = previous.double()
+            to_previous = torch.dot(s, p) / (own.sqrt() * torch.dot(p, p).sqrt())
+    present = reduced[layout.part("present")].double()[0]
+    norms = param_sq.double().sqrt()
+    others_mean = (reduced[layout.part("param_norms")].double() - norms) / (present - 1.0)
+    deviation = norms.log() - others_mean.log()
+    deviation = torch.where(torch.isfinite(deviation), deviation, nan)  # a parameter this rank's batch did not use: unknown
+    deviation = deviation - torch.nanmedian(deviation)
+    if average is None:
+        average = torch.where(torch.isfinite(deviation), deviation, torch.zeros_like(deviation))
+    rise = deviation - average
+    layer = torch.where(torch.isfinite(rise), rise, torch.full_like(rise, -math.inf)).max()
+    average = torch.where(torch.isfinite(deviation), (1 - LAYER_RATE) * average + LAYER_RATE * deviation, average)
+    values = torch.stack([loo.clamp(-1.0, 1.0), to_previous.clamp(-1.0, 1.0), layer])
+    values = torch.where(torch.isfinite(values), values, nan)
+    return values.float(), average
+
+
+class FleetStats(SilentStats):
+    """``SilentStats`` of a step that travelled in the compact wire (see the module docstring).
+
+    The same API and records, with what the compact wire does not carry said so:
+
+    - ``cosine_loo``, ``cosine_previous`` and ``layer_scores``: each rank's values of the
+      previous instrumented step, ``cosines_step`` (None on the first: no values);
+    - ``cosine`` (the W x W matrix) and ``cosine_to_others``: None;
+    - ``param_sq``: the rows of ``sampled_ranks`` only, NaN elsewhere;
+    - ``mean_cosine``, ``weighted_mean_cosine``, the noise scale, losses and gradient norms:
+      exact, of this step, as in the full slot.
+
+    Args (beyond ``SilentStats``'s):
+        layout: the buffer's layout.
+        reduced_wire: the all-reduced flat buffer (``layout.size``).
+        sampled: the ranks whose per-parameter norms it carries, in row order (``choose_sampled``).
+        cosines_step: the step the per-rank cosines belong to (None: none yet).
+    """
+
+    def __init__(
+        self,
+        step: int,
+        buckets: list[BucketLayout],
+        layout: FleetLayout,
+        reduced_wire: torch.Tensor,
+        reduced_sq: torch.Tensor,
+        transport: str,
+        sampled: list[int],
+        cosines_step: int | None,
+        fingerprinted: list[str] | None = None,
+        divided_by_present: bool = False,
+    ) -> None:
+        per_rank = reduced_wire[layout.part("per_rank")].view(layout.world, PER_RANK)
+        super().__init__(step, layout.world, buckets, per_rank, reduced_sq, layout.bins, transport, fingerprinted, divided_by_present=divided_by_present)
+        self.layout = layout
+        self.sampled = list(sampled)
+        self.parameter_rows = self.sampled
+        self.cosines_step = cosines_step
+        if reduced_wire.numel() != layout.size:
+            raise ValueError(f"the compact wire has {reduced_wire.numel()} numbers, its layout {layout.size}")
+        self._rest_host = PendingHost([reduced_wire[layout.part("per_rank").stop :]])
+
+    @cached_property
+    def _arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """The rows decoded (``SilentStats``'s loss sum, loss count and status, then ``RANK_SQ``
+        ...) and the reduced squared norms."""
+        with self._lock:
+            wire, reduced = self._host.arrays()
+        packed = wire[:, WIRE_COUNT_STATUS]
+        count = np.floor(packed / STATUS_ROOM)
+        rows = np.column_stack([wire[:, WIRE_LOSS_SUM], count, packed - STATUS_ROOM * count, wire[:, WIRE_RANK_SQ:]])
+        return rows, reduced
+
+    @cached_property
+    def replica_check_requested(self) -> bool:
+        return bool(((self.status & REPLICA_CHECK_REQUESTED) != 0).any())
+
+    @cached_property
+    def _rest(self) -> np.ndarray:
+        """The buffer after the rows (sampled norms, sums, fingerprints), float64."""
+        with self._lock:
+            return self._rest_host.arrays()[0]
+
+    def _part(self, name: str) -> np.ndarray:
+        offset = self.layout.part("per_rank").stop
+        where = self.layout.part(name)
+        return self._rest[where.start - offset : where.stop - offset]
+
+    @property
+    def sampled_param_sq(self) -> np.ndarray:
+        """``len(sampled)`` x P: the sampled ranks' squared norms per parameter, in ``sampled`` order."""
+        return self._part("sampled").reshape(self.layout.rows, self.layout.n_params)[: len(self.sampled)]
+
+    @property
+    def mean_param_norms(self) -> np.ndarray:
+        """P: each parameter's mean local gradient norm over the ranks present (exact, from the sums)."""
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return self._part("param_norms") / self.present_count
+
+    @cached_property
+    def param_sq(self) -> np.ndarray:
+        """W x P squared norms of each sampled rank's local gradient per parameter, NaN for the
+        ranks not sampled on this step (computed once, where asked for: ``sampled_param_sq`` is
+        what the detector and the records read)."""
+        result = np.full((self.world_size, self.layout.n_params), np.nan)
+        result[self.sampled] = self.sampled_param_sq
+        return result
+
+    @cached_property
+    def layer_scores(self) -> np.ndarray | None:
+        """Per rank, its layer score on ``cosines_step`` (how far its most unusual parameter
+        stood out; ``choose_sampled`` reads it); None on the first step."""
+        return self._own_value(LAYER, sketch=False)
+
+    @cached_property
+    def rank_sq(self) -> np.ndarray:
+        return self._arrays[0][:, RANK_SQ].copy()
+
+    @property
+    def present_count(self) -> int:
+        return int(round(float(self._part("present")[0])))
+
+    @property
+    def cosine(self) -> None:
+        """No W x W matrix in the compact wire (no rank holds every sketch)."""
+        return None
+
+    def _own_value(self, column: int, sketch: bool = True) -> np.ndarray | None:
+        if (sketch and not self.bins) or self.cosines_step is None:
+            return None
+        values = self._arrays[0][:, column].copy()
+        values[self.absent] = np.nan
+        return values
+
+    @property
+    def cosine_to_others(self) -> None:
+        """Not in the compact wire (``mean_cosine``, their mean, is)."""
+        return None
+
+    @cached_property
+    def cosine_loo(self) -> np.ndarray | None:
+        """Per rank, its sketched cosine to the sum of the others on ``cosines_step``."""
+        return self._own_value(COSINE_LOO)
+
+    @cached_property
+    def cosine_previous(self) -> np.ndarray | None:
+        """Per rank, on ``cosines_step``, its sketched cosine to its own previous instrumented step."""
+        return self._own_value(COSINE_PREVIOUS)
+
+    @property
+    def mean_cosine(self) -> float:
+        """The step's mean sketched cosine between ranks, ``(|U|^2 - n) / (n (n - 1))`` over the
+        n ranks present (the mean of every rank's ``cosine_to_others`` of this step)."""
+        n = self.present_count
+        if not self.bins or n < 2:
+            return math.nan
+        units = self._part("unit_sum")
+        value = (float(units @ units) - n) / (n * (n - 1))
+        return value if math.isfinite(value) else math.nan
+
+    @cached_property
+    def _nonfinite_gradients(self) -> tuple[list[dict], int]:
+        """A rank whose squared norm is not finite, against the parameters whose sum over the ranks
+        is not finite (where it is sampled, its own parameters)."""
+        bad_ranks = np.flatnonzero(~np.isfinite(self.rank_sq))
+        if not len(bad_ranks):
+            return [], 0
+        owners = [(bucket.index, name) for bucket in self.buckets for name in bucket.names]
+        summed = np.flatnonzero(~np.isfinite(self._part("param_sq")))
+        rows = self.sampled_param_sq
+        where = {rank: row for row, rank in enumerate(self.sampled)}
+        pairs = [(int(r), int(p)) for r in bad_ranks for p in (np.flatnonzero(~np.isfinite(rows[where[r]])) if r in where else summed)]
+        gradients = [{"rank": r, "bucket": owners[p][0], "parameter": owners[p][1]} for r, p in pairs[:MAX_NONFINITE_LISTED]]
+        return gradients, len(pairs)
+
+    def _fingerprints(self) -> np.ndarray:
+        return self._part("fingerprints").reshape(self.world_size, len(self.fingerprinted), FINGERPRINT_WIDTH)
+
+    def _layer_cosines(self) -> tuple[np.ndarray, np.ndarray]:
+        n = self.present_count
+        param_sq, param_norms = self._part("param_sq"), self._part("param_norms")
+        bucket_sq = np.array([param_sq[a:b].sum() for a, b in self._bucket_bounds])
+        param_wmc = weighted_mean_cosine_from_sums(param_sq, param_norms, n, self._present_reduced(self.reduced_param_sq))
+        bucket_wmc = weighted_mean_cosine_from_sums(bucket_sq, self._part("bucket_norms"), n, self._present_reduced(self.reduced_bucket_sq))
+        return param_wmc, bucket_wmc
+
+    def _layer_norms(self, per_rank: bool) -> tuple[list[dict], list[dict]]:
+        """Per parameter and bucket: the mean norm over the ranks present (exact, from the sums)
+        and the sampled ranks' norms (``sampled_ranks`` gives their ranks)."""
+        n = self.present_count
+        sampled = np.where(self.absent[self.sampled][:, None], np.nan, self.sampled_param_sq)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            param_mean = self.mean_param_norms
+            bucket_mean = self._part("bucket_norms") / n
+            bucket_sampled = np.stack([sampled[:, a:b].sum(axis=1) for a, b in self._bucket_bounds], axis=1) if len(sampled) else np.zeros((0, len(self.buckets)))
+        params = [{"grad_norm_mean": _float(param_mean[p]), "grad_norms_sampled": _floats(np.sqrt(sampled[:, p]))} for p in range(self.layout.n_params)]
+        buckets = [{"grad_norm_mean": _float(bucket_mean[b]), "grad_norms_sampled": _floats(np.sqrt(bucket_sampled[:, b]))} for b in range(len(self.buckets))]
+        return params, buckets
+
+    def to_dict(self, detail: bool = True, detail_max_world: int = 64, alerts: list[dict] = (), per_rank: bool = True) -> dict:
+        """``SilentStats.to_dict`` plus what the compact wire changes: ``wire`` ("compact"),
+        ``cosines_step`` and ``sampled_ranks``."""
+        record = super().to_dict(detail, detail_max_world, alerts, per_rank)
+        record.update(wire="compact", cosines_step=self.cosines_step, sampled_ranks=list(self.sampled))
+        return record
+
+    def __repr__(self) -> str:
+        return f"FleetStats(step={self.step}, world_size={self.world_size}, buckets={len(self.buckets)}, sketch_dim={self.bins}, sampled={len(self.sampled)})"
+
+
+def as_compact_records(records: list[dict], sampled: int) -> list[dict]:
+    """Records of a run with every rank's whole slot, as the compact wire would have written them
+    (what the detector reads of them): each record's per-rank cosines those of the record before
+    it (``cosines_step``; none for the first), no per-rank ``cosine_to_others``, and a detail
+    record's per-parameter norms only those of the step's sampled ranks (``grad_norms_sampled``,
+    ``sampled_ranks``, ``grad_norm_mean``), chosen by ``choose_sampled`` from the layer scores
+    each rank would have sent (computed by ``own_values`` from the records' norms). For
+    measuring, offline, what the compact wire changes in detection on runs recorded in detail
+    every step (``benchmarks/workloads.py --redetect --compact-wire``); the other values are the
+    same to fp32 rounding (``tests/test_fleet.py``)."""
+    compact, previous, scores, averages = [], None, [], {}
+    for index, record in enumerate(records):
+        out = dict(record)
+        for key in ("cosine_loo", "cosine_previous"):
+            out[key] = None if previous is None or previous.get(key) is None else list(previous[key])
+        out["cosine_to_others"] = None
+        out["cosines_step"] = None if previous is None else previous["step"]
+        # The scores of two steps before: sent in the previous step's rows (see choose_sampled).
+        rows = choose_sampled(int(record["world_size"]), sampled, index, scores[index - 2] if index >= 2 else None)
+        out.update(wire="compact", sampled_ranks=rows, cosine=None)
+        if record.get("parameters") and all("grad_norms" in p for p in record["parameters"]):
+            scores.append(_layer_scores(record, averages))
+            out["parameters"] = [_compact_layer_entry(p, rows) for p in record["parameters"]]
+            out["buckets"] = [_compact_layer_entry(b, rows) for b in record.get("buckets") or []]
+        else:
+            scores.append(None)
+        previous = record
+        compact.append(out)
+    return compact
+
+
+def _layer_scores(record: dict, averages: dict) -> np.ndarray:
+    """Each rank's layer score of a detail record, as ``own_values`` computes it on the rank
+    (``averages``: each rank's running average, carried from record to record)."""
+    world = int(record["world_size"])
+    norms = np.array([[math.nan if v is None else v for v in p["grad_norms"]] for p in record["parameters"]], dtype=float).T  # W x P
+    present = [r for r in range(world) if r not in set(record.get("absent") or [])]
+    layout = FleetLayout(world, norms.shape[1], 1, 0, 1)
+    reduced = torch.zeros(layout.size, dtype=torch.float64)
+    reduced[layout.part("param_norms")] = torch.from_numpy(np.nansum(norms[present], axis=0))
+    reduced[layout.part("present")] = float(len(present))
+    scores = np.full(world, np.nan)
+    names = tuple(p["name"] for p in record["parameters"])  # a rank's average restarts where the parameters' order changes, as on the rank
+    for rank in present:
+        param_sq = torch.from_numpy(norms[rank] ** 2)
+        values, averages[(rank, names)] = own_values(layout, reduced, None, None, param_sq, averages.get((rank, names)))
+        scores[rank] = float(values[2])
+    return scores
+
+
+def _compact_layer_entry(entry: dict, rows: list[int]) -> dict:
+    """A detail record's parameter or bucket as the compact wire gives it: the mean norm over the
+    present ranks and the sampled ranks' norms instead of every rank's."""
+    if "grad_norms" not in entry:
+        return dict(entry)
+    norms = entry["grad_norms"]
+    known = [v for v in norms if v is not None]
+    compact = {k: v for k, v in entry.items() if k != "grad_norms"}
+    compact.update(grad_norm_mean=sum(known) / len(known) if known else None, grad_norms_sampled=[norms[r] for r in rows])
+    return compact

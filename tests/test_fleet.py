@@ -1,0 +1,236 @@
+"""The compact wire (``ddphooks.fleet``) against the whole slots (``ddphooks.stats``).
+
+In one process: W simulated ranks each pack their part of the compact wire, the parts are summed
+(what the all-reduce does), and the ``FleetStats`` built from the sum must give what
+``SilentStats`` gives from every rank's whole slot, computed the slow way: the same losses,
+norms, dispersion, weighted and mean cosines, layer cosines and mean norms; each rank's own
+cosines equal to the full path's (one step late); the sampled ranks' per-parameter norms.
+The DDP runs (compact wire against whole slots, same data) are in ``tests/test_hook.py``.
+"""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from ddphooks import fleet
+from ddphooks.config import SilentConfig
+from ddphooks.stats import ABSENT, BucketLayout, SilentStats, slot_size
+
+BUCKETS = [BucketLayout(0, ("a", "b"), (30, 20)), BucketLayout(1, ("c", "d", "e"), (10, 40, 5))]
+N_PARAMS, BINS = 5, 64
+
+
+def _ranks(world: int, seed: int, absent: tuple[int, ...] = ()) -> list[dict]:
+    """Per rank: loss, per-bucket squared norms, a sketch sharing a common direction."""
+    generator = torch.Generator().manual_seed(seed)
+    common = torch.randn(BINS, generator=generator)
+    ranks = []
+    for rank in range(world):
+        gone = rank in absent
+        local = [torch.rand(2, generator=generator) + 0.1, torch.rand(3, generator=generator) + 0.1]
+        sketch = common + torch.randn(BINS, generator=generator)
+        ranks.append(
+            {
+                "head": torch.tensor([0.0, 0.0, float(ABSENT)]) if gone else torch.tensor([1.5 + rank, 1.0, 0.0]),
+                "local_sq": [torch.zeros_like(t) for t in local] if gone else local,
+                "sketch": torch.zeros(BINS) if gone else sketch,
+                "absent": gone,
+            }
+        )
+    return ranks
+
+
+def _full_stats(step: int, ranks: list[dict], reduced_sq: torch.Tensor, previous: SilentStats | None = None) -> SilentStats:
+    """The whole slots, gathered: the reference path."""
+    gathered = torch.stack([torch.cat([r["head"], *r["local_sq"], r["sketch"]]) for r in ranks])
+    assert gathered.shape[1] == slot_size(N_PARAMS, BINS)
+    return SilentStats(step, len(ranks), BUCKETS, gathered, reduced_sq, BINS, "piggyback", previous=previous)
+
+
+def _compact(layout: fleet.FleetLayout, rows: list[int], ranks: list[dict], own: list[torch.Tensor] | None) -> torch.Tensor:
+    """Every rank's part of the compact wire, summed."""
+    total = torch.zeros(layout.size)
+    for rank, r in enumerate(ranks):
+        out = torch.zeros(layout.size)
+        values = own[rank] if own is not None else torch.full((3,), math.nan)
+        fleet.pack(layout, rows, rank, r["head"], r["local_sq"], r["sketch"], values, None, r["absent"], out)
+        total += out
+    return total
+
+
+def _own(layout: fleet.FleetLayout, wire: torch.Tensor, ranks: list[dict], previous: list[dict] | None, averages: list) -> list[torch.Tensor]:
+    """Every rank's ``own_values`` of the step (``averages`` updated in place)."""
+    values = []
+    for rank, r in enumerate(ranks):
+        own, averages[rank] = fleet.own_values(layout, wire, r["sketch"], None if previous is None else previous[rank]["sketch"], torch.cat(r["local_sq"]), averages[rank])
+        values.append(own)
+    return values
+
+
+def _layer_reference(ranks: list[dict], averages: list) -> list[float]:
+    """The layer scores the slow way: per present rank, its log norm per parameter against the
+    mean of the other present ranks', less its median; the largest rise over its average."""
+    present = [r for r, x in enumerate(ranks) if not x["absent"]]
+    norms = {r: torch.cat(ranks[r]["local_sq"]).double().sqrt().numpy() for r in present}
+    scores = []
+    for rank in range(len(ranks)):
+        if rank not in present:
+            scores.append(math.nan)
+            continue
+        others = np.mean([norms[r] for r in present if r != rank], axis=0)
+        d = np.log(norms[rank]) - np.log(others)
+        d -= np.median(d)
+        average = d if averages[rank] is None else averages[rank]
+        scores.append(float(np.max(d - average)))
+        averages[rank] = d if averages[rank] is None else (1 - fleet.LAYER_RATE) * averages[rank] + fleet.LAYER_RATE * d
+    return scores
+
+
+def test_sampled_ranks_move_on_every_step_and_cover_every_rank():
+    assert fleet.sampled_ranks(10, 4, 0) == [0, 1, 2, 3]
+    assert fleet.sampled_ranks(10, 4, 2) == [8, 9, 0, 1]
+    assert fleet.sampled_ranks(3, 16, 5) == [0, 1, 2]  # fewer ranks than rows: every rank, every step
+    seen = set()
+    for index in range(math.ceil(4096 / 16)):
+        seen.update(fleet.sampled_ranks(4096, 16, index))
+    assert seen == set(range(4096))
+
+
+@pytest.mark.parametrize("absent", [(), (2,)])
+def test_compact_wire_gives_the_whole_slots_statistics(absent):
+    world = 6
+    layout = fleet.FleetLayout(world, N_PARAMS, len(BUCKETS), BINS, sampled=4)
+    reduced_sq = torch.rand(N_PARAMS) + 0.05
+    first, second = _ranks(world, 1, absent), _ranks(world, 2, absent)
+    full_first = _full_stats(0, first, reduced_sq)
+    full_second = _full_stats(1, second, reduced_sq, previous=full_first)
+
+    # Step 0: no cosines yet. Each rank computes its own from the sum, and sends them at step 1.
+    averages, reference = [None] * world, [None] * world
+    wire = _compact(layout, [0, 1, 2, 3], first, None)
+    stats = fleet.FleetStats(0, BUCKETS, layout, wire, reduced_sq, "piggyback", [0, 1, 2, 3], None)
+    assert stats.cosine_loo is None and stats.cosine_to_others is None and stats.cosine is None and stats.layer_scores is None
+    cosines = _own(layout, wire, first, None, averages)
+    layer_first = _layer_reference(first, reference)
+    # Step 1: the values of step 0 travel; each rank compares with its own sketch of step 0.
+    wire2 = _compact(layout, [4, 5, 0, 1], second, cosines)
+    later = _own(layout, wire2, second, first, averages)
+    layer_second = _layer_reference(second, reference)
+    stats2 = fleet.FleetStats(1, BUCKETS, layout, wire2, reduced_sq, "piggyback", [4, 5, 0, 1], 0)
+
+    for full, compact, own, layer in ((full_first, stats, cosines, layer_first), (full_second, stats2, later, layer_second)):
+        np.testing.assert_array_equal(compact.losses, full.losses)
+        np.testing.assert_allclose(compact.grad_norms, full.grad_norms, rtol=1e-6)
+        np.testing.assert_array_equal(compact.absent, full.absent)
+        a, b = compact.summary(), full.summary()
+        assert a.keys() == b.keys()
+        for key in a:
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6, nan_ok=True), key
+        # Each rank's own cosines, computed on the rank, equal the full path's from every sketch.
+        own = torch.stack(own).double().numpy()
+        np.testing.assert_allclose(own[:, 0], full.cosine_loo, rtol=1e-5, atol=1e-6)
+        if full.cosine_previous is not None:
+            np.testing.assert_allclose(own[:, 1], full.cosine_previous, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(own[:, 2], layer, rtol=1e-5, atol=1e-6)  # the layer score against the slow way
+        for r in absent:
+            assert np.isnan(own[r]).all()
+        # The layer view: exact weighted mean cosines and mean norms, the sampled ranks' norms.
+        record, reference = compact.to_dict(detail=True), full.to_dict(detail=True)
+        present = ~full.absent
+        for got, expected in zip(record["parameters"] + record["buckets"], reference["parameters"] + reference["buckets"]):
+            assert got["weighted_mean_cosine"] == pytest.approx(expected["weighted_mean_cosine"], rel=1e-5, abs=1e-6)
+            norms = np.array(expected["grad_norms"], dtype=float)
+            assert got["grad_norm_mean"] == pytest.approx(norms[present].mean(), rel=1e-5)
+            expected_sampled = [norms[r] if present[r] else None for r in record["sampled_ranks"]]  # an absent rank: null
+            assert [v is None for v in got["grad_norms_sampled"]] == [v is None for v in expected_sampled]
+            assert [v for v in got["grad_norms_sampled"] if v is not None] == pytest.approx([v for v in expected_sampled if v is not None], rel=1e-6)
+        assert record["wire"] == "compact" and record["cosine"] is None
+    # The values of step 0 arrive with step 1.
+    assert stats2.cosines_step == 0
+    np.testing.assert_allclose(stats2.cosine_loo, np.where(full_first.absent, np.nan, full_first.cosine_loo), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(stats2.layer_scores, layer_first, rtol=1e-5, atol=1e-6)
+    assert np.isnan(stats2.cosine_previous).all()  # step 0 had no step before it
+    assert layer_second != layer_first and all(v == 0.0 for v in np.nan_to_num(layer_first))  # the first step is its own average
+    sampled = stats2.param_sq[stats2.sampled]
+    np.testing.assert_allclose(sampled, full_second.param_sq[stats2.sampled], rtol=1e-6)
+    assert np.isnan(np.delete(stats2.param_sq, stats2.sampled, axis=0)).all()
+
+
+def test_compact_records_of_a_whole_slot_run_are_those_the_compact_wire_writes():
+    """``as_compact_records`` on the whole slots' records gives the compact wire's records (what
+    the detector reads: losses, norms, the lagged cosines, the sampled ranks chosen from the
+    layer scores, their layer norms and the mean norms)."""
+    world, sampled = 6, 2
+    layout = fleet.FleetLayout(world, N_PARAMS, len(BUCKETS), BINS, sampled=sampled)
+    reduced_sq = torch.rand(N_PARAMS) + 0.05
+    steps = [_ranks(world, seed) for seed in (5, 6, 7, 8, 9)]
+    whole, compact, own, previous, stats, averages = [], [], None, None, None, [None] * world
+    for index, ranks in enumerate(steps):
+        full = _full_stats(index, ranks, reduced_sq, previous)
+        whole.append(full.to_dict())
+        rows = fleet.choose_sampled(world, sampled, index, None if stats is None else stats.layer_scores)  # as the hook chooses
+        wire = _compact(layout, rows, ranks, own)
+        stats = fleet.FleetStats(index, BUCKETS, layout, wire, reduced_sq, "piggyback", rows, index - 1 if index else None)
+        compact.append(stats.to_dict())
+        own = _own(layout, wire, ranks, steps[index - 1] if index else None, averages)
+        previous = full
+    converted = fleet.as_compact_records(whole, sampled=sampled)
+    assert [r["sampled_ranks"] for r in converted] == [r["sampled_ranks"] for r in compact]
+    assert any(r["sampled_ranks"] != fleet.sampled_ranks(world, sampled, i) for i, r in enumerate(compact)), "the layer scores chose no rank"
+    for got, expected in zip(converted, compact):
+        assert got["cosines_step"] == expected["cosines_step"] and got["cosine_to_others"] is expected["cosine_to_others"] is None
+        for key in ("losses", "grad_norms", "cosine_loo", "cosine_previous"):
+            if got[key] is None:
+                assert expected[key] is None or all(v is None for v in expected[key]), key
+            else:
+                assert [v is None for v in got[key]] == [v is None for v in expected[key]], key
+                assert [v for v in got[key] if v is not None] == pytest.approx([v for v in expected[key] if v is not None], rel=1e-5, abs=1e-6), key
+        for p, q in zip(got["parameters"] + got["buckets"], expected["parameters"] + expected["buckets"]):
+            assert p["grad_norms_sampled"] == pytest.approx(q["grad_norms_sampled"], rel=1e-6)
+            assert p["grad_norm_mean"] == pytest.approx(q["grad_norm_mean"], rel=1e-6)
+    assert converted[0]["cosine_loo"] is None and converted[1]["cosine_loo"] == whole[0]["cosine_loo"]
+
+
+def test_choose_sampled_takes_half_a_window_and_the_highest_layer_scores():
+    scores = np.array([0.1, 0.2, 9.0, 0.0, np.nan, 3.0, 0.3, 0.2, 0.1, 0.0])
+    assert fleet.choose_sampled(10, 4, 0, None) == [0, 1, 2, 3]  # the first step: the window alone
+    assert fleet.choose_sampled(10, 4, 0, scores) == [0, 1, 2, 5]  # rank 2 is in the window already: then 5
+    assert fleet.choose_sampled(10, 4, 1, scores) == [2, 3, 5, 6]
+    assert fleet.choose_sampled(10, 5, 4, np.full(10, np.nan)) == [2, 3, 4, 0, 1]  # unknown scores: the lowest ranks
+    assert fleet.choose_sampled(4, 16, 3, scores[:4]) == [0, 1, 2, 3]
+
+
+def test_compact_wire_lists_the_rank_and_parameters_of_a_non_finite_gradient():
+    world = 5
+    layout = fleet.FleetLayout(world, N_PARAMS, len(BUCKETS), BINS, sampled=2)
+    ranks = _ranks(world, 3)
+    ranks[4]["local_sq"][1][2] = math.inf  # rank 4 (not sampled), parameter "e"
+    wire = _compact(layout, [0, 1], ranks, None)
+    stats = fleet.FleetStats(0, BUCKETS, layout, wire, torch.ones(N_PARAMS), "piggyback", [0, 1], None)
+    assert stats.nonfinite["gradients"] == [{"rank": 4, "bucket": 1, "parameter": "e"}]
+    assert stats.nonfinite["gradient_count"] == 1
+
+
+def test_compact_wire_is_within_the_fleet_budget():
+    """Extra bytes per rank and step <= 64 KB + 16 B x W, for the 16 M tiny Llama of the scale
+    benchmark (273 parameters, 4 buckets, sketch 256) up to W = 4096 (24 B a rank, and the
+    sums and sampled rows' 21 KB)."""
+    for world in (32, 64, 256, 1024, 4096):
+        layout = fleet.FleetLayout(world, 273, 4, 256, SilentConfig().sampled_ranks)
+        assert 4 * layout.size <= 64 * 1024 + 16 * world, world
+    assert 4 * fleet.FleetLayout(4096, 273, 4, 256, 16).size == 24 * 4096 + 4 * (16 * 273 + 2 * 273 + 4 + 1 + 2 * 256)
+
+
+@pytest.mark.parametrize(
+    ("settings", "error", "match"),
+    [
+        ({"gather_max_world": 0}, ValueError, r"gather_max_world=0 must be >= 1"),
+        ({"gather_max_world": 2.0}, TypeError, r"gather_max_world must be an int"),
+        ({"sampled_ranks": 0}, ValueError, r"sampled_ranks=0 must be >= 1"),
+    ],
+)
+def test_bad_compact_wire_settings_are_refused(settings, error, match):
+    with pytest.raises(error, match=match):
+        SilentConfig(**settings)
