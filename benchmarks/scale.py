@@ -172,7 +172,7 @@ class FakeCollectives:
     def _fill_compact(self, wire: torch.Tensor, layout) -> None:
         """The compact wire summed over W ranks like rank 0: rows 1..W-1 rank 0's row varied (loss,
         squared norm; its cosines as they are), every sampled row rank 0's norms varied, the sums W
-        times rank 0's part (the sketches' sums with pairwise cosines ~0.4), fingerprints equal."""
+        times rank 0's part (the sketches' sums with pairwise cosines ~0.4; fingerprints all equal)."""
         normal = partial(torch.randn, generator=self.generator)
         rows = wire[layout.part("per_rank")].view(self.world, -1)
         rows[1:] = rows[:1]
@@ -185,9 +185,7 @@ class FakeCollectives:
             wire[layout.part(name)] *= self.world
         for name in ("sketch_sum", "unit_sum"):
             wire[layout.part(name)] *= 1 + SKETCH_SHARED * (self.world - 1)
-        if layout.fingerprinted:
-            prints = wire[layout.part("fingerprints")].view(self.world, -1)
-            prints[1:] = prints[:1]
+        wire[layout.part("fingerprints")] *= self.world  # every rank's fingerprint in rank 0's bins
 
 
 class _DoneWork:

@@ -79,11 +79,11 @@ class SilentConfig:
     """Largest world size whose ranks each send their whole slot (every per-parameter norm and
     the sketch) on every instrumented step: W x (3 + parameters + sketch_dim) numbers, a share of
     the all-reduce that grows with W. Above it, the compact wire (``ddphooks.fleet``): 28 bytes
-    per rank plus sums over the ranks and ``sampled_ranks`` ranks' per-parameter norms, about
-    131 KB a step at W = 4096 instead of 8.6 MB; the per-rank cosines then arrive one
-    instrumented step late and there is no W x W cosine matrix. None (the default): always the
-    whole slot. DDP only for now; opt-in until the detector's delays and false alarms are
-    measured with it."""
+    per rank plus sums over the ranks and ``sampled_ranks`` ranks' per-parameter norms, 120 KB a
+    step at W = 4096 with 273 parameters instead of 8.6 MB; the per-rank cosines and the replica
+    check's verdict then arrive one instrumented step late, there is no W x W cosine matrix, and a
+    rank's layer view travels on the steps it is sampled. None (the default): always the whole
+    slot. DDP only for now; opt-in until its layer naming is measured at large W."""
 
     sampled_ranks: int = 16
     """With the compact wire, the ranks per instrumented step whose per-parameter norms travel

@@ -1453,7 +1453,8 @@ class Detector:
                     "parameters": names,
                     "message": (
                         f"rank {rank} holds different parameters than the other replicas at step {obs.step}{tie}: "
-                        f"{replicas.get('tensors', len(tensors))} tensor(s) differ, up to {largest:.3g} relative"
+                        f"{replicas.get('tensors', len(tensors))} tensor(s) differ"
+                        + (f" (compared by fingerprint hashes at step {replicas['checked_step']}: sizes unknown)" if replicas.get("checked_step") is not None else f", up to {largest:.3g} relative")
                         + (f", in {', '.join(names[:3])}" if names else "")
                         + f"; typical of {LIKELY_CAUSES['replica']}; {reference('replica')}"
                     ),

@@ -31,10 +31,15 @@ buffer, each part summed over the ranks (a rank writes zeros where it has nothin
    ``layer_i = max_p (d_p - e_p)``, ``e_p`` the rank's running average of ``d_p``. They reach
    the other ranks in the next instrumented step's row 1, one instrumented step late
    (``cosines_step`` says which);
-5. on replica-check steps, every rank's fingerprints, as in the full slot (W x T x 2).
+5. on replica-check steps, per tensor a histogram over the ranks of a hash of their fingerprints
+   (``FINGERPRINT_BINS`` bins and one for ``NOT_COMPARED``: T x 65 counts, each rank adds a one);
+   a rank whose bin is not the tensor's only most common one, in any tensor, differs: it knows
+   it after the all-reduce and says so in the next instrumented step's status
+   (``REPLICA_DIFFERS``), where the record's ``replicas`` names it (``replica_verdict``).
 
 Per rank and step: 24 B x W plus 4 (sampled x P + 2P + B + 1 + 2k) B: 120 KB at W = 4096 (P =
-273, k = 256, 16 sampled ranks), against 8.6 MB for every rank's whole slot.
+273, k = 256, 16 sampled ranks), against 8.6 MB for every rank's whole slot; a replica-check step
+adds 4 x 65 B per tensor (72 KB for 275 tensors) instead of 8 B per tensor and rank (9 MB).
 
 What it leaves out: the W x W cosine matrix and each rank's mean cosine to the others (no rank
 holds every sketch; the step's mean cosine ``(|U|^2 - n) / (n (n - 1))`` is exact), and each
@@ -54,6 +59,8 @@ import torch
 from ddphooks.stats import (
     FINGERPRINT_WIDTH,
     MAX_NONFINITE_LISTED,
+    MAX_REPLICA_DIFFERENCES,
+    NOT_COMPARED,
     REPLICA_CHECK_REQUESTED,
     BucketLayout,
     PendingHost,
@@ -68,8 +75,14 @@ PER_RANK = 6
 WIRE_LOSS_SUM, WIRE_COUNT_STATUS, WIRE_RANK_SQ, WIRE_OWN = 0, 1, 2, 3
 #: The row as ``FleetStats`` reads it, decoded: ``SilentStats``'s first three columns, then these.
 RANK_SQ, COSINE_LOO, COSINE_PREVIOUS, LAYER = 3, 4, 5, 6
-#: The status flags' room in the ``4 loss_count + status`` number (ABSENT 1, REPLICA_CHECK_REQUESTED 2).
-STATUS_ROOM = 4
+#: Status flag of the compact wire: on the replica check before this step, the rank's fingerprint
+#: of some tensor was not that tensor's only most common one.
+REPLICA_DIFFERS = 4
+#: The status flags' room in the ``8 loss_count + status`` number (ABSENT 1, REPLICA_CHECK_REQUESTED 2, REPLICA_DIFFERS 4).
+STATUS_ROOM = 8
+#: Hash bins per tensor of the compact replica check (and one more for ``NOT_COMPARED``): two
+#: different fingerprints share a bin, and that tensor's difference goes unseen, 1 time in 64.
+FINGERPRINT_BINS = 64
 #: Weight of the newest step in a rank's running average of its parameters' deviations.
 LAYER_RATE = 0.05
 
@@ -138,7 +151,7 @@ class FleetLayout:
             "present": 1,
             "sketch_sum": self.bins,
             "unit_sum": self.bins,
-            "fingerprints": self.world * self.fingerprinted * FINGERPRINT_WIDTH,
+            "fingerprints": self.fingerprinted * (FINGERPRINT_BINS + 1),
         }
         bounds, begin = {}, 0
         for name, size in sizes.items():
@@ -166,16 +179,21 @@ def pack(
     fingerprint: torch.Tensor | None,
     absent: bool,
     out: torch.Tensor,
+    differs: torch.Tensor | None = None,
 ) -> None:
     """Write this rank's part of the compact wire into ``out`` (zeroed, ``layout.size`` fp32):
     its row (``head`` = [loss_sum, loss_count, status], its squared norm, ``own`` = its
     ``own_values`` of the previous step), its per-parameter squared norms (``local_sq``, one
     tensor per bucket) where it is in ``rows`` (``choose_sampled``), and what it adds to the sums
-    (nothing but its row where it is ``absent``). Device ops only: nothing synchronises."""
+    (nothing but its row where it is ``absent``): on a replica-check step its one in each
+    tensor's histogram (``fingerprint_bins``); after one, ``differs`` (``replica_differs``: 1 or
+    0) sets ``REPLICA_DIFFERS`` in its status. Device ops only: nothing synchronises."""
     param_sq = torch.cat(local_sq) if len(local_sq) > 1 else local_sq[0]
     row = out[layout.part("per_rank")].view(layout.world, PER_RANK)[rank]
     row[WIRE_LOSS_SUM] = head[0]
     torch.add(head[2], head[1], alpha=STATUS_ROOM, out=row[WIRE_COUNT_STATUS])  # exact: small integers
+    if differs is not None:
+        row[WIRE_COUNT_STATUS] += REPLICA_DIFFERS * differs
     row[WIRE_RANK_SQ] = param_sq.sum()
     row[WIRE_OWN:] = own
     if absent:
@@ -194,8 +212,36 @@ def pack(
         # A zero sketch (no gradient on this rank) adds nothing to U, not 0/0.
         torch.div(sketch, torch.where(norm > 0, norm, torch.ones_like(norm)), out=out[layout.part("unit_sum")])
     if fingerprint is not None:
-        width = layout.fingerprinted * FINGERPRINT_WIDTH
-        out[layout.part("fingerprints")][rank * width : (rank + 1) * width] = fingerprint
+        histogram = out[layout.part("fingerprints")].view(layout.fingerprinted, FINGERPRINT_BINS + 1)
+        histogram.scatter_(1, fingerprint_bins(fingerprint).unsqueeze(1), 1.0)
+
+
+def fingerprint_bins(fingerprint: torch.Tensor) -> torch.Tensor:
+    """Per tensor, the histogram bin of a rank's fingerprint (``T x 2`` L1 and L2 norms, flat):
+    a hash of both numbers' bits, so bitwise-equal fingerprints share a bin; ``FINGERPRINT_BINS``
+    for a tensor the rank marked ``NOT_COMPARED``. int64 on the fingerprint's device."""
+    pairs = fingerprint.view(-1, FINGERPRINT_WIDTH)
+    bits = pairs.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    # Odd multipliers below 2**31 (MurmurHash's, xxHash's): every product stays below 2**63, no
+    # int64 overflow on any device.
+    mixed = (bits[:, 0] * 0x5BD1E995) ^ (bits[:, 1] * 0x27D4EB2D)
+    mixed = mixed ^ (mixed >> 29)
+    bins = ((mixed & 0x7FFFFFFF) * 0x165667B1 >> 17).remainder(FINGERPRINT_BINS)
+    return torch.where((pairs == NOT_COMPARED).any(dim=1), torch.full_like(bins, FINGERPRINT_BINS), bins)
+
+
+def replica_differs(layout: FleetLayout, reduced: torch.Tensor, fingerprint: torch.Tensor) -> torch.Tensor:
+    """1 where this rank's fingerprint, in some tensor that every rank compared, is not in that
+    tensor's only most common bin of the all-reduced histograms (a tie: every rank of it), else
+    0 (fp32, a device op: nothing synchronises). The same verdict as ``replica_differences`` on
+    every rank's fingerprints, but for two fingerprints that share a bin."""
+    counts = reduced[layout.part("fingerprints")].view(layout.fingerprinted, FINGERPRINT_BINS + 1)
+    compared = counts[:, FINGERPRINT_BINS] == 0
+    hashed = counts[:, :FINGERPRINT_BINS]
+    top = hashed.max(dim=1).values
+    unique = (hashed == top.unsqueeze(1)).sum(dim=1) == 1
+    mine = hashed.gather(1, fingerprint_bins(fingerprint).clamp(max=FINGERPRINT_BINS - 1).unsqueeze(1)).squeeze(1)
+    return (compared & ((mine < top) | ~unique)).any().to(torch.float32)
 
 
 def own_values(
@@ -243,6 +289,9 @@ class FleetStats(SilentStats):
       previous instrumented step, ``cosines_step`` (None on the first: no values);
     - ``cosine`` (the W x W matrix) and ``cosine_to_others``: None;
     - ``param_sq``: the rows of ``sampled_ranks`` only, NaN elsewhere;
+    - ``replicas``: the verdict of the replica check of the instrumented step before
+      (``checked_step``), on the step after it, naming the ranks that flagged themselves
+      (``replica_verdict``); None on the others;
     - ``mean_cosine``, ``weighted_mean_cosine``, the noise scale, losses and gradient norms:
       exact, of this step, as in the full slot.
 
@@ -251,6 +300,8 @@ class FleetStats(SilentStats):
         reduced_wire: the all-reduced flat buffer (``layout.size``).
         sampled: the ranks whose per-parameter norms it carries, in row order (``choose_sampled``).
         cosines_step: the step the per-rank cosines belong to (None: none yet).
+        replica_check: the statistics of the previous instrumented step where it checked the
+            replicas (its histograms), None otherwise.
     """
 
     def __init__(
@@ -265,6 +316,7 @@ class FleetStats(SilentStats):
         cosines_step: int | None,
         fingerprinted: list[str] | None = None,
         divided_by_present: bool = False,
+        replica_check: "FleetStats | None" = None,
     ) -> None:
         per_rank = reduced_wire[layout.part("per_rank")].view(layout.world, PER_RANK)
         super().__init__(step, layout.world, buckets, per_rank, reduced_sq, layout.bins, transport, fingerprinted, divided_by_present=divided_by_present)
@@ -275,6 +327,9 @@ class FleetStats(SilentStats):
         if reduced_wire.numel() != layout.size:
             raise ValueError(f"the compact wire has {reduced_wire.numel()} numbers, its layout {layout.size}")
         self._rest_host = PendingHost([reduced_wire[layout.part("per_rank").stop :]])
+        # The check's histograms, names and absent ranks, not the step itself (which would chain
+        # every step to the one before where every step checks).
+        self._replica_check = None if replica_check is None else (replica_check.step, replica_check._histograms, replica_check.fingerprinted, replica_check.absent_ranks)
 
     @cached_property
     def _arrays(self) -> tuple[np.ndarray, np.ndarray]:
@@ -389,8 +444,19 @@ class FleetStats(SilentStats):
         gradients = [{"rank": r, "bucket": owners[p][0], "parameter": owners[p][1]} for r, p in pairs[:MAX_NONFINITE_LISTED]]
         return gradients, len(pairs)
 
-    def _fingerprints(self) -> np.ndarray:
-        return self._part("fingerprints").reshape(self.world_size, len(self.fingerprinted), FINGERPRINT_WIDTH)
+    @property
+    def _histograms(self) -> np.ndarray:
+        """T x (FINGERPRINT_BINS + 1): per fingerprinted tensor, how many ranks' fingerprints fell in each bin."""
+        return self._part("fingerprints").reshape(len(self.fingerprinted), FINGERPRINT_BINS + 1)
+
+    @cached_property
+    def replicas(self) -> dict | None:
+        """On the instrumented step after a replica check, its verdict (``replica_verdict``)."""
+        if self._replica_check is None:
+            return None
+        step, histograms, names, absent = self._replica_check
+        flagged = np.flatnonzero((self.status & REPLICA_DIFFERS) != 0).tolist()
+        return replica_verdict(histograms, names, flagged, sorted(set(absent) | set(self.absent_ranks)), step)
 
     def _layer_cosines(self) -> tuple[np.ndarray, np.ndarray]:
         n = self.present_count
@@ -426,14 +492,20 @@ class FleetStats(SilentStats):
 
 def as_compact_records(records: list[dict], sampled: int) -> list[dict]:
     """Records of a run with every rank's whole slot, as the compact wire would have written them
-    (what the detector reads of them): each record's per-rank cosines those of the record before
-    it (``cosines_step``; none for the first), no per-rank ``cosine_to_others``, and a detail
-    record's per-parameter norms only those of the step's sampled ranks (``grad_norms_sampled``,
-    ``sampled_ranks``, ``grad_norm_mean``), chosen by ``choose_sampled`` from the layer scores
-    each rank would have sent (computed by ``own_values`` from the records' norms). For
-    measuring, offline, what the compact wire changes in detection on runs recorded in detail
-    every step (``benchmarks/workloads.py --redetect --compact-wire``); the other values are the
-    same to fp32 rounding (``tests/test_fleet.py``)."""
+    (what the detector reads of them), for measuring offline what the compact wire changes in
+    detection on runs recorded in detail every step (``benchmarks/workloads.py --redetect
+    --compact-wire``):
+
+    1. each record's per-rank cosines are those of the record before it (``cosines_step``; none
+       for the first), and there is no per-rank ``cosine_to_others``;
+    2. a detail record's per-parameter norms are only those of the step's sampled ranks
+       (``grad_norms_sampled``, ``sampled_ranks``, ``grad_norm_mean``), chosen by
+       ``choose_sampled`` from the layer scores each rank would have sent (computed by
+       ``own_values`` from the records' norms);
+    3. a replica check's verdict is on the record after it (``checked_step``; the hashes'
+       verdict is the fingerprints' but where two fingerprints share a bin).
+
+    The other values are the same to fp32 rounding (``tests/test_fleet.py``)."""
     compact, previous, scores, averages = [], None, [], {}
     for index, record in enumerate(records):
         out = dict(record)
@@ -441,6 +513,9 @@ def as_compact_records(records: list[dict], sampled: int) -> list[dict]:
             out[key] = None if previous is None or previous.get(key) is None else list(previous[key])
         out["cosine_to_others"] = None
         out["cosines_step"] = None if previous is None else previous["step"]
+        # A replica check's verdict arrives with the step after it (the ranks flag themselves).
+        checked = None if previous is None else previous.get("replicas")
+        out["replicas"] = None if checked is None else {**checked, "checked_step": previous["step"]}
         # The scores of two steps before: sent in the previous step's rows (see choose_sampled).
         rows = choose_sampled(int(record["world_size"]), sampled, index, scores[index - 2] if index >= 2 else None)
         out.update(wire="compact", sampled_ranks=rows, cosine=None)
@@ -484,3 +559,26 @@ def _compact_layer_entry(entry: dict, rows: list[int]) -> dict:
     compact = {k: v for k, v in entry.items() if k != "grad_norms"}
     compact.update(grad_norm_mean=sum(known) / len(known) if known else None, grad_norms_sampled=[norms[r] for r in rows])
     return compact
+
+
+def replica_verdict(histograms: np.ndarray, names: list[str], flagged: list[int], absent: list[int], checked_step: int) -> dict:
+    """The record's ``replicas`` of a compact replica check: ``ranks`` the ranks that flagged
+    themselves (``replica_differs``), ``tensors`` how many tensors' histograms hold more than one
+    bin, ``parameters`` those tensors (``name``, ``ranks``: the flagged ranks, which of them differ
+    in which tensor is not sent; ``ranks_differing``: how many ranks are outside the most common
+    bin, or every rank of a tie; ``relative_difference``: None, hashes have no size), largest
+    first, ``not_compared`` and ``checked_step``. No comparison where a rank was absent (under
+    ``Join`` a joined rank's weights are stale by design), as ``SilentStats.replicas``."""
+    compared = histograms[:, FINGERPRINT_BINS] == 0
+    base = {"checked_step": checked_step, "not_compared": int((~compared).sum())}
+    if absent:
+        return {"ranks": [], "tensors": 0, "parameters": [], **base, "not_compared": len(names), "absent": absent}
+    hashed = histograms[:, :FINGERPRINT_BINS]
+    top = hashed.max(axis=1)
+    unique = (hashed == top[:, None]).sum(axis=1) == 1
+    total = hashed.sum(axis=1)
+    differing = np.flatnonzero(compared & ((hashed > 0).sum(axis=1) > 1))
+    outside = np.where(unique, total - top, total)
+    order = differing[np.argsort(-outside[differing], kind="stable")][:MAX_REPLICA_DIFFERENCES]
+    parameters = [{"name": names[t], "ranks": list(flagged), "ranks_differing": int(round(outside[t])), "relative_difference": None} for t in order]
+    return {"ranks": list(flagged), "tensors": int(len(differing)), "parameters": parameters, **base}

@@ -87,6 +87,7 @@ class _Step:
         self.fleet: fleet.FleetLayout | None = None  # the compact wire's layout (above gather_max_world), None: whole slots
         self.sampled: list[int] = []  # with the compact wire: the ranks whose per-parameter norms travel
         self.cosines_step: int | None = None  # with the compact wire: the step of the values this rank sends
+        self.replica_check: object = None  # with the compact wire, after a replica check: that step's FleetStats
         self.transport = ""
         self.absent = False  # this rank has joined under Join: it contributes zeros and is left out
         self.divided_by_present = False  # the sum was divided by the ranks present (Join, divide_by_initial_world_size=False)
@@ -264,6 +265,7 @@ class SilentState(BaseSilentState):
         self._own_values_step: int | None = None
         self._own_previous: tuple[list[BucketLayout], torch.Tensor] | None = None  # layouts and sketch of the last step
         self._layer_average: tuple[list[BucketLayout], torch.Tensor] | None = None  # layouts and running average of this rank's parameters' deviations
+        self._replica_differs: tuple[int, torch.Tensor] | None = None  # the last replica check's step and this rank's verdict (1: it differs)
         self._watch_forwards(model)
         self._bound = True
 
@@ -465,7 +467,14 @@ class SilentState(BaseSilentState):
             scores = None
         record.sampled = fleet.choose_sampled(self.world_size, self.config.sampled_ranks, record.step // self.config.every, scores)
         fingerprint = None if record.fingerprint is None else record.fingerprint.to(slots.device)
-        fleet.pack(record.fleet, record.sampled, self.rank, self._head(status, slots.device), record.local_sq, self._sketch if self.bins else None, own, fingerprint, record.absent, slots)
+        # After a replica check: this rank's verdict in its status, the check's histograms in the
+        # statistics (every rank has the same previous statistics: the same record).
+        differs, self._replica_differs = self._replica_differs, None
+        if differs is not None and isinstance(previous, fleet.FleetStats) and previous.step == differs[0]:
+            record.replica_check, differs = previous, differs[1].to(slots.device)
+        else:
+            differs = None
+        fleet.pack(record.fleet, record.sampled, self.rank, self._head(status, slots.device), record.local_sq, self._sketch if self.bins else None, own, fingerprint, record.absent, slots, differs)
 
     def _fleet_stats(self, record: _Step) -> "fleet.FleetStats":
         layout = record.fleet
@@ -480,6 +489,7 @@ class SilentState(BaseSilentState):
             record.cosines_step,
             record.fingerprinted,
             divided_by_present=record.divided_by_present,
+            replica_check=record.replica_check,
         )
 
     def _open_step(self, device: torch.device) -> _Step:
@@ -726,6 +736,8 @@ def _keep_gathered(state: SilentState, record: _Step, slots: torch.Tensor, slot:
     state._layer_average = (list(record.layouts), average)
     state._own_values_step = record.step
     state._own_previous = (list(record.layouts), state._sketch.clone()) if state.bins else None
+    if record.fingerprint is not None:
+        state._replica_differs = (record.step, fleet.replica_differs(record.fleet, record.gathered, record.fingerprint.to(record.gathered.device)))
 
 
 def _reduced_piggyback(

@@ -223,6 +223,67 @@ def test_compact_wire_is_within_the_fleet_budget():
     assert 4 * fleet.FleetLayout(4096, 273, 4, 256, 16).size == 24 * 4096 + 4 * (16 * 273 + 2 * 273 + 4 + 1 + 2 * 256)
 
 
+def _replica_check(fingerprints: torch.Tensor, names: list[str]) -> tuple[list[int], dict]:
+    """W ranks' fingerprints (W x T x 2) through the compact replica check: each rank's one in
+    the histograms, summed; each rank's own verdict; the record's ``replicas`` of the step after."""
+    world, tensors = fingerprints.shape[:2]
+    layout = fleet.FleetLayout(world, N_PARAMS, len(BUCKETS), 0, sampled=2, fingerprinted=tensors)
+    ranks = _ranks(world, 11)
+    total = torch.zeros(layout.size)
+    for rank, r in enumerate(ranks):
+        out = torch.zeros(layout.size)
+        fleet.pack(layout, [0, 1], rank, r["head"], r["local_sq"], None, torch.zeros(3), fingerprints[rank].reshape(-1), False, out)
+        total += out
+    flagged = [rank for rank in range(world) if fleet.replica_differs(layout, total, fingerprints[rank].reshape(-1)).item() == 1.0]
+    histograms = total[layout.part("fingerprints")].view(tensors, fleet.FINGERPRINT_BINS + 1).double().numpy()
+    return flagged, fleet.replica_verdict(histograms, names, flagged, [], checked_step=7)
+
+
+@pytest.mark.parametrize(
+    ("world", "changes"),
+    [
+        (5, {3: [0, 4, 9]}),  # one rank differs in three tensors
+        (7, {1: [2], 5: list(range(12))}),  # a single tensor on one rank, every tensor on another
+        (2, {1: [6]}),  # no majority: both ranks, as replica_differences names them
+        (4, {}),  # replicas equal
+    ],
+)
+def test_compact_replica_check_names_the_ranks_replica_differences_names(world, changes):
+    """Against ``replica_differences`` on every rank's fingerprints (the whole slots' check)."""
+    from ddphooks.stats import NOT_COMPARED, replica_differences
+
+    generator = torch.Generator().manual_seed(world)
+    tensors = 12
+    names = [f"t{i}" for i in range(tensors)]
+    fingerprints = (torch.rand(tensors, 2, generator=generator) + 1.0).expand(world, tensors, 2).clone()
+    fingerprints[:, 11] = torch.tensor([NOT_COMPARED, NOT_COMPARED]) if world == 7 else fingerprints[:, 11]  # a buffer no rank compares
+    for rank, which in changes.items():
+        fingerprints[rank, which, 1] = torch.nextafter(fingerprints[rank, which, 1], torch.tensor(9.0))  # one ulp: bitwise different
+    flagged, verdict = _replica_check(fingerprints, names)
+    expected = replica_differences(fingerprints.double().numpy(), names)
+    assert flagged == expected["ranks"] == verdict["ranks"]
+    # A tensor's difference is seen where the differing fingerprints fall in another bin than the
+    # others' (two different fingerprints share a bin 1 time in 64: then that tensor is not seen).
+    bins = torch.stack([fleet.fingerprint_bins(fingerprints[rank].reshape(-1)) for rank in range(world)])
+    seen = {p["name"] for p in expected["parameters"] if len(set(bins[:, names.index(p["name"])].tolist())) > 1}
+    assert verdict["tensors"] == len(seen) and {p["name"] for p in verdict["parameters"]} == seen
+    assert len(seen) >= expected["tensors"] - 1 and verdict["not_compared"] == expected["not_compared"]
+    assert verdict["checked_step"] == 7 and all(p["relative_difference"] is None for p in verdict["parameters"])
+
+
+def test_fingerprint_bins_are_equal_for_equal_fingerprints_and_spread_over_the_bins():
+    generator = torch.Generator().manual_seed(0)
+    prints = torch.rand(4096, 2, generator=generator) + 0.5
+    bins = fleet.fingerprint_bins(prints.reshape(-1))
+    assert torch.equal(bins, fleet.fingerprint_bins(prints.clone().reshape(-1)))
+    counts = torch.bincount(bins, minlength=fleet.FINGERPRINT_BINS)
+    assert counts.numel() == fleet.FINGERPRINT_BINS and counts.min() > 30 and counts.max() < 100  # about 64 each
+    nudged = prints.clone()
+    nudged[:, 0] = torch.nextafter(nudged[:, 0], torch.tensor(9.0))  # one ulp in every L1 norm
+    moved = (fleet.fingerprint_bins(nudged.reshape(-1)) != bins).float().mean().item()
+    assert moved > 0.95  # 1 in 64 share a bin by chance
+
+
 @pytest.mark.parametrize(
     ("settings", "error", "match"),
     [

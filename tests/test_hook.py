@@ -334,8 +334,8 @@ def _check_compact_wire(rank: int, world: int) -> list[str]:
         for model, state in zip(models, states):
             model.register_comm_hook(state, silent_hook)
             optimizers.append(torch.optim.SGD(model.parameters(), lr=0.05))
-        previous = None
-        for step in range(5):
+        previous = drifted = None
+        for step in range(6):
             x, y = _batch(rank, step)
             if step == 4 and rank == 1:  # a replica drifts on one rank: the check of step 4 names it
                 for model in models:
@@ -353,7 +353,11 @@ def _check_compact_wire(rank: int, world: int) -> list[str]:
             got, expected = compact.summary(), full.summary()
             for key in expected:
                 assert got[key] == pytest.approx(expected[key], rel=1e-4, abs=1e-5, nan_ok=True), (step, key)
-            assert compact.replicas == full.replicas, step
+            if step % 2:  # the compact wire's verdict of the check before (steps 0, 2, 4) comes with the next step
+                assert compact.replicas["checked_step"] == step - 1 and compact.replicas["ranks"] == previous.replicas["ranks"], step
+                assert {p["name"] for p in compact.replicas["parameters"]} == {p["name"] for p in previous.replicas["parameters"]}
+            else:
+                assert compact.replicas is None, step
             sampled = compact.sampled
             assert len(sampled) == 2
             np.testing.assert_allclose(compact.param_sq[sampled], full.param_sq[sampled], rtol=1e-5)
@@ -367,17 +371,46 @@ def _check_compact_wire(rank: int, world: int) -> list[str]:
                     np.testing.assert_allclose(compact.cosine_previous, previous.cosine_previous, rtol=1e-4, atol=1e-5)
             json.dumps(compact.to_dict(), allow_nan=False)
             previous = full
+            if step == 4:
+                drifted = full.replicas
             for optimizer in optimizers:
                 optimizer.step()
                 optimizer.zero_grad()
-        assert full.replicas["ranks"] == [1]
+        assert drifted["ranks"] == [1] and compact.replicas["ranks"] == [1]  # step 4's check, named at 4 and 5
         for a, b in zip(models[0].parameters(), models[1].parameters()):
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
         for state in states:
             state.close()
-        assert [a["kind"] for a in states[1].alerts] == [a["kind"] for a in states[0].alerts]
+        assert [(a["step"], a["kind"]) for a in states[1].alerts] == [(a["step"] + 1, a["kind"]) for a in states[0].alerts]  # the replica alert, a step later
         kinds.append(compact.transport)
     return kinds
+
+
+def _check_compact_wire_without_sketch(rank: int, world: int) -> list:
+    """The compact wire with ``sketch_dim=0`` and ``every=2``: losses, norms and the summary as the
+    whole slots give them, no cosines."""
+    models = [_make_ddp(), _make_ddp()]
+    states = [SilentState(model=models[0], sketch_dim=0, every=2), SilentState(model=models[1], sketch_dim=0, every=2, gather_max_world=1)]
+    for model, state in zip(models, states):
+        model.register_comm_hook(state, silent_hook)
+    steps = []
+    for step in range(5):
+        x, y = _batch(rank, step)
+        for model, state in zip(models, states):
+            loss = _loss(model, x, y)
+            state.observe_loss(loss)
+            loss.backward()
+            state.flush()
+        full, compact = states[0].latest, states[1].latest
+        assert type(compact).__name__ == "FleetStats" and compact.step == full.step
+        assert compact.cosine_loo is None and compact.cosine_previous is None and math.isnan(compact.mean_cosine)
+        np.testing.assert_array_equal(compact.losses, full.losses)
+        np.testing.assert_allclose(compact.grad_norms, full.grad_norms, rtol=1e-5)
+        assert compact.summary()["weighted_mean_cosine"] == pytest.approx(full.summary()["weighted_mean_cosine"], rel=1e-4, abs=1e-5)
+        steps.append(compact.step)
+    for state in states:
+        state.close()
+    return sorted(set(steps))
 
 
 @pytest.fixture(scope="module")
@@ -390,6 +423,7 @@ def three_ranks() -> dict:
         ("rounding", _check_parameters_unchanged, ({"sketch_dim": 256}, torch.float32, {})),
         ("separate", _check_parameters_unchanged, ({"sketch_dim": 256, "transport": "separate"}, torch.float32, {})),
         ("compact_wire", _check_compact_wire, ()),
+        ("compact_wire_without_sketch", _check_compact_wire_without_sketch, ()),
     ])  # fmt: skip
 
 
@@ -411,6 +445,7 @@ def test_auto_transport_keeps_the_piggyback_buffer_bounded(unchanged_two_ranks):
 
 def test_compact_wire_gives_the_whole_slots_statistics_on_three_ranks(three_ranks):
     assert three_ranks["compact_wire"] == [["piggyback", "separate"]] * 3
+    assert three_ranks["compact_wire_without_sketch"] == [[0, 2, 4]] * 3  # every=2: the instrumented steps
 
 
 def test_separate_transport_is_bitwise_on_three_ranks(three_ranks):
