@@ -90,8 +90,9 @@ LAYER_RATE = 0.05
 def choose_sampled(world: int, sampled: int, index: int, previous_layer: np.ndarray | None) -> list[int]:
     """The ranks whose per-parameter norms travel on the ``index``-th instrumented step:
     ``sampled_ranks(world, ceil(sampled / 2), index)``, then the ranks with the highest layer
-    score of the previous step (``previous_layer``, W; NaN: unknown) among the others, highest
-    first (the lower rank between equals); without it, ``sampled_ranks(world, sampled, index)``.
+    scores ``previous_layer`` (W, NaN: unknown; the scores the previous instrumented step's rows
+    carried) among the others, highest first (the lower rank between equals); without them,
+    ``sampled_ranks(world, sampled, index)``.
     Every rank where ``world <= sampled``. The same on every rank: it reads only what every rank
     holds.
 
@@ -222,8 +223,7 @@ def fingerprint_bins(fingerprint: torch.Tensor) -> torch.Tensor:
     for a tensor the rank marked ``NOT_COMPARED``. int64 on the fingerprint's device."""
     pairs = fingerprint.view(-1, FINGERPRINT_WIDTH)
     bits = pairs.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    # Odd multipliers below 2**31 (MurmurHash's, xxHash's): every product stays below 2**63, no
-    # int64 overflow on any device.
+    # Odd multipliers below 2**31: every product stays below 2**63, no int64 overflow on any device.
     mixed = (bits[:, 0] * 0x5BD1E995) ^ (bits[:, 1] * 0x27D4EB2D)
     mixed = mixed ^ (mixed >> 29)
     bins = ((mixed & 0x7FFFFFFF) * 0x165667B1 >> 17).remainder(FINGERPRINT_BINS)
@@ -240,6 +240,7 @@ def replica_differs(layout: FleetLayout, reduced: torch.Tensor, fingerprint: tor
     hashed = counts[:, :FINGERPRINT_BINS]
     top = hashed.max(dim=1).values
     unique = (hashed == top.unsqueeze(1)).sum(dim=1) == 1
+    # (A tensor this rank did not compare is in the extra bin, and not compared: any bin will do.)
     mine = hashed.gather(1, fingerprint_bins(fingerprint).clamp(max=FINGERPRINT_BINS - 1).unsqueeze(1)).squeeze(1)
     return (compared & ((mine < top) | ~unique)).any().to(torch.float32)
 

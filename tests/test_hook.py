@@ -320,6 +320,16 @@ def unchanged_two_ranks() -> dict:
     ])  # fmt: skip
 
 
+def _step_both(models: list[DDP], states: list[SilentState], x: torch.Tensor, y: torch.Tensor) -> tuple:
+    """One step of each model on the same batch; each state's latest statistics."""
+    for model, state in zip(models, states):
+        loss = _loss(model, x, y)
+        state.observe_loss(loss)
+        loss.backward()
+        state.flush()
+    return tuple(state.latest for state in states)
+
+
 def _check_compact_wire(rank: int, world: int) -> list[str]:
     """The compact wire (``gather_max_world`` below W) against every rank's whole slot, on the same
     data, with each transport and a replica check every other step (the last one after rank 1's
@@ -341,12 +351,7 @@ def _check_compact_wire(rank: int, world: int) -> list[str]:
                 for model in models:
                     with torch.no_grad():
                         model.module.out.bias[0] += 1e-3
-            for model, state in zip(models, states):
-                loss = _loss(model, x, y)
-                state.observe_loss(loss)
-                loss.backward()
-                state.flush()
-            full, compact = states[0].latest, states[1].latest
+            full, compact = _step_both(models, states, x, y)
             assert type(compact).__name__ == "FleetStats" and type(full).__name__ == "SilentStats"
             np.testing.assert_array_equal(compact.losses, full.losses)
             np.testing.assert_allclose(compact.grad_norms, full.grad_norms, rtol=1e-5)
@@ -395,13 +400,7 @@ def _check_compact_wire_without_sketch(rank: int, world: int) -> list:
         model.register_comm_hook(state, silent_hook)
     steps = []
     for step in range(5):
-        x, y = _batch(rank, step)
-        for model, state in zip(models, states):
-            loss = _loss(model, x, y)
-            state.observe_loss(loss)
-            loss.backward()
-            state.flush()
-        full, compact = states[0].latest, states[1].latest
+        full, compact = _step_both(models, states, *_batch(rank, step))
         assert type(compact).__name__ == "FleetStats" and compact.step == full.step
         assert compact.cosine_loo is None and compact.cosine_previous is None and math.isnan(compact.mean_cosine)
         np.testing.assert_array_equal(compact.losses, full.losses)
