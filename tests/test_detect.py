@@ -101,6 +101,50 @@ def test_a_planted_layer_is_named_first():
     )
 
 
+@pytest.mark.parametrize("sampled", [8, 4])
+def test_a_planted_layer_is_named_from_the_compact_wires_sampled_ranks(sampled):
+    """The compact wire's records (``ddphooks.fleet``): the layer view of ``sampled`` of 8 ranks a
+    step, compared with the other ranks' mean norm. The corrupted layer alone (the rank's total
+    norm as before) is still named, on its rank, with its parameter; the healthy twin is silent."""
+    from ddphooks.fleet import as_compact_records
+
+    records = _stream(8, 100, seed=1, fault_rank=1, fault_step=50, kind="sdc")
+    for record in records[50:]:
+        record["grad_norms"][1] /= 3
+    compact = as_compact_records(records, sampled)
+    assert all(1 in r["sampled_ranks"] for r in compact[53:60])  # its layer score keeps it sampled
+    alerts = detect_run(compact)
+    assert alerts and (alerts[0]["rank"], alerts[0]["kind"]) == (1, "layer") and 50 <= alerts[0]["step"] <= 60, alerts[:1]
+    assert alerts[0]["parameters"][0] == NAMES[3]
+    assert detect_run(as_compact_records(_stream(8, 100, seed=1), sampled)) == []
+
+
+def test_the_cusum_of_some_ranks_rows_is_the_cusum_of_every_rank_on_those_rows():
+    """``_accumulate`` with ``rows`` (the compact wire's sampled ranks) updates those ranks' parts
+    as the whole update does, and leaves the other ranks' parts and levels as they were."""
+    rng = np.random.default_rng(3)
+    whole, part = Detector(), Detector()
+    for detector in (whole, part):
+        detector._start(6)
+    key = ("own", "layer")
+    z = [rng.normal(1.0, 3.0, size=(6, 5)).astype(np.float32) for _ in range(8)]
+    for step, values in enumerate(z):
+        whole._accumulate(key, values, step)
+        before = None if key not in part.parts else part.parts[key].copy()
+        rows = np.array([step % 6, (step + 3) % 6])
+        part._accumulate(key, values[rows], step, rows)
+        others = np.setdiff1d(np.arange(6), rows)
+        if before is not None:
+            np.testing.assert_array_equal(part.parts[key][others], before[others])
+    every = Detector()
+    every._start(6)
+    for step, values in enumerate(z):
+        every._accumulate(key, values, step, np.arange(6))  # every rank's rows: the whole update
+    np.testing.assert_array_equal(every.parts[key], whole.parts[key])
+    np.testing.assert_array_equal(every.cusum[key], whole.cusum[key])
+    np.testing.assert_array_equal(every.rising_since[key], whole.rising_since[key])
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_per_parameter_scores_match_a_step_by_step_reference(world):
     # No rank suspect and no per-parameter CUSUM accumulating (allowances out of reach), so every
