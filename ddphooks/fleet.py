@@ -181,14 +181,15 @@ def pack(
     absent: bool,
     out: torch.Tensor,
     differs: torch.Tensor | None = None,
-) -> None:
+) -> torch.Tensor:
     """Write this rank's part of the compact wire into ``out`` (zeroed, ``layout.size`` fp32):
     its row (``head`` = [loss_sum, loss_count, status], its squared norm, ``own`` = its
     ``own_values`` of the previous step), its per-parameter squared norms (``local_sq``, one
     tensor per bucket) where it is in ``rows`` (``choose_sampled``), and what it adds to the sums
     (nothing but its row where it is ``absent``): on a replica-check step its one in each
     tensor's histogram (``fingerprint_bins``); after one, ``differs`` (``replica_differs``: 1 or
-    0) sets ``REPLICA_DIFFERS`` in its status. Device ops only: nothing synchronises."""
+    0) sets ``REPLICA_DIFFERS`` in its status. Returns the rank's P squared norms in one tensor
+    (``own_values`` reads them after the all-reduce). Device ops only: nothing synchronises."""
     param_sq = torch.cat(local_sq) if len(local_sq) > 1 else local_sq[0]
     row = out[layout.part("per_rank")].view(layout.world, PER_RANK)[rank]
     row[WIRE_LOSS_SUM] = head[0]
@@ -198,7 +199,7 @@ def pack(
     row[WIRE_RANK_SQ] = param_sq.sum()
     row[WIRE_OWN:] = own
     if absent:
-        return
+        return param_sq
     if rank in rows:
         out[layout.part("sampled")].view(layout.rows, layout.n_params)[rows.index(rank)] = param_sq
     out[layout.part("param_sq")] = param_sq
@@ -215,6 +216,7 @@ def pack(
     if fingerprint is not None:
         histogram = out[layout.part("fingerprints")].view(layout.fingerprinted, FINGERPRINT_BINS + 1)
         histogram.scatter_(1, fingerprint_bins(fingerprint).unsqueeze(1), 1.0)
+    return param_sq
 
 
 def fingerprint_bins(fingerprint: torch.Tensor) -> torch.Tensor:

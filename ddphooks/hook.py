@@ -88,6 +88,7 @@ class _Step:
         self.sampled: list[int] = []  # with the compact wire: the ranks whose per-parameter norms travel
         self.cosines_step: int | None = None  # with the compact wire: the step of the values this rank sends
         self.replica_check: object = None  # with the compact wire, after a replica check: that step's FleetStats
+        self.param_sq: torch.Tensor | None = None  # with the compact wire: this rank's P squared norms, as packed
         self.transport = ""
         self.absent = False  # this rank has joined under Join: it contributes zeros and is left out
         self.divided_by_present = False  # the sum was divided by the ranks present (Join, divide_by_initial_world_size=False)
@@ -474,7 +475,7 @@ class SilentState(BaseSilentState):
             record.replica_check, differs = previous, differs[1].to(slots.device)
         else:
             differs = None
-        fleet.pack(record.fleet, record.sampled, self.rank, self._head(status, slots.device), record.local_sq, self._sketch if self.bins else None, own, fingerprint, record.absent, slots, differs)
+        record.param_sq = fleet.pack(record.fleet, record.sampled, self.rank, self._head(status, slots.device), record.local_sq, self._sketch if self.bins else None, own, fingerprint, record.absent, slots, differs)
 
     def _fleet_stats(self, record: _Step) -> "fleet.FleetStats":
         layout = record.fleet
@@ -728,7 +729,7 @@ def _keep_gathered(state: SilentState, record: _Step, slots: torch.Tensor, slot:
     record.gathered = slots.clone()
     previous = state._own_previous
     comparable = previous is not None and previous[0] == record.layouts
-    param_sq = torch.cat(record.local_sq) if len(record.local_sq) > 1 else record.local_sq[0]
+    param_sq = record.param_sq  # concatenated once, when packed
     kept = state._layer_average
     average = kept[1] if kept is not None and kept[0] == record.layouts else None  # DDP's bucket rebuild reorders the parameters
     sketch = state._sketch if state.bins else None
