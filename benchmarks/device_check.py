@@ -13,8 +13,9 @@ Parts (``--parts``):
   correctness  DDP, 2 ranks on the one GPU over gloo (gloo carries CUDA tensors; NCCL refuses two
                ranks on one device): every record (losses, per-rank and per-parameter norms,
                cosines, the sketched cosine matrix, replica fingerprints) equal to the same run on
-               the CPU to fp32 rounding, for stats_kernel "torch" and "triton"; the parameters after
-               training bitwise equal to torch's allreduce_hook on the GPU.
+               the CPU to fp32 rounding, for stats_kernel "torch" and "triton", and for the compact
+               wire ("torch+compact": gather_max_world=1, ddphooks.fleet; against the CPU's compact
+               run); the parameters after training bitwise equal to torch's allreduce_hook on the GPU.
   fsdp         the same for FSDP2 (fully_shard) on the one GPU, over gloo with CUDA tensors; skipped
                with the error if plain FSDP2 itself cannot run there.
   sync         no host synchronisation on the hook path: one rank (NCCL where it exists), the
@@ -23,7 +24,9 @@ Parts (``--parts``):
                counted, in "warn" mode), each step's record flushed outside the mode (ddphooks'
                pipeline thread is off the hook path; the mode is process-wide); the control, plain
                allreduce_hook under the same mode, must pass too, or the row says nothing (then
-               skipped).
+               skipped). The compact wire needs more than one rank: it runs as rank 0 of
+               FAKE_WORLD on PyTorch's fake process group (benchmarks/scale.py's FakeCollectives
+               fill the other ranks' values on the GPU), with its own allreduce_hook control.
   stats        the statistics pass per bucket (25 and 100 MB, fp32 and bf16, 8 and 160 parameters):
                the shipped torch path and the Triton kernel as x one read pass (median [IQR] of
                per-round ratios, CUDA events) and kernels launched per bucket (profiler); goal
@@ -62,9 +65,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # -- config ----------------------------------------------------------------------------------------
 PARTS = ("correctness", "fsdp", "sync", "stats", "cost")
-#: Seconds each part may take on the GPU (the worker processes are killed past it): 450 s in all.
-BUDGET_S = {"correctness": 100, "fsdp": 60, "sync": 60, "stats": 80, "cost": 150}
+#: Seconds each part may take on the GPU (the worker processes are killed past it): 520 s in all.
+BUDGET_S = {"correctness": 140, "fsdp": 60, "sync": 90, "stats": 80, "cost": 150}
 STEPS = 4  # training steps of the correctness runs (a replica check on steps 0 and 2)
+#: The compact wire's configuration (``ddphooks.fleet``): the torch path with gather_max_world=1.
+COMPACT = "torch+compact"
+FAKE_WORLD = 64  # the sync part's compact-wire world (rank 0 of it, on the fake process group)
 BUCKET_CAP_MB = 0.1  # correctness model: 3 buckets
 #: Records of the device run against the CPU run: fp32 rounding of reductions in another order.
 RTOL, ATOL = 1e-4, 1e-5
@@ -114,6 +120,12 @@ def the_device(small: bool) -> torch.device:
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def attach_settings(config: str) -> dict:
+    """``attach``'s settings of a configuration: a stats_kernel, "+compact" for the compact wire."""
+    kernel, _, wire = config.partition("+")
+    return {"stats_kernel": kernel, **({"gather_max_world": 1} if wire == "compact" else {})}
 
 
 def error_text(error: BaseException, limit: int = 600) -> str:
@@ -196,7 +208,7 @@ def _train(rank: int, device: torch.device, hook: str, kernel: str | None, shard
         model = DDP(model, bucket_cap_mb=BUCKET_CAP_MB)
     state = None
     if hook == "silent":
-        state = ddphooks.attach(model, stats_kernel=kernel, check_replicas_every=2)
+        state = ddphooks.attach(model, check_replicas_every=2, **attach_settings(kernel))
     elif not sharded:
         model.register_comm_hook(None, allreduce_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -221,9 +233,17 @@ def _train(rank: int, device: torch.device, hook: str, kernel: str | None, shard
     return {"records": records, "params": params, "kernels": kernels}
 
 
-def correctness_runs(kernels: list[str]) -> list[tuple[str, str, str | None]]:
-    """The runs of a correctness part: the CPU reference, the plain device run, then ddphooks on the device."""
-    return [("cpu", "silent", "torch"), ("device", "plain", None)] + [("device", "silent", kernel) for kernel in kernels]
+def correctness_runs(configs: list[str]) -> list[tuple[str, str, str | None]]:
+    """The runs of a correctness part: the CPU references (the compact wire's too, where it is
+    checked), the plain device run, then ddphooks on the device."""
+    references = [("cpu", "silent", config) for config in ("torch", COMPACT) if config == "torch" or config in configs]
+    return references + [("device", "plain", None)] + [("device", "silent", config) for config in configs]
+
+
+def part_configs(part: str, kernels: list[str]) -> list[str]:
+    """The configurations a correctness part checks: the kernels, and for DDP the compact wire
+    (FSDP2 refuses it)."""
+    return kernels if part == "fsdp" else [*kernels, COMPACT]
 
 
 def _correctness_worker(rank: int, world: int, small: bool, run: tuple[str, str, str | None], sharded: bool) -> dict:
@@ -258,12 +278,16 @@ def correctness_rows(part: str, ranks: list[dict], kernels: list[str], device_na
     for kernel in kernels:
         name = f"{transport} records {device_name} vs cpu ({backend}, 2 ranks), stats_kernel={kernel}"
         runs = [rank[f"device/silent/{kernel}"] for rank in ranks]
+        reference_key = f"cpu/silent/{COMPACT if kernel == COMPACT else 'torch'}"
         broken = next((run for run in runs if "error" in run), None)
         if broken is not None:
             rows.append(row(part, name, "correctness", "fail", "error: " + broken["error"], traceback=broken["traceback"]))
             rows.append(row(part, f"{transport} training bitwise = plain on {device_name}, stats_kernel={kernel}", "correctness", "fail", "the run failed"))
             continue
-        found = [compare_records(run["records"], rank["cpu/silent/torch"]["records"]) for run, rank in zip(runs, ranks)]
+        if "error" in ranks[0][reference_key]:
+            rows.append(row(part, name, "correctness", "fail", f"error in the CPU reference ({reference_key}): " + ranks[0][reference_key]["error"]))
+            continue
+        found = [compare_records(run["records"], rank[reference_key]["records"]) for run, rank in zip(runs, ranks)]
         expected_kernel = "TritonBucketStats" if kernel == "triton" else "BucketStatsKernel"
         used = sorted({k for run in runs for k in run["kernels"]})
         ok = all(f["ok"] for f in found) and used == [expected_kernel] and len(runs[0]["records"]) == STEPS
@@ -303,73 +327,119 @@ def single_rank_group(device: torch.device):
     return None, "gloo"
 
 
-def _sync_worker(rank: int, world: int, small: bool, kernels: list[str], warmup: int, steps: int) -> dict:
+def fake_group(world: int) -> str:
+    """Replace this one-rank process's default group by rank 0 of ``world`` on PyTorch's fake
+    process group (``launch.spawn`` destroys the default group when the worker returns)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    return f"fake group, rank 0 of {world}"
+
+
+def _sync_worker(rank: int, world: int, small: bool, configs: list[str], warmup: int, steps: int, fake_world: int | None = None) -> dict:
+    """The backward of ``warmup + steps`` steps per configuration (allreduce_hook first, the
+    control) on one rank, or as rank 0 of ``fake_world`` on the fake process group with
+    scale.py's FakeCollectives standing in for the other ranks."""
+    import contextlib
+
+    device = the_device(small)
+    collectives = None
+    if fake_world is None:
+        group, backend = single_rank_group(device)
+        backend += ", 1 rank"
+    else:
+        from scale import FakeCollectives
+
+        group, backend = None, fake_group(fake_world)
+        collectives = FakeCollectives(fake_world, device)
+    results = {"backend": backend}
+    with collectives if collectives is not None else contextlib.nullcontext():
+        for config in ["allreduce_hook", *configs]:
+            results[config] = _sync_config(config, rank, device, group, collectives, warmup, steps)
+    return results
+
+
+def _sync_config(config: str, rank: int, device: torch.device, group, collectives, warmup: int, steps: int) -> dict:
+    """One configuration of the sync part (see ``_sync_worker``): its steps, the warm-up's
+    synchronisations, what ddphooks logged, whether its statistics came out finite."""
     import ddphooks
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    device = the_device(small)
-    group, backend = single_rank_group(device)
     cuda = device.type == "cuda"
-    results = {"backend": backend}
-    for config in ["allreduce_hook", *kernels]:
-        logged = _Logged()
-        logging.getLogger("ddphooks").addHandler(logged)
-        syncs: list[str] = []
-        shown = warnings.showwarning
+    logged = _Logged()
+    logging.getLogger("ddphooks").addHandler(logged)
+    syncs: list[str] = []
+    shown = warnings.showwarning
 
-        def show(message, category, filename, lineno, file=None, line=None):  # where a warm-up step synchronised
-            if "synchroniz" in str(message):
-                syncs.append(f"{threading_name()}: {str(message)[:120]} at {filename}:{lineno}")
+    def show(message, category, filename, lineno, file=None, line=None):  # where a warm-up step synchronised
+        if "synchroniz" in str(message):
+            syncs.append(f"{threading_name()}: {str(message)[:120]} at {filename}:{lineno}")
 
-        try:
-            torch.manual_seed(0)
-            model = DDP(Net().to(device), process_group=group, bucket_cap_mb=BUCKET_CAP_MB)
-            state = None
-            if config == "allreduce_hook":
-                model.register_comm_hook(group, allreduce_hook)
-            else:
-                state = ddphooks.attach(model, stats_kernel=config, check_replicas_every=3)  # a replica check on a checked step
-            optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-            checked = 0
-            for step in range(warmup + steps):
-                x, y = batch(rank, step, device)
-                loss = torch.nn.functional.mse_loss(model(x), y)
-                if state is not None:
-                    state.observe_loss(loss)
-                mode = "error" if step >= warmup else "warn"
-                with warnings.catch_warnings():
-                    warnings.simplefilter("always")
-                    warnings.showwarning = show
-                    if cuda:
-                        torch.cuda.set_sync_debug_mode(mode)
-                    try:
-                        loss.backward()  # only the backward, where DDP calls the hook, runs under the mode
-                    finally:
-                        if cuda:
-                            torch.cuda.set_sync_debug_mode(0)
-                        warnings.showwarning = shown
-                checked += step >= warmup
-                if state is not None:
-                    # Outside the mode: the step's record, detector and alerts run on ddphooks'
-                    # pipeline thread, off the hook path; done here, none of it overlaps the next
-                    # backward (the debug mode is process-wide and would count that thread too).
-                    state.flush()
-                optimizer.step()
-                optimizer.zero_grad()
-            summary_ok = None
+    try:
+        torch.manual_seed(0)
+        model = DDP(Net().to(device), process_group=group, bucket_cap_mb=BUCKET_CAP_MB)
+        state = None
+        if config == "allreduce_hook":
+            model.register_comm_hook(group, allreduce_hook)
+        else:
+            state = ddphooks.attach(model, check_replicas_every=3, **attach_settings(config))  # a replica check on a checked step
+            if collectives is not None:
+                watch_statistics(state, collectives)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        checked = 0
+        for step in range(warmup + steps):
+            x, y = batch(rank, step, device)
+            loss = torch.nn.functional.mse_loss(model(x), y)
             if state is not None:
+                state.observe_loss(loss)
+            mode = "error" if step >= warmup else "warn"
+            with warnings.catch_warnings():
+                warnings.simplefilter("always")
+                warnings.showwarning = show
+                if cuda:
+                    torch.cuda.set_sync_debug_mode(mode)
+                try:
+                    loss.backward()  # only the backward, where DDP calls the hook, runs under the mode
+                finally:
+                    if cuda:
+                        torch.cuda.set_sync_debug_mode(0)
+                    warnings.showwarning = shown
+            checked += step >= warmup
+            if state is not None:
+                # Outside the mode: the step's record, detector and alerts run on ddphooks'
+                # pipeline thread, off the hook path; done here, none of it overlaps the next
+                # backward (the debug mode is process-wide and would count that thread too).
                 state.flush()
-                summary = state.latest.summary()
-                summary_ok = math.isfinite(summary["grad_norm_mean"]) and math.isfinite(summary["loss_mean"])
-                state.close()
-            results[config] = {"ok": True, "checked_steps": checked, "warmup_syncs": syncs[:8], "warmup_sync_count": len(syncs),
-                               "summary_ok": summary_ok, "logged": logged.messages[:5]}  # fmt: skip
-        except Exception as error:
-            results[config] = {"ok": False, "error": error_text(error, 1500), "warmup_syncs": syncs[:8], "logged": logged.messages[:5]}
-        finally:
-            logging.getLogger("ddphooks").removeHandler(logged)
-    return results
+            optimizer.step()
+            optimizer.zero_grad()
+        summary_ok, wire = None, None
+        if state is not None:
+            state.flush()
+            summary = state.latest.summary()
+            summary_ok = math.isfinite(summary["grad_norm_mean"]) and math.isfinite(summary["loss_mean"])
+            wire = state.latest.to_dict().get("wire", "whole slots")
+            state.close()
+        return {"ok": True, "checked_steps": checked, "warmup_syncs": syncs[:8], "warmup_sync_count": len(syncs),
+                "summary_ok": summary_ok, "wire": wire, "logged": logged.messages[:5]}  # fmt: skip
+    except Exception as error:
+        return {"ok": False, "error": error_text(error, 1500), "warmup_syncs": syncs[:8], "logged": logged.messages[:5]}
+    finally:
+        logging.getLogger("ddphooks").removeHandler(logged)
+
+
+def watch_statistics(state, collectives) -> None:
+    """Point scale.py's FakeCollectives at ``state``'s statistics: each step's buffer, so the
+    fake all-reduce fills the other ranks' part of it (as scale.py's measure does)."""
+    pack = state._pack
+
+    def packed(record, slots, *args):
+        collectives.state, collectives.record, collectives.wire = state, record, slots.numel()
+        pack(record, slots, *args)
+
+    state._pack = packed
 
 
 def threading_name() -> str:
@@ -382,7 +452,7 @@ def sync_rows(result: dict, kernels: list[str], small: bool) -> list[dict]:
     part, backend = "sync", result["backend"]
     control = result["allreduce_hook"]
     rows = [row(
-        part, f"control: allreduce_hook backward under sync debug mode 'error' ({backend}, 1 rank)", "correctness",
+        part, f"control: allreduce_hook backward under sync debug mode 'error' ({backend})", "correctness",
         "skipped" if small else "pass" if control["ok"] else "skipped",
         "no CUDA: the steps ran without the debug mode (the code path only)" if small else "" if control["ok"]
         else "the control synchronises by itself under this backend, so the ddphooks rows say nothing: " + control["error"],
@@ -391,11 +461,15 @@ def sync_rows(result: dict, kernels: list[str], small: bool) -> list[dict]:
     for kernel in kernels:
         got = result[kernel]
         name = f"no host sync in the hook: ddphooks backward under 'error', stats_kernel={kernel}"
+        if kernel == COMPACT:
+            name += f" ({backend})"
         figures = {k: v for k, v in got.items() if k != "ok"}
         if not got["ok"]:
             status, reason = "fail", "error: " + got["error"]
         elif got["logged"] or not got["summary_ok"]:
             status, reason = "fail", f"ddphooks reported: {got['logged']}" if got["logged"] else "no valid statistics after the steps"
+        elif got["wire"] != ("compact" if kernel == COMPACT else "whole slots"):
+            status, reason = "fail", f"the statistics travelled in the {got['wire']} wire"
         elif small:
             status, reason = "skipped", "no CUDA: the steps ran without the debug mode (the code path only)"
         elif not control["ok"]:
@@ -736,7 +810,8 @@ def run_part(part: str, small: bool, kernels: list[str], triton_reason: str | No
             # processes (a signal, not an exception) is named, and the others still run.
             ranks: list[dict] = [{}, {}]
             deadline = time.monotonic() + budget
-            for run in correctness_runs(kernels):
+            configs = part_configs(part, kernels)
+            for run in correctness_runs(configs):
                 key = "/".join(map(str, run))
                 try:
                     results = spawn(_correctness_worker, 2, args=(small, run, part == "fsdp"), timeout=max(1.0, deadline - time.monotonic()), threads=1)
@@ -744,9 +819,13 @@ def run_part(part: str, small: bool, kernels: list[str], triton_reason: str | No
                     results = [{"error": "the run's processes failed: " + error_text(error), "traceback": str(error)[-3000:]}] * 2
                 for rank, result in enumerate(results):
                     ranks[rank][key] = result
-            rows = correctness_rows(part, ranks, kernels, device_name, "gloo")
+            rows = correctness_rows(part, ranks, configs, device_name, "gloo")
         elif part == "sync":
+            deadline = time.monotonic() + budget
             rows = sync_rows(spawn(_sync_worker, 1, args=(small, kernels, 2, 3), timeout=budget)[0], kernels, small)
+            # The compact wire as rank 0 of FAKE_WORLD: its own processes (the fake group replaces gloo's).
+            fake = spawn(_sync_worker, 1, args=(small, [COMPACT], 2, 3, FAKE_WORLD), timeout=max(1.0, deadline - time.monotonic()))[0]
+            rows += sync_rows(fake, [COMPACT], small)
         elif part == "stats":
             sizes = args.stats_mb or ((0.02,) if small else STATS_MB)
             rounds = args.rounds or (2 if small else STATS_ROUNDS)

@@ -102,13 +102,14 @@ class FakeCollectives:
     future holding the tensor, summed over W ranks alike, with the other ranks' slots filled in
     where the statistics travel. Time spent writing them is counted in ``excluded``."""
 
-    def __init__(self, world: int) -> None:
+    def __init__(self, world: int, device: str | torch.device = "cpu") -> None:
         self.world = world
+        self.device = torch.device(device)  # where the other ranks' values are drawn (no copy to a GPU)
         self.state = None  # the SilentState whose buffers carry slots
         self.record = None  # the step being reduced (its compact-wire layout, if any)
         self.wire = None  # numel of the statistics in the step's all-reduce (W slots, or the compact wire)
         self.excluded = 0.0
-        self.generator = torch.Generator().manual_seed(0)
+        self.generator = torch.Generator(self.device).manual_seed(0)
         self._all_reduce, self._all_gather_object = dist.all_reduce, dist.all_gather_object
 
     def __enter__(self):
@@ -159,7 +160,7 @@ class FakeCollectives:
         norms = slice(PARAMS_BEGIN, PARAMS_BEGIN + n_params)
         sketch = slice(norms.stop, norms.stop + state.bins)
         others.copy_(slots[:1].expand_as(others))
-        normal = partial(torch.randn, generator=self.generator)
+        normal = partial(torch.randn, generator=self.generator, device=self.device)
         others[:, 0] *= 1 + LOSS_SPREAD * normal(len(others))
         others[:, norms] *= torch.exp(NORM_SPREAD * normal(len(others), n_params))
         if state.bins:
@@ -173,7 +174,7 @@ class FakeCollectives:
         """The compact wire summed over W ranks like rank 0: rows 1..W-1 rank 0's row varied (loss,
         squared norm; its cosines as they are), every sampled row rank 0's norms varied, the sums W
         times rank 0's part (the sketches' sums with pairwise cosines ~0.4; fingerprints all equal)."""
-        normal = partial(torch.randn, generator=self.generator)
+        normal = partial(torch.randn, generator=self.generator, device=self.device)
         rows = wire[layout.part("per_rank")].view(self.world, -1)
         rows[1:] = rows[:1]
         rows[1:, 0] *= 1 + LOSS_SPREAD * normal(self.world - 1)
@@ -275,10 +276,10 @@ def record_bytes(record: dict) -> int:
     return len(json.dumps(record, allow_nan=False).encode()) + 1
 
 
-def measure(world: int, model_args: dict, steps: int, gather_max_world: int | None = None) -> dict:
+def measure(world: int, model_args: dict, steps: int, gather_max_world: int | None = None, device: str = "cpu") -> dict:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
-        with FakeCollectives(world) as collectives:
+        with FakeCollectives(world, device) as collectives:
             return _measure(world, model_args, steps, collectives, gather_max_world)
     finally:
         dist.destroy_process_group()
@@ -286,7 +287,8 @@ def measure(world: int, model_args: dict, steps: int, gather_max_world: int | No
 
 
 def _measure(world: int, model_args: dict, steps: int, collectives: FakeCollectives, gather_max_world: int | None) -> dict:
-    module = tiny_llama(**model_args)
+    device = collectives.device
+    module = tiny_llama(**model_args).to(device)
     plain, instrumented = DDP(copy.deepcopy(module)), DDP(module)
     timer = HookTimer(collectives)
     plain.register_comm_hook(None, timer.wrap("allreduce", allreduce_hook))
@@ -329,11 +331,13 @@ def _measure(world: int, model_args: dict, steps: int, collectives: FakeCollecti
     generator = torch.Generator().manual_seed(1)
     slots = []
     for step in range(WARMUP + steps):
-        tokens = torch.randint(0, model_args["vocab_size"], (BATCH, TOKENS), generator=generator)
+        tokens = torch.randint(0, model_args["vocab_size"], (BATCH, TOKENS), generator=generator).to(device)
         for model in (plain, instrumented) if step % 2 else (instrumented, plain):  # alternate which runs first
             model(input_ids=tokens, labels=tokens).loss.backward()
             model.zero_grad(set_to_none=True)
         collectives.state.flush()  # the detector on this step, before the next one is timed
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the GPU's queue empty: each step's host time starts alike
         timed = step >= WARMUP
         timer.end_step(timed)
         if step == 0:  # a replica-check step (the check runs on instrumented step 0, then every 100)
@@ -439,6 +443,8 @@ def main() -> None:
     parser.add_argument("--worlds", type=int, nargs="+", default=None)
     parser.add_argument("--steps", type=int, default=None, help="timed steps per W (after the warm-up)")
     parser.add_argument("--json", default=None, help="write the rows to this file")
+    parser.add_argument("--device", default="cpu", help="where the model and the statistics live (cuda: the hook's host time on a GPU; "
+                        "the FSDP2 table runs on the CPU only)")
     parser.add_argument("--fsdp-max-world", type=int, default=1024,
                         help="largest W of the FSDP2 table (at 4096 shards every 192-row parameter is padded to 4096 rows)")
     args = parser.parse_args()
@@ -448,7 +454,7 @@ def main() -> None:
     model_args = QUICK_MODEL if args.quick else MODEL
     steps = args.steps or (QUICK_STEPS if args.quick else STEPS)
     print(f"\nddphooks at scale, {date.today()}, torch {torch.__version__}, {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} cores, 1 thread; one process on the fake process group (rank 0 of W), tiny Llama {model_args}, "
+          f"{os.cpu_count()} cores, 1 thread, {args.device}{' ' + torch.cuda.get_device_name() if args.device.startswith('cuda') else ''}; one process on the fake process group (rank 0 of W), tiny Llama {model_args}, "
           f"{BATCH} x {TOKENS} tokens, attach() defaults; medians over {steps} steps after {WARMUP} warm-up steps\n")  # fmt: skip
     print("in-hook: median [IQR] per step of ddphooks' calls less allreduce_hook's (their medians in brackets; slots: the\n"
           "last bucket's buffer and slot, its callback with the copy of the W slots, and building SilentStats)\n")
@@ -458,7 +464,7 @@ def main() -> None:
     rows = []
     for world in worlds:
         for gather_max_world in (None, 1):  # every rank's whole slot; the compact wire (ddphooks.fleet)
-            r = measure(world, model_args, steps, gather_max_world)
+            r = measure(world, model_args, steps, gather_max_world, args.device)
             rows.append(r)
             q1, q3 = r["in_hook_ms_beyond_allreduce_iqr"]
             print(f"| {world} | {r['wire']} | {r['in_hook_ms_beyond_allreduce']:.1f} [{q1:.1f}, {q3:.1f}] ({r['silent_hook_ms']:.1f} - {r['allreduce_hook_ms']:.1f}; slots {r['slot_parts_ms']:.1f}) "
@@ -475,7 +481,7 @@ def main() -> None:
     print("|---|---|---|---|---|")
     fsdp_rows = []
     for world in worlds:
-        if world > args.fsdp_max_world:
+        if world > args.fsdp_max_world or args.device != "cpu":
             continue
         r = measure_fsdp(world, model_args, steps)
         fsdp_rows.append(r)

@@ -256,7 +256,8 @@ def own_values(
     ``ddphooks.stats`` computes from every rank's sketch (``previous``: this rank's sketch of the
     previous instrumented step where comparable, the same bucket layouts; ``average``: None on
     the first step). Device ops in float64 (the host path's precision); nothing synchronises."""
-    nan = torch.tensor(math.nan, dtype=torch.float64, device=reduced.device)
+    # torch.full, not torch.tensor: a Python scalar copied to a GPU waits for the device.
+    nan = torch.full((), math.nan, dtype=torch.float64, device=reduced.device)
     loo = to_previous = nan
     if layout.bins and sketch is not None:
         s = sketch.double()

@@ -33,23 +33,29 @@ def test_small_form_passes_its_correctness_rows_and_writes_every_part(tmp_path):
         assert set(r) == {"part", "name", "kind", "status", "reason", "figures"}, r
         assert r["status"] in ("pass", "skipped") and r["kind"] in ("correctness", "goal"), (r["name"], r["status"], r["reason"])
     parts = {part: [r for r in rows if r["part"] == part] for part in report["parts"]}
-    # correctness and fsdp: per kernel, the records against the CPU run and training against the plain run
-    for part, transport in (("correctness", "ddp"), ("fsdp", "fsdp2")):
-        assert len(parts[part]) == 2 * len(KERNELS)
+    # correctness and fsdp: per kernel (and DDP's compact wire), the records against the CPU run
+    # (the compact wire's against the CPU's compact run) and training against the plain run
+    for part, transport, configs in (("correctness", "ddp", [*KERNELS, "torch+compact"]), ("fsdp", "fsdp2", KERNELS)):
+        assert len(parts[part]) == 2 * len(configs)
         for r in parts[part]:
             assert r["status"] == "pass" and r["kind"] == "correctness", r
         records = [r for r in parts[part] if " records " in r["name"]]
-        assert [r["name"].rsplit("=", 1)[1] for r in records] == KERNELS and all(r["name"].startswith(transport) for r in records)
+        assert [r["name"].rsplit("=", 1)[1] for r in records] == configs and all(r["name"].startswith(transport) for r in records)
         for r in records:
             assert r["figures"]["steps"] == 4 and r["figures"]["floats_compared"] > 400 and r["figures"]["max_rel_diff"] < 1e-4
         for r in parts[part]:
             if "bitwise" in r["name"]:
                 assert r["figures"]["bitwise_equal"] == r["figures"]["tensors"] == 6
-    # sync: the control and every kernel ran their checked steps, skipped for want of CUDA
-    assert len(parts["sync"]) == 1 + len(KERNELS)
+    # sync: the control and every kernel ran their checked steps, skipped for want of CUDA; then the
+    # compact wire as rank 0 of 64 on the fake group, with its own control
+    assert len(parts["sync"]) == 1 + len(KERNELS) + 2
     for r in parts["sync"]:
         assert r["status"] == "skipped" and r["reason"].startswith("no CUDA") and r["figures"]["checked_steps"] == 3, r
-    assert all(r["figures"]["summary_ok"] for r in parts["sync"][1:])
+    controls = [r for r in parts["sync"] if r["name"].startswith("control")]
+    assert [r["name"].split("(")[-1] for r in controls] == ["gloo, 1 rank)", "fake group, rank 0 of 64)"]
+    instrumented = [r for r in parts["sync"] if not r["name"].startswith("control")]
+    assert [r["figures"]["wire"] for r in instrumented] == ["whole slots"] * len(KERNELS) + ["compact"]
+    assert all(r["figures"]["summary_ok"] for r in instrumented)
     # stats: four layouts, both paths timed against the read pass, launches counted
     timed = [r for r in parts["stats"] if r["kind"] == "goal" and "divides by W" not in r["name"]]
     assert [(r["figures"]["dtype"], r["figures"]["params"]) for r in timed] == [("float32", 8), ("float32", 160), ("bfloat16", 8), ("bfloat16", 160)]
