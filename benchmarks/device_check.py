@@ -59,6 +59,7 @@ import time
 import traceback
 import warnings
 
+import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -229,8 +230,17 @@ def _train(rank: int, device: torch.device, hook: str, kernel: str | None, shard
         kernels = sorted({type(k).__name__ for k in state._kernels.values()})
         state.close()
     # numpy, not tensors: a tensor crosses the result queue as shared memory the exiting worker frees
-    params = [(p.full_tensor() if sharded else p).detach().cpu().numpy().copy() for p in model.parameters()]
+    params = [(full_parameter(p) if sharded else p.detach().cpu().numpy().copy()) for p in model.parameters()]
     return {"records": records, "params": params, "kernels": kernels}
+
+
+def full_parameter(param) -> "np.ndarray":
+    """An FSDP2 parameter (a DTensor sharded on dim 0) whole, on every rank: the local shards
+    through the host (``all_gather_object``), not ``full_tensor()``, whose all-gather of CUDA
+    tensors over gloo crashed the process on the GPU (torch 2.11, device run of 2026-12-04)."""
+    shards = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(shards, param.to_local().detach().cpu().numpy().copy())
+    return np.concatenate(shards, axis=0)
 
 
 def correctness_runs(configs: list[str]) -> list[tuple[str, str, str | None]]:

@@ -403,6 +403,15 @@ def _param_group(module: FSDPModule):
     return module._get_fsdp_state()._fsdp_param_group
 
 
+def _param_groups(state) -> list:
+    """An FSDPState's parameter groups: the list of newer torch (several with a per-parameter
+    mesh), or the one optional group of torch 2.11 and before, which has no list."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    return [] if state._fsdp_param_group is None else [state._fsdp_param_group]
+
+
 def _fsdp_modules(model: torch.nn.Module) -> tuple[list[FSDPModule], object]:
     """The FSDPModules under ``model`` that hold parameters, and their common mesh; raises
     ``TypeError`` / ``ValueError`` naming what ddphooks cannot measure."""
@@ -416,14 +425,15 @@ def _fsdp_modules(model: torch.nn.Module) -> tuple[list[FSDPModule], object]:
         if id(state) in seen:  # fully_shard([norm, lm_head]): one unit, one reduce-scatter
             continue
         seen.add(id(state))
-        if len(state._fsdp_param_groups) > 1:
+        groups = _param_groups(state)
+        if len(groups) > 1:
             raise ValueError(
-                f"FSDP module {type(module).__name__} has {len(state._fsdp_param_groups)} parameter groups (a per-parameter mesh "
+                f"FSDP module {type(module).__name__} has {len(groups)} parameter groups (a per-parameter mesh "
                 "from shard_placement_fn); ddphooks measures modules with one group: fully_shard them with one mesh"
             )
-        group = state._fsdp_param_group
-        if group is None:
+        if not groups:
             continue
+        group = groups[0]
         comm = group._reduce_scatter_comm
         if isinstance(comm, _MeasuredReduceScatter):
             raise RuntimeError("ddphooks is already attached to this FSDP2 model; attach once and reuse the returned state")

@@ -368,3 +368,16 @@ def test_unsupported_wrappers_are_named():
     module.weight._hp_mapping = None
     with pytest.raises(TypeError, match="pass the DeepSpeedEngine deepspeed.initialize returns, not engine.module"):
         ddphooks.attach(module)
+
+
+def test_param_groups_reads_the_list_of_newer_torch_and_the_one_group_of_torch_2_11():
+    """torch 2.11's FSDPState has one optional ``_fsdp_param_group`` and no list: attach crashed
+    there with an AttributeError (the device run of 2026-12-04)."""
+    from types import SimpleNamespace
+
+    from ddphooks.fsdp import _param_groups
+
+    first, second = object(), object()
+    assert _param_groups(SimpleNamespace(_fsdp_param_groups=[first, second], _fsdp_param_group=first)) == [first, second]
+    assert _param_groups(SimpleNamespace(_fsdp_param_group=first)) == [first]
+    assert _param_groups(SimpleNamespace(_fsdp_param_group=None)) == []
