@@ -49,6 +49,7 @@ and the pass per element of it, and the step (forward and backward, no communica
     python benchmarks/scale.py                  # W = 8, 64, 256, 1024, 4096, a 16 M-parameter tiny Llama (273 tensors)
     python benchmarks/scale.py --quick          # W = 8, 64 and 512, a 2-layer tiny Llama (seconds)
     python benchmarks/scale.py --worlds 8 1024 --steps 5 --json scale.json
+    python benchmarks/scale.py --device cuda --worlds 8 1024 4096   # the hook's host time on a GPU (DDP only)
 """
 
 import argparse

@@ -9,7 +9,7 @@ from ddphooks.detect import DetectorConfig
 from ddphooks.sketch import MAX_SKETCH_DIM, MIN_SKETCH_DIM, SIGN_PAGE
 
 TRANSPORTS = ("auto", "piggyback", "separate")
-STATS_KERNELS = ("torch", "triton")
+STATS_KERNELS = ("auto", "torch", "triton")
 
 
 def _check_int(name: str, value: object) -> None:
@@ -46,12 +46,16 @@ class SilentConfig:
     """Elements per chunk of the statistics pass (None: 131072 on the CPU, 8M on accelerators); at most
     the sign table's 8M entries."""
 
-    stats_kernel: str = "torch"
-    """How the statistics pass runs: "torch" (torch ops in chunks, every device, the default) or
-    "triton" (one Triton kernel per bucket, five launches whatever the bucket's size; CUDA only,
-    needs the ``triton`` package and a sketch). Both compute the same norms and sketch, to fp32
-    rounding; see ``ddphooks.triton_stats``. Measured once on a GPU, before its latest changes
-    (``docs/results/device-2026-12-04.md``): not the default yet."""
+    stats_kernel: str = "auto"
+    """How the statistics pass runs: "torch" (torch ops in chunks, every device), "triton" (one
+    Triton kernel per bucket, a few launches whatever the bucket's size; CUDA only, needs the
+    ``triton`` package and a sketch), or "auto" (the default): Triton on CUDA devices where the
+    package imports, the sketch is on and the kernel agrees with the torch path on a probe bucket
+    at the first step (``TritonBucketStats.agrees_with_torch``; where it does not, the torch path,
+    said once); the torch path on every other device (CPU, NPU). Both compute the same norms and
+    sketch, to fp32 rounding; see ``ddphooks.triton_stats``. On an H200 the Triton kernel cost a
+    1.1B Llama's DDP step +19% on the GPU against +40% for the torch path
+    (``docs/results/device-2026-12-04.md``)."""
 
     detail_every: int = 100
     """Every ``detail_every``-th instrumented step (and the first) writes a *detail* record with

@@ -128,6 +128,9 @@ class DeepSpeedSilentState(BaseSilentState):
     and sinks as under DDP and FSDP2, measured in tensor hooks and carried in one small
     all-reduce per optimizer step.
 
+    ``stats_kernel="auto"`` keeps the torch path here: the pass runs once per parameter, where
+    the Triton kernel's launches would not pay, and the kernel is untested under DeepSpeed.
+
     ``ddphooks.attach(engine)`` creates it for what ``deepspeed.initialize`` returns; the arguments
     are those of :class:`ddphooks.SilentState` without the DDP-only ones.
 
@@ -167,6 +170,8 @@ class DeepSpeedSilentState(BaseSilentState):
         >>> state.latest.summary()["mean_cosine"]
     """
 
+    AUTO_TRITON = False  # see above: "auto" is the torch path under DeepSpeed
+
     def __init__(
         self,
         *,
@@ -177,7 +182,7 @@ class DeepSpeedSilentState(BaseSilentState):
         sinks: Sink | list[Sink] | tuple[Sink, ...] = (),
         log_rank: int | None = 0,
         chunk_elems: int | None = None,
-        stats_kernel: str = "torch",
+        stats_kernel: str = "auto",
         detail_every: int = 100,
         detail_max_world: int = 64,
         per_rank_max_world: int = 256,

@@ -141,7 +141,7 @@ class ShardedSilentState(BaseSilentState):
         sinks: Sink | list[Sink] | tuple[Sink, ...] = (),
         log_rank: int | None = 0,
         chunk_elems: int | None = None,
-        stats_kernel: str = "torch",
+        stats_kernel: str = "auto",
         detail_every: int = 100,
         detail_max_world: int = 64,
         per_rank_max_world: int = 256,

@@ -130,8 +130,9 @@ class SilentState(BaseSilentState):
             those of what ``comm_hook`` returns.
         comm_state: the state ``comm_hook`` is called with (e.g. its process group).
         chunk_elems: elements per chunk of the statistics pass (None: a device default).
-        stats_kernel: "torch" (the default, every device) or "triton" (one Triton kernel per
-            bucket, CUDA only; see ``SilentConfig``).
+        stats_kernel: "auto" (the default: Triton on CUDA where it passes its check, else the
+            torch path), "torch" (every device) or "triton" (one Triton kernel per bucket, CUDA
+            only; see ``SilentConfig``).
         detail_every: every N-th instrumented step writes a detail record (see ``SilentConfig``).
         detail_max_world: largest world size whose detail records keep per-rank tables (see ``SilentConfig``).
         per_rank_max_world: largest world size whose compact records keep one value per rank of
@@ -177,7 +178,7 @@ class SilentState(BaseSilentState):
         comm_hook: CommHook | None = None,
         comm_state: object = None,
         chunk_elems: int | None = None,
-        stats_kernel: str = "torch",
+        stats_kernel: str = "auto",
         detail_every: int = 100,
         detail_max_world: int = 64,
         per_rank_max_world: int = 256,
@@ -580,7 +581,7 @@ def silent_hook(state: SilentState, bucket: dist.GradBucket) -> torch.futures.Fu
        shared by every rank) into the step's sketch.
     2. Every bucket but the last is averaged like ``allreduce_hook``: divide by W first (to avoid
        overflow), allreduce (SUM). Its callback computes ``|gbar_p|^2`` of the reduced gradient.
-       (With ``stats_kernel="triton"`` step 1's pass divides, where a one-time probe shows it
+       (With the Triton kernel, step 1's pass divides, where a one-time probe shows it
        bitwise equal to ``torch.div`` on the device.)
     3. The last bucket also carries every rank's slot ``[loss_sum, loss_count, status, |g_p|^2, s]``:
        with the fp32 "piggyback" transport the allreduce runs on one persistent buffer

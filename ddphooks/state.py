@@ -39,6 +39,9 @@ class BaseSilentState:
     :class:`ddphooks.fsdp.ShardedSilentState` (FSDP2) for the arguments.
     """
 
+    #: Whether ``stats_kernel="auto"`` may choose the Triton kernel under this transport.
+    AUTO_TRITON = True
+
     def __init__(self, settings: dict, *, sinks: Sink | list[Sink] | tuple[Sink, ...], on_alert: Callable[[dict], object] | None) -> None:
         self._settings = settings
         self._problem = None  # an invalid setting, raised on every rank when binding
@@ -234,12 +237,20 @@ class BaseSilentState:
         torch ops, or one Triton kernel per bucket (``SilentConfig.stats_kernel``)."""
         if device not in self._kernels:
             signs = SignTable(self.config.seed, self.bins, device) if self.bins else None
-            if self.config.stats_kernel == "triton":
+            choice = self.config.stats_kernel
+            kernel = None
+            if choice == "triton" or (choice == "auto" and self.AUTO_TRITON and auto_picks_triton(device, self.bins)):
                 from ddphooks.triton_stats import TritonBucketStats  # triton is imported only when chosen
 
-                self._kernels[device] = TritonBucketStats(self.bins, device, signs)
-            else:
-                self._kernels[device] = BucketStatsKernel(self.bins, device, signs)
+                kernel = TritonBucketStats(self.bins, device, signs)
+                problem = kernel.agrees_with_torch() if choice == "auto" else None
+                if problem is not None:
+                    self._warn(
+                        "ddphooks: stats_kernel='auto' keeps the torch path on %s: the Triton kernel failed its check (%s). "
+                        "Pass stats_kernel='torch' to skip the check.", device, problem,
+                    )  # fmt: skip
+                    kernel = None
+            self._kernels[device] = kernel or BucketStatsKernel(self.bins, device, signs)
         return self._kernels[device]
 
     def _reset_sketch(self, device: torch.device) -> None:
@@ -310,6 +321,14 @@ class BaseSilentState:
             self._pipeline.complete(result)  # handed to the pipeline thread when the next step starts
         else:
             self._warn("ddphooks: statistics of step %d failed: %r", step, result)
+
+
+def auto_picks_triton(device: torch.device, bins: int) -> bool:
+    """Whether ``stats_kernel="auto"`` tries the Triton kernel on ``device``: a CUDA device, a
+    sketch, and the ``triton`` package (the kernel then still has to pass its check)."""
+    import importlib.util
+
+    return device.type == "cuda" and bins > 0 and importlib.util.find_spec("triton") is not None
 
 
 def stats_kernel_problem(config: SilentConfig, model: torch.nn.Module | None) -> str | None:

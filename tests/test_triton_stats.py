@@ -15,7 +15,7 @@ import torch
 import ddphooks
 from ddphooks.launch import spawn
 from test_fsdp import _sharded
-from test_hook import TIMEOUT, _batch, _loss, _make_ddp
+from test_hook import TIMEOUT, _batch, _loss, _make_ddp, _Messages
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (Linux x86-64 test extra)")
 
@@ -93,8 +93,37 @@ def _records(rank: int, kernel: str, sharded: bool) -> tuple[list[dict], list[to
     return records, [(p.full_tensor() if sharded else p).detach().clone() for p in model.parameters()], kernels
 
 
+def _check_auto(rank: int) -> dict:
+    """stats_kernel="auto", the default: the torch path on the CPU; where auto picks Triton (here
+    the CPU under the interpreter stands in for a CUDA device), the kernel once its check passes,
+    and the torch path with one warning where the check fails. The check itself, on a kernel that
+    computes and on one whose launch writes nothing."""
+    from ddphooks import state as state_module
+    from ddphooks.sketch import SignTable
+    from ddphooks.triton_stats import TritonBucketStats
+
+    cpu = torch.device("cpu")
+    kernel = TritonBucketStats(61, cpu, SignTable(0, 61, cpu))
+    found = {"check": kernel.agrees_with_torch()}
+    kernel._launch = lambda flat, plan, sq_norms, sketches, division: sq_norms.zero_()  # a launch that computes nothing
+    found["broken_check"] = kernel.agrees_with_torch()
+    found["default"] = sorted(_records(rank, "auto", False)[2])
+    picks, check = state_module.auto_picks_triton, TritonBucketStats.agrees_with_torch
+    state_module.auto_picks_triton = lambda device, bins: bins > 0
+    try:
+        records, params, found["picked"] = _records(rank, "auto", False)
+        found["picked_matches_torch"] = all(_close(a, b, 1e-5) for a, b in zip(records, _records(rank, "torch", False)[0]))
+        TritonBucketStats.agrees_with_torch = lambda self: "RuntimeError('no C compiler for the launcher')"
+        log = _Messages()
+        found["refused"] = sorted(_records(rank, "auto", False)[2])
+        found["warnings"] = [m for m in log.messages if "stats_kernel='auto'" in m]
+    finally:
+        state_module.auto_picks_triton, TritonBucketStats.agrees_with_torch = picks, check
+    return found
+
+
 def _check_hook_and_errors(rank: int, world: int) -> dict:
-    result = {"kernel": _check_kernel() if rank == 0 else None}
+    result = {"kernel": _check_kernel() if rank == 0 else None, "auto": _check_auto(rank)}
     for transport in ("ddp", "fsdp2"):
         triton_records, triton_params, triton_kernels = _records(rank, "triton", transport == "fsdp2")
         torch_records, torch_params, torch_kernels = _records(rank, "torch", transport == "fsdp2")
@@ -157,8 +186,22 @@ def test_the_cpu_without_the_interpreter_is_refused_at_attach(results):
         assert "Use stats_kernel='torch'" in message
 
 
+def test_auto_uses_the_kernel_only_where_it_is_picked_and_passes_its_check(results):
+    for rank in (0, 1):
+        auto = results[rank]["auto"]
+        assert auto["check"] is None
+        assert auto["broken_check"].startswith("on a probe bucket its norms differ from the torch path's by 1.0e+00"), auto["broken_check"]
+        assert auto["default"] == ["BucketStatsKernel"]  # the CPU: the torch path
+        assert auto["picked"] == {"TritonBucketStats"} and auto["picked_matches_torch"]
+        assert auto["refused"] == ["BucketStatsKernel"]
+        assert auto["warnings"] == [
+            "ddphooks: stats_kernel='auto' keeps the torch path on cpu: the Triton kernel failed its check "
+            "(RuntimeError('no C compiler for the launcher')). Pass stats_kernel='torch' to skip the check."
+        ]
+
+
 def test_settings_are_checked():
-    with pytest.raises(ValueError, match=r"stats_kernel='cuda' is not one of 'torch', 'triton'"):
+    with pytest.raises(ValueError, match=r"stats_kernel='cuda' is not one of 'auto', 'torch', 'triton'"):
         ddphooks.SilentConfig(stats_kernel="cuda")
     with pytest.raises(ValueError, match=r"stats_kernel='triton' computes the norms with the sketch; with sketch_dim=0 use stats_kernel='torch'"):
         ddphooks.SilentConfig(stats_kernel="triton", sketch_dim=0)
@@ -182,3 +225,15 @@ def test_a_failing_division_probe_leaves_the_division_to_torch(monkeypatch, capl
         "ddphooks: the Triton kernel's division probe failed (RuntimeError('no kernel image is available for execution on the device')); "
         "torch divides torch.float32 buckets by 2 instead"
     ]
+
+
+def test_auto_keeps_the_torch_path_under_deepspeed(monkeypatch):
+    """DeepSpeed runs the pass once per parameter (tensor hooks): "auto" never picks Triton there."""
+    from ddphooks import state as state_module
+    from ddphooks.deepspeed import DeepSpeedSilentState
+
+    monkeypatch.setattr(state_module, "auto_picks_triton", lambda device, bins: True)
+    state = DeepSpeedSilentState()
+    state.bins, state._kernels = 61, {}  # what binding sets (from sketch_dim)
+    assert state.config.stats_kernel == "auto"
+    assert type(state._kernel(torch.device("cpu"))).__name__ == "BucketStatsKernel"
