@@ -50,6 +50,7 @@ compares them with the other ranks' exact mean norms). The per-rank cosines are 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -536,21 +537,55 @@ def as_compact_records(records: list[dict], sampled: int) -> list[dict]:
 
 def _layer_scores(record: dict, averages: dict) -> np.ndarray:
     """Each rank's layer score of a detail record, as ``own_values`` computes it on the rank
-    (``averages``: each rank's running average, carried from record to record)."""
+    (``averages``: the ranks' running averages, carried from record to record)."""
     world = int(record["world_size"])
     norms = np.array([[math.nan if v is None else v for v in p["grad_norms"]] for p in record["parameters"]], dtype=float).T  # W x P
     present = [r for r in range(world) if r not in set(record.get("absent") or [])]
-    layout = FleetLayout(world, norms.shape[1], 1, 0, 1)
-    reduced = torch.zeros(layout.size, dtype=torch.float64)
-    reduced[layout.part("param_norms")] = torch.from_numpy(np.nansum(norms[present], axis=0))
-    reduced[layout.part("present")] = float(len(present))
-    scores = np.full(world, np.nan)
     names = tuple(p["name"] for p in record["parameters"])  # a rank's average restarts where the parameters' order changes, as on the rank
-    for rank in present:
-        param_sq = torch.from_numpy(norms[rank] ** 2)
-        values, averages[(rank, names)] = own_values(layout, reduced, None, None, param_sq, averages.get((rank, names)))
-        scores[rank] = float(values[2])
+    scores, averages[names] = layer_scores(norms, present, averages.get(names))
     return scores
+
+
+def layer_scores(norms: np.ndarray, present: list[int], average: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """Every rank's layer score of one step at once, as each rank's ``own_values`` computes its
+    own (the offline emulation, ``as_compact_records``, and benchmarks at large W):
+
+    1. per rank i and parameter p, ``d = log |g_ip| - log mean_{j != i} |g_jp|`` over the present
+       ranks, unknown (NaN) where not finite, minus its (lower) median over the parameters;
+    2. ``rise = d - a`` with ``a`` the rank's running average of ``d`` (``d`` itself, 0 where
+       unknown, on a rank's first step), the score ``max_p rise`` (NaN if none is known);
+    3. ``a <- (1 - LAYER_RATE) a + LAYER_RATE d`` where ``d`` is known.
+
+    Args:
+        norms: W x P local gradient norms (NaN: unknown).
+        present: the ranks that trained on the step (the others score NaN and keep their average).
+        average: W x P running averages of the step before (NaN rows: none yet), or None.
+
+    Returns the W scores and the updated averages."""
+    world, n_params = norms.shape
+    scores = np.full(world, np.nan)
+    average = np.full((world, n_params), np.nan) if average is None else average.copy()
+    rows = np.asarray(present, dtype=int)
+    if not len(rows):
+        return scores, average
+    mine = norms[rows]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        others = (np.nansum(norms[rows], axis=0) - mine) / (len(rows) - 1.0)
+        deviation = np.log(mine) - np.log(others)
+    deviation = np.where(np.isfinite(deviation), deviation, np.nan)
+    known = np.isfinite(deviation)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a rank with no known parameter: all NaN
+        # The lower median of an even count, as torch.nanmedian takes it on the rank.
+        deviation = deviation - np.nanquantile(deviation, 0.5, axis=1, method="lower", keepdims=True)
+    previous = average[rows]
+    first = np.isnan(previous).all(axis=1, keepdims=True)
+    previous = np.where(first, np.where(known, deviation, 0.0), previous)
+    rise = np.where(known, deviation - previous, -np.inf)
+    best = rise.max(axis=1)
+    scores[rows] = np.where(np.isfinite(best), best, np.nan)
+    average[rows] = np.where(known, (1 - LAYER_RATE) * previous + LAYER_RATE * deviation, previous)
+    return scores, average
 
 
 def _compact_layer_entry(entry: dict, rows: list[int]) -> dict:

@@ -248,6 +248,21 @@ def test_scale_quick_table_on_the_fake_process_group(tmp_path):
     assert sharded[8]["input_elements"] == sharded[64]["input_elements"]  # this model's sizes divide by 64: no padding
 
 
+def test_compact_detection_small_form_names_the_fault_when_every_rank_is_sampled():
+    """W = 16 with 16 sampled ranks: the compact wire sees every rank's norms, so it names the
+    corrupted layer as the whole slots do; no alert on the healthy run."""
+    stdout = _run("compact_detection.py", "--worlds", "16", "--seeds", "1", "--factors", "3", "--sigmas", "0.15")
+    table = [line for line in stdout.splitlines() if line.startswith("| ")]
+    assert table[0].startswith("| sigma | W | fault | whole: named | whole: layer | compact: named") and len(table) == 1 + 2
+    healthy, fault = (line.strip("|").split("|") for line in table[1:])
+    assert [c.strip() for c in healthy[:3]] == ["0.15", "16", "none"] and healthy[8].strip() == "0 / 0"
+    cells = [c.strip() for c in fault]
+    assert cells[:3] == ["0.15", "16", "x3"] and cells[7] == "100%" and cells[8] == "0 / 0"
+    for named in cells[3:7]:  # whole and compact, any alert and with the layer: 1 of 1, within a few steps
+        count, delay = named.split(", ")
+        assert count == "1/1" and 0 <= int(delay) <= 10, cells
+
+
 def test_transport_table():
     stdout = _run("transport.py", "--bucket-mb", "1", "--rounds", "2")
     for name in ("bucket only", "piggyback", "coalesced", "separate"):

@@ -193,6 +193,35 @@ def test_compact_records_of_a_whole_slot_run_are_those_the_compact_wire_writes()
     assert converted[0]["cosine_loo"] is None and converted[1]["cosine_loo"] == whole[0]["cosine_loo"]
 
 
+def test_layer_scores_of_every_rank_are_each_ranks_own_values():
+    """The vectorised layer scores (offline emulation, benchmarks) against ``own_values`` run on
+    each rank the slow way, over four steps: an unused parameter on one rank (NaN), a rank absent
+    on step 2 (it scores NaN and keeps its average), a corrupted parameter from step 2."""
+    world, n_params = 5, 7
+    layout = fleet.FleetLayout(world, n_params, 1, 0, 1)
+    generator = np.random.default_rng(3)
+    base = np.exp(generator.standard_normal(n_params))
+    average, averages = None, [None] * world
+    for step in range(4):
+        norms = base * np.exp(0.2 * generator.standard_normal((world, n_params)))
+        norms[1, 4] = np.nan  # rank 1's batch did not use parameter 4
+        if step >= 2:
+            norms[3, 2] *= 2.0
+        present = [r for r in range(world) if not (step == 2 and r == 0)]
+        scores, average = fleet.layer_scores(norms, present, average)
+        reduced = torch.zeros(layout.size, dtype=torch.float64)
+        reduced[layout.part("param_norms")] = torch.from_numpy(np.nansum(norms[present], axis=0))
+        reduced[layout.part("present")] = float(len(present))
+        for rank in range(world):
+            if rank not in present:
+                assert np.isnan(scores[rank])
+                continue
+            own, averages[rank] = fleet.own_values(layout, reduced, None, None, torch.from_numpy(norms[rank] ** 2), averages[rank])
+            assert scores[rank] == pytest.approx(float(own[2]), rel=1e-5, abs=1e-6), (step, rank)
+            np.testing.assert_allclose(average[rank], averages[rank].numpy(), rtol=1e-12, atol=1e-12)
+    assert int(np.nanargmax(scores)) == 3  # the corrupted parameter stands out
+
+
 def test_choose_sampled_takes_half_a_window_and_the_highest_layer_scores():
     scores = np.array([0.1, 0.2, 9.0, 0.0, np.nan, 3.0, 0.3, 0.2, 0.1, 0.0])
     assert fleet.choose_sampled(10, 4, 0, None) == [0, 1, 2, 3]  # the first step: the window alone
