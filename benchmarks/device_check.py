@@ -13,7 +13,8 @@ Parts (``--parts``):
   correctness  DDP, 2 ranks on the one GPU over gloo (gloo carries CUDA tensors; NCCL refuses two
                ranks on one device): every record (losses, per-rank and per-parameter norms,
                cosines, the sketched cosine matrix, replica fingerprints) equal to the same run on
-               the CPU to fp32 rounding, for stats_kernel "torch" and "triton", and for the compact
+               the CPU to fp32 rounding, for stats_kernel "torch", "triton" and "auto" (the default,
+               which must pick Triton on CUDA), and for the compact
                wire ("torch+compact": gather_max_world=1, ddphooks.fleet; against the CPU's compact
                run); the parameters after training bitwise equal to torch's allreduce_hook on the GPU.
   fsdp         the same for FSDP2 (fully_shard) on the one GPU, over gloo with CUDA tensors; skipped
@@ -251,9 +252,16 @@ def correctness_runs(configs: list[str]) -> list[tuple[str, str, str | None]]:
 
 
 def part_configs(part: str, kernels: list[str]) -> list[str]:
-    """The configurations a correctness part checks: the kernels, and for DDP the compact wire
-    (FSDP2 refuses it)."""
-    return kernels if part == "fsdp" else [*kernels, COMPACT]
+    """The configurations a correctness part checks: the kernels, and for DDP the default
+    ("auto": the Triton kernel on CUDA once it passes its check, else the torch path) and the
+    compact wire (FSDP2 refuses it)."""
+    return kernels if part == "fsdp" else [*kernels, "auto", COMPACT]
+
+
+def expected_kernel(config: str, device_name: str, kernels: list[str]) -> str:
+    """The kernel class a configuration must run: "auto" picks Triton on CUDA where it is installed."""
+    triton = config == "triton" or (config == "auto" and device_name == "cuda" and "triton" in kernels)
+    return "TritonBucketStats" if triton else "BucketStatsKernel"
 
 
 def _correctness_worker(rank: int, world: int, small: bool, run: tuple[str, str, str | None], sharded: bool) -> dict:
@@ -298,9 +306,8 @@ def correctness_rows(part: str, ranks: list[dict], kernels: list[str], device_na
             rows.append(row(part, name, "correctness", "fail", f"error in the CPU reference ({reference_key}): " + ranks[0][reference_key]["error"]))
             continue
         found = [compare_records(run["records"], rank[reference_key]["records"]) for run, rank in zip(runs, ranks)]
-        expected_kernel = "TritonBucketStats" if kernel == "triton" else "BucketStatsKernel"
         used = sorted({k for run in runs for k in run["kernels"]})
-        ok = all(f["ok"] for f in found) and used == [expected_kernel] and len(runs[0]["records"]) == STEPS
+        ok = all(f["ok"] for f in found) and used == [expected_kernel(kernel, device_name, kernels)] and len(runs[0]["records"]) == STEPS
         reason = "" if ok else next((f["mismatch"] for f in found if not f["ok"]), f"kernels {used}, {len(runs[0]['records'])} records")
         rows.append(row(
             part, name, "correctness", "pass" if ok else "fail", reason, steps=len(runs[0]["records"]), floats_compared=sum(f["compared"] for f in found),
@@ -832,7 +839,8 @@ def run_part(part: str, small: bool, kernels: list[str], triton_reason: str | No
             rows = correctness_rows(part, ranks, configs, device_name, "gloo")
         elif part == "sync":
             deadline = time.monotonic() + budget
-            rows = sync_rows(spawn(_sync_worker, 1, args=(small, kernels, 2, 3), timeout=budget)[0], kernels, small)
+            configs = [*kernels, "auto"]
+            rows = sync_rows(spawn(_sync_worker, 1, args=(small, configs, 2, 3), timeout=budget)[0], configs, small)
             # The compact wire as rank 0 of FAKE_WORLD: its own processes (the fake group replaces gloo's).
             fake = spawn(_sync_worker, 1, args=(small, [COMPACT], 2, 3, FAKE_WORLD), timeout=max(1.0, deadline - time.monotonic()))[0]
             rows += sync_rows(fake, [COMPACT], small)

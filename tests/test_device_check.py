@@ -35,7 +35,7 @@ def test_small_form_passes_its_correctness_rows_and_writes_every_part(tmp_path):
     parts = {part: [r for r in rows if r["part"] == part] for part in report["parts"]}
     # correctness and fsdp: per kernel (and DDP's compact wire), the records against the CPU run
     # (the compact wire's against the CPU's compact run) and training against the plain run
-    for part, transport, configs in (("correctness", "ddp", [*KERNELS, "torch+compact"]), ("fsdp", "fsdp2", KERNELS)):
+    for part, transport, configs in (("correctness", "ddp", [*KERNELS, "auto", "torch+compact"]), ("fsdp", "fsdp2", KERNELS)):
         assert len(parts[part]) == 2 * len(configs)
         for r in parts[part]:
             assert r["status"] == "pass" and r["kind"] == "correctness", r
@@ -48,13 +48,13 @@ def test_small_form_passes_its_correctness_rows_and_writes_every_part(tmp_path):
                 assert r["figures"]["bitwise_equal"] == r["figures"]["tensors"] == 6
     # sync: the control and every kernel ran their checked steps, skipped for want of CUDA; then the
     # compact wire as rank 0 of 64 on the fake group, with its own control
-    assert len(parts["sync"]) == 1 + len(KERNELS) + 2
+    assert len(parts["sync"]) == 1 + len(KERNELS) + 1 + 2
     for r in parts["sync"]:
         assert r["status"] == "skipped" and r["reason"].startswith("no CUDA") and r["figures"]["checked_steps"] == 3, r
     controls = [r for r in parts["sync"] if r["name"].startswith("control")]
     assert [r["name"].split("(")[-1] for r in controls] == ["gloo, 1 rank)", "fake group, rank 0 of 64)"]
     instrumented = [r for r in parts["sync"] if not r["name"].startswith("control")]
-    assert [r["figures"]["wire"] for r in instrumented] == ["whole slots"] * len(KERNELS) + ["compact"]
+    assert [r["figures"]["wire"] for r in instrumented] == ["whole slots"] * (len(KERNELS) + 1) + ["compact"]
     assert all(r["figures"]["summary_ok"] for r in instrumented)
     # stats: four layouts, both paths timed against the read pass, launches counted
     timed = [r for r in parts["stats"] if r["kind"] == "goal" and "divides by W" not in r["name"]]
@@ -104,3 +104,12 @@ def test_the_comparisons_and_the_exit_code_catch_a_broken_part():
     assert check.exit_code([check.row("stats", "x", "goal", "fail", "goal missed: torch 3.00x read")]) == 0
     assert check.exit_code([check.row("stats", "x", "goal", "fail", "error: RuntimeError")]) == 1
     assert check.exit_code([check.row("cost", "x", "goal", "skipped", "no CUDA"), check.row("sync", "y", "correctness", "pass")]) == 0
+
+
+def test_the_default_must_pick_the_triton_kernel_on_cuda_only_where_triton_is_installed():
+    check = _device_check()
+    assert check.expected_kernel("auto", "cuda", ["torch", "triton", "auto"]) == "TritonBucketStats"
+    assert check.expected_kernel("auto", "cuda", ["torch", "auto"]) == "BucketStatsKernel"  # no triton: the torch path
+    assert check.expected_kernel("auto", "cpu", ["torch", "triton", "auto"]) == "BucketStatsKernel"
+    assert check.expected_kernel("triton", "cpu", ["torch", "triton"]) == "TritonBucketStats"
+    assert check.expected_kernel("torch+compact", "cuda", ["torch", "triton"]) == "BucketStatsKernel"
