@@ -19,6 +19,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from ddphooks import fleet
 from ddphooks.config import SilentConfig
 from ddphooks.detect import DetectorConfig
+from ddphooks.devices import match_intra_op_threads
 from ddphooks.replicas import ReplicaTensors
 from ddphooks.sinks import Sink
 from ddphooks.sketch import ACCELERATOR_CHUNK_ELEMS, CPU_CHUNK_ELEMS, BucketPlan, squared_norms
@@ -712,6 +713,7 @@ def _record_reduced(record: _Step, position: int, reduced: torch.Tensor) -> None
 
 
 def _reduced_bucket(state: SilentState, record: _Step, position: int, future: torch.futures.Future) -> torch.Tensor:
+    match_intra_op_threads()  # gloo may run this on its own thread
     reduced = future.value()
     try:
         _record_reduced(record, position, reduced)
@@ -745,6 +747,7 @@ def _keep_gathered(state: SilentState, record: _Step, slots: torch.Tensor, slot:
 def _reduced_piggyback(
     state: SilentState, record: _Step, position: int, numel: int, slot: int, future: torch.futures.Future
 ) -> torch.Tensor:
+    match_intra_op_threads()  # gloo may run this on its own thread
     combined = future.value()[0]
     gradient = combined[:numel]
     try:
@@ -757,6 +760,7 @@ def _reduced_piggyback(
 
 
 def _reduced_separate(state: SilentState, record: _Step, position: int, slot: int, future: torch.futures.Future) -> torch.Tensor:
+    match_intra_op_threads()  # gloo may run this on its own thread
     gradient_future, slots_future = future.value()
     gradient = gradient_future.value()
     try:

@@ -677,3 +677,71 @@ def test_spawn_gives_the_workers_the_callers_environment_at_the_call(monkeypatch
     assert spawn(_check_environment, 2, timeout=60) == ["first", "first"]
     monkeypatch.setenv("DDPHOOKS_TEST_VALUE", "second")
     assert spawn(_check_environment, 2, timeout=60) == ["second", "second"]
+
+
+def _reduced_norms_of_six_runs(rank: int, world: int, match_threads: bool = True) -> list[float]:
+    """Each step's reduced norms (the whole gradient's and each parameter's) of six fresh
+    4-step runs with the compact wire, whose callbacks do the most work on gloo's threads; a
+    49 K-element layer, where a BLAS dot on two threads splits its sum."""
+    import ddphooks.hook
+
+    if not match_threads:
+        ddphooks.hook.match_intra_op_threads = lambda: None  # the behaviour before the fix, to show the test can fail
+    values = []
+    for run in range(6):
+        torch.manual_seed(run)
+        net = torch.nn.Sequential(torch.nn.Linear(32, 192), torch.nn.Tanh(), torch.nn.Linear(192, 256), torch.nn.Tanh(), torch.nn.Linear(256, 16))
+        model = DDP(net, bucket_cap_mb=0.1)
+        state = ddphooks.attach(model, gather_max_world=1, check_replicas_every=2, detect=False)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        for step in range(4):
+            generator = torch.Generator().manual_seed(1000 * step + 100 * rank)
+            x, y = torch.randn(64, 32, generator=generator) + 0.3 * rank, torch.randn(64, 16, generator=generator)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            state.observe_loss(loss)
+            loss.backward()
+            state.flush()
+            record = state.latest.to_dict()
+            values += [record["reduced_grad_norm"], *(p["reduced_norm"] for p in record["parameters"])]
+            optimizer.step()
+            optimizer.zero_grad()
+        state.close()
+    return values
+
+
+def test_every_rank_records_the_same_reduced_norms_bit_for_bit():
+    """The reduced gradient is the same on every rank, so are its norms in every rank's records:
+    gloo's callback threads compute with the process's thread count (devices.match_intra_op_threads)."""
+    first, second = spawn(_reduced_norms_of_six_runs, 2, timeout=TIMEOUT)
+    assert len(first) == 6 * 4 * 7 and first == second
+
+
+def test_a_callback_thread_computes_with_the_process_thread_count():
+    """What the hook's callbacks call first on gloo's threads: a thread PyTorch did not start gets
+    the process's ``set_num_threads``, so a BLAS dot there sums as on the training thread."""
+    import threading
+
+    from ddphooks.devices import match_intra_op_threads
+
+    vectors = [torch.randn(n, generator=torch.Generator().manual_seed(n)) for n in (70_001, 300_000, 1_000_000)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        expected = [torch.dot(v, v).item() for v in vectors]
+        found = {}
+
+        def in_a_new_thread(match: bool) -> None:
+            if match:
+                match_intra_op_threads()
+                match_intra_op_threads()  # once per thread: the second call does nothing
+            found[match] = [torch.dot(v, v).item() for v in vectors]
+
+        for match in (False, True):
+            thread = threading.Thread(target=in_a_new_thread, args=(match,))
+            thread.start()
+            thread.join()
+    finally:
+        torch.set_num_threads(threads)
+    if found[False] == expected:
+        pytest.skip("this machine's BLAS sums alike in a new thread (one core, or one thread by default): nothing to match")
+    assert found[True] == expected
