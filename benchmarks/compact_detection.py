@@ -1,11 +1,11 @@
 """Does the compact wire still name a corrupted layer at large W? (issue 42)
 
 The compact wire (``gather_max_world``, ``ddphooks.fleet``) carries every rank's losses, norms and
-cosines, but the per-parameter norms of only ``sampled_ranks`` ranks a step: half a rotating window,
-half the ranks with the highest layer scores two steps before (``choose_sampled``). Whether a rank
-whose one layer computes a wrong gradient still gets sampled, and named, among thousands is what
-this measures, with the real detector (``Detector.update``), the real ``choose_sampled`` and the
-ranks' layer scores as ``own_values`` computes them (``fleet.layer_scores``), on synthetic steps:
+cosines, but the per-parameter norms of only ``sampled_ranks`` ranks a step: half a rotating window, half the ranks
+with the highest layer levels two steps before (``choose_sampled``); each rank runs the detector's
+layer CUSUM on itself and sends its level and parameter. Whether a rank whose one layer computes a
+wrong gradient is named among thousands is what this measures, with the real detector (``Detector.update``), the real ``choose_sampled`` and the
+ranks' layer CUSUMs as each rank's ``own_values`` runs them (``fleet.layer_levels``), on synthetic steps:
 
 - P = 32 parameters with log-normal typical norms, a shared trend (every rank alike), and per rank
   and parameter a log-normal factor of spread SIGMA (the zoo's healthy runs at W = 4: 0.15-0.38,
@@ -16,8 +16,8 @@ ranks' layer scores as ``own_values`` computes them (``fleet.layer_scores``), on
   factor, every step.
 
 Each run is read twice, by a detector of every rank's whole slot and by one of the compact wire
-(the sampled rows, the exact mean norms, the cosines one step late, as ``as_compact_records``
-gives them). Per W, noise and fault: runs where the faulty rank is named within HORIZON steps (any
+(the sampled rows, the exact mean norms, the cosines and layer levels one step late, as
+``as_compact_records`` gives them). Per W, noise and fault: runs where the faulty rank is named within HORIZON steps (any
 alert on it; "layer": with the faulty parameter among the alert's parameters), the median delay,
 and with the compact wire the share of those steps where the faulty rank was sampled. Healthy runs
 give the false alarms (alerts in all).
@@ -35,7 +35,7 @@ import numpy as np
 
 from ddphooks.config import SilentConfig
 from ddphooks.detect import Detector, DetectorConfig, Observation
-from ddphooks.fleet import choose_sampled, layer_scores
+from ddphooks.fleet import choose_sampled, layer_levels
 
 PARAMETERS, FAULT_STEP, HORIZON = 32, 40, 60
 SIGMAS = (0.15, 0.3)
@@ -49,7 +49,7 @@ def run(world: int, sigma: float, factor: float | None, seed: int, sampled: int)
     faulty, layer = world // 3, PARAMETERS // 2
     detectors = {"whole": Detector(DetectorConfig()), "compact": Detector(DetectorConfig())}
     alerts = {wire: [] for wire in detectors}
-    scores, average, previous, sampled_steps = [], None, None, 0
+    levels, state, previous, sampled_steps = [], None, None, 0
     for step in range(FAULT_STEP + HORIZON):
         trend = np.exp(-step / 200 + 0.1 * rng.standard_normal())
         norms = base * trend * np.exp(sigma * rng.standard_normal((world, PARAMETERS)))
@@ -64,15 +64,16 @@ def run(world: int, sigma: float, factor: float | None, seed: int, sampled: int)
         common = dict(step=step, world_size=world, losses=step_values["losses"], grad_norms=step_values["grad_norms"], cosine_noise=1 / 16,
                       replicas=None, parameter_names=NAMES, nonfinite={})  # fmt: skip
         whole = Observation(**common, cosine_loo=step_values["cosine_loo"], cosine_previous=step_values["cosine_previous"], parameter_norms=norms)
-        # The compact wire: the rows chosen from the scores of two steps before (sent with the
-        # step before), the cosines of the step before (sent with this one).
-        rows = choose_sampled(world, sampled, step, scores[step - 2] if step >= 2 else None)
-        step_scores, average = layer_scores(norms, list(range(world)), average)
-        scores.append(step_scores)
+        # The compact wire: the rows chosen from the layer levels of two steps before (sent with
+        # the step before); the cosines and layer levels of the step before (sent with this one).
+        rows = choose_sampled(world, sampled, step, levels[step - 2][0] if step >= 2 else None)
+        step_levels, step_parameters, state = layer_levels(norms, list(range(world)), state)
+        levels.append((step_levels, step_parameters))
         sampled_steps += step >= FAULT_STEP and faulty in rows
         lagged = previous or {"cosine_loo": None, "cosine_previous": None}
+        own = levels[step - 1] if step >= 1 else (None, None)
         compact = Observation(**common, cosine_loo=lagged["cosine_loo"], cosine_previous=lagged["cosine_previous"], parameter_norms=norms[rows],
-                              parameter_rows=rows, parameter_mean_norms=norms.mean(axis=0))  # fmt: skip
+                              parameter_rows=rows, parameter_mean_norms=norms.mean(axis=0), layer_levels=own[0], layer_parameters=own[1])  # fmt: skip
         previous = step_values
         for wire, observation in (("whole", whole), ("compact", compact)):
             alerts[wire] += detectors[wire].update(observation)

@@ -580,6 +580,8 @@ class Observation:
     parameter_norms: np.ndarray | None = None  # W x P (rows x P with parameter_rows), only where the step carries them
     parameter_rows: list[int] | None = None  # the ranks of parameter_norms' rows where not every rank's (the compact wire)
     parameter_mean_norms: np.ndarray | None = None  # P, with parameter_rows: each parameter's mean norm over all present ranks
+    layer_levels: np.ndarray | None = None  # W, the compact wire: each rank's own layer CUSUM level (ddphooks.fleet.own_values), NaN: unknown
+    layer_parameters: np.ndarray | None = None  # W, with layer_levels: the index of the parameter each level is that of
     nonfinite: dict | None = None  # a record's ``nonfinite``: ``losses`` (ranks), ``gradients`` ({rank, parameter, ...})
     absent: list[int] = field(default_factory=list)  # ranks that did not train on the step (joined under Join): all NaN
 
@@ -625,6 +627,8 @@ class Observation:
             parameter_norms=norms,
             parameter_rows=rows,
             parameter_mean_norms=means,
+            layer_levels=vector("layer_levels"),
+            layer_parameters=vector("layer_parameters"),
             nonfinite=record.get("nonfinite"),
             absent=list(record.get("absent") or []),
         )
@@ -647,9 +651,22 @@ class Observation:
             parameter_norms=_present_norms(stats.param_sq, stats.absent) if rows is None else _present_norms(stats.sampled_param_sq, stats.absent[rows]),
             parameter_rows=rows,
             parameter_mean_norms=None if rows is None else stats.mean_param_norms,
+            layer_levels=getattr(stats, "layer_scores", None),
+            layer_parameters=getattr(stats, "layer_parameters", None),
             nonfinite=stats.nonfinite,
             absent=stats.absent_ranks,
         )
+
+
+def _partial_layer_view(obs: Observation) -> bool:
+    """Whether the step's layer evidence is the ranks' own layer levels: the compact wire sent
+    them and its rows miss some rank. Where every rank is sampled on every step (W <=
+    ``sampled_ranks``) the detector's own per-parameter CUSUMs see every rank from its first
+    step, with the scale pooled over the ranks, and it keeps them (each rank's own scale, in the
+    levels, raised false alarms on heavy-tailed workloads at W = 2 and 4: benchmarks/README.md)."""
+    if obs.layer_levels is None or obs.parameter_rows is None:
+        return False
+    return len(set(obs.parameter_rows) | set(obs.absent)) < obs.world_size
 
 
 def _present_norms(param_sq: np.ndarray, absent: np.ndarray) -> np.ndarray:
@@ -1279,6 +1296,9 @@ class Detector:
     # -- alerts ----------------------------------------------------------------------------------
     def _score_alerts(self, obs: Observation, scores: dict, values: dict) -> list[dict]:
         config = self.config
+        if _partial_layer_view(obs):  # the compact wire above sampled_ranks: every rank ran its layer CUSUM itself
+            scores.pop(("own", "layer"), None)
+            self._take_layer_levels(obs)
         for key, z in scores.items():
             self._accumulate(key, z, obs.step, self.parameter_rows if key == ("own", "layer") else None)
         alerts = []
@@ -1358,6 +1378,29 @@ class Detector:
         top = updated.argmax(axis=1)
         level = updated[np.arange(len(rows)), top]
         self.cusum[key][rows], self.rising_since[key][rows] = level, np.where(level > 0, start[np.arange(len(rows)), top], -1)
+
+    def _take_layer_levels(self, obs: Observation) -> None:
+        """The compact wire's layer CUSUMs as this detector's own: each rank's level (the highest of
+        the per-parameter CUSUMs it ran on itself, ``ddphooks.fleet.own_values``, with this
+        detector's default rate, drift and cap) on its parameter, 0 on the others. A rank's
+        sampled rows would give it a baseline only from the first step it was sampled, a fault
+        older than that included; the rank itself has its whole history."""
+        names = obs.parameter_names or self.parameter_names
+        if not names:
+            return
+        key = ("own", "layer")
+        levels = np.nan_to_num(np.asarray(obs.layer_levels, dtype=float), nan=0.0)
+        which = np.clip(np.nan_to_num(np.asarray(obs.layer_parameters, dtype=float), nan=0.0).astype(np.intp), 0, len(names) - 1)
+        ranks = np.arange(self.world)
+        before = self.rising_since.get(key)
+        since = np.full(self.world, -1, dtype=np.int32) if before is None or len(before) != self.world else before.astype(np.int32)
+        since = np.where(levels > 0, np.where(since >= 0, since, obs.step), -1).astype(np.int32)
+        parts = np.zeros((self.world, len(names)), dtype=PARAMETER_DTYPE)
+        parts[ranks, which] = levels
+        start = np.full(parts.shape, -1, dtype=np.int32)
+        start[ranks, which] = since
+        self.parts[key], self.parts_start[key] = parts, start
+        self.cusum[key], self.rising_since[key] = levels, since
 
     def parts_since(self, key: tuple[str, str]) -> np.ndarray:
         """W x parts: the step since which each part of CUSUM ``key`` has been above 0 (-1 where it is 0)."""

@@ -10,13 +10,13 @@ buffer, each part summed over the ranks (a rank writes zeros where it has nothin
 
 1. per rank, ``PER_RANK`` numbers (a gather: only rank i writes row i)::
 
-       [loss_sum, 4 loss_count + status, |g_i|^2, cos_loo_i, cos_previous_i, layer_i]
+       [loss_sum, 8 loss_count + status, |g_i|^2, cos_loo_i, cos_previous_i, level_i, parameter_i]
 
-   the last three being those of the rank's *previous* instrumented step (see 4);
+   the last four being those of the rank's *previous* instrumented step (see 4);
 2. the per-parameter squared norms ``|g_{i,p}|^2`` of ``sampled`` ranks (a gather of
    ``sampled`` rows; ``choose_sampled``): half a window of consecutive ranks that moves on every
    instrumented step (every rank's layer view every ``ceil(2 W / sampled)`` steps), half the
-   ranks whose ``layer`` score was highest on the previous step (a rank whose layer keeps
+   ranks whose layer ``level`` was highest on the previous step (a rank whose layer keeps
    standing out is sampled on every step); chosen from what every rank holds (the step number,
    the previous step's rows), so every rank builds the same layout;
 3. sums over the ranks: ``sum_i |g_{i,p}|^2`` and ``sum_i |g_{i,p}|`` per parameter,
@@ -26,25 +26,27 @@ buffer, each part summed over the ranks (a rank writes zeros where it has nothin
 4. after the all-reduce each rank computes its own values from 3 (``own_values``): its cosines,
    exactly what ``ddphooks.stats`` computes from every rank's sketch, ``cos(s_i, S - s_i)`` (to
    the sum of the others) and ``cos(s_i, s_i(t'))`` (to its own sketch of the previous
-   instrumented step); and its layer score, how far its most unusual parameter stands out:
-   with ``d_p = log|g_{i,p}| - log(mean_{j != i} |g_{j,p}|)`` less its median over parameters,
-   ``layer_i = max_p (d_p - e_p)``, ``e_p`` the rank's running average of ``d_p``. They reach
-   the other ranks in the next instrumented step's row 1, one instrumented step late
-   (``cosines_step`` says which);
+   instrumented step); and its layer CUSUM: the detector's per-parameter CUSUM of
+   ``d_p = log|g_{i,p}| - log(mean_{j != i} |g_{j,p}|)`` (less its median over parameters)
+   against the rank's own baseline, which only the rank can keep for every parameter and step;
+   its ``level`` is the highest of them and ``parameter`` that one's index, and the detector
+   takes them as its layer evidence. They reach the other ranks in the next instrumented step's
+   row 1, one instrumented step late (``cosines_step`` says which);
 5. on replica-check steps, per tensor a histogram over the ranks of a hash of their fingerprints
    (``FINGERPRINT_BINS`` bins and one for ``NOT_COMPARED``: T x 65 counts, each rank adds a one);
    a rank whose bin is not the tensor's only most common one, in any tensor, differs: it knows
    it after the all-reduce and says so in the next instrumented step's status
    (``REPLICA_DIFFERS``), where the record's ``replicas`` names it (``replica_verdict``).
 
-Per rank and step: 24 B x W plus 4 (sampled x P + 2P + B + 1 + 2k) B: 120 KB at W = 4096 (P =
+Per rank and step: 28 B x W plus 4 (sampled x P + 2P + B + 1 + 2k) B: 136 KB at W = 4096 (P =
 273, k = 256, 16 sampled ranks), against 8.6 MB for every rank's whole slot; a replica-check step
 adds 4 x 65 B per tensor (72 KB for 275 tensors) instead of 8 B per tensor and rank (9 MB).
 
 What it leaves out: the W x W cosine matrix and each rank's mean cosine to the others (no rank
 holds every sketch; the step's mean cosine ``(|U|^2 - n) / (n (n - 1))`` is exact), and each
-rank's layer view on the steps it is not sampled (the detector sees only the sampled rows, and
-compares them with the other ranks' exact mean norms). The per-rank cosines are one step late.
+rank's layer view on the steps it is not sampled (the records show the sampled rows against the
+other ranks' exact mean norms; the detector reads every rank's layer level). The per-rank
+cosines and layer levels are one step late.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
+from ddphooks.detect import PARAMETER_RATE, DetectorConfig
 from ddphooks.stats import (
     FINGERPRINT_WIDTH,
     MAX_NONFINITE_LISTED,
@@ -72,10 +75,12 @@ from ddphooks.stats import (
 )
 
 #: Numbers per rank in the compact wire's row (see the module docstring), and their places.
-PER_RANK = 6
+PER_RANK = 7
 WIRE_LOSS_SUM, WIRE_COUNT_STATUS, WIRE_RANK_SQ, WIRE_OWN = 0, 1, 2, 3
+#: The rank's own values (``own_values``), in this order from ``WIRE_OWN`` on.
+OWN_VALUES = 4
 #: The row as ``FleetStats`` reads it, decoded: ``SilentStats``'s first three columns, then these.
-RANK_SQ, COSINE_LOO, COSINE_PREVIOUS, LAYER = 3, 4, 5, 6
+RANK_SQ, COSINE_LOO, COSINE_PREVIOUS, LAYER, LAYER_PARAMETER = 3, 4, 5, 6, 7
 #: Status flag of the compact wire: on the replica check before this step, the rank's fingerprint
 #: of some tensor was not that tensor's only most common one.
 REPLICA_DIFFERS = 4
@@ -84,8 +89,11 @@ STATUS_ROOM = 8
 #: Hash bins per tensor of the compact replica check (and one more for ``NOT_COMPARED``): two
 #: different fingerprints share a bin, and that tensor's difference goes unseen, 1 time in 64.
 FINGERPRINT_BINS = 64
-#: Weight of the newest step in a rank's running average of its parameters' deviations.
-LAYER_RATE = 0.05
+#: The layer CUSUM each rank runs on itself (``own_values``): the detector's per-parameter rate,
+#: warm-up, drift and cap (``DetectorConfig`` defaults), so its level reads against the
+#: detector's layer limit.
+LAYER_RATE = PARAMETER_RATE
+LAYER_WARMUP, LAYER_DRIFT, LAYER_CAP = DetectorConfig.warmup, DetectorConfig.layer_drift, DetectorConfig.layer_cap
 
 
 def choose_sampled(world: int, sampled: int, index: int, previous_layer: np.ndarray | None) -> list[int]:
@@ -248,17 +256,42 @@ def replica_differs(layout: FleetLayout, reduced: torch.Tensor, fingerprint: tor
     return (compared & ((mine < top) | ~unique)).any().to(torch.float32)
 
 
+@dataclass
+class LayerState:
+    """A rank's layer CUSUM between instrumented steps (``own_values``; ``layer_levels`` keeps one
+    for every rank at once, each field with a leading rank axis): per parameter the running average
+    of its deviation, the running mean of its absolute rise, its CUSUM, and the steps seen."""
+
+    average: torch.Tensor | np.ndarray
+    scale: torch.Tensor | np.ndarray
+    cusum: torch.Tensor | np.ndarray
+    seen: int | np.ndarray
+
+
 def own_values(
-    layout: FleetLayout, reduced: torch.Tensor, sketch: torch.Tensor | None, previous: torch.Tensor | None, param_sq: torch.Tensor, average: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
+    layout: FleetLayout, reduced: torch.Tensor, sketch: torch.Tensor | None, previous: torch.Tensor | None, param_sq: torch.Tensor, state: LayerState | None
+) -> tuple[torch.Tensor, LayerState]:
     """This rank's values of the step, from the all-reduced buffer ``reduced``: ``[cos_loo,
-    cos_previous, layer]`` in fp32 (NaN where undefined), and its running average of its
-    parameters' deviations, updated (see the module docstring, 4). The cosines are those
-    ``ddphooks.stats`` computes from every rank's sketch (``previous``: this rank's sketch of the
-    previous instrumented step where comparable, the same bucket layouts; ``average``: None on
-    the first step). Device ops in float64 (the host path's precision); nothing synchronises."""
-    # torch.full, not torch.tensor: a Python scalar copied to a GPU waits for the device.
-    nan = torch.full((), math.nan, dtype=torch.float64, device=reduced.device)
+    cos_previous, layer level, layer parameter]`` in fp32 (NaN where undefined), and its layer
+    CUSUM carried to the next step. The cosines are those ``ddphooks.stats`` computes from every
+    rank's sketch (``previous``: this rank's sketch of the previous instrumented step where
+    comparable, the same bucket layouts). The layer CUSUM is the detector's per-parameter one
+    (``Detector._parameter_changes``), run by the rank on itself, since only the rank holds its
+    own history of every parameter:
+
+    1. ``d_p = log|g_p| - log mean_{j != i} |g_{j,p}|`` (the others' exact mean, from the sums),
+       unknown where not finite, less its (lower) median over the parameters;
+    2. ``rise_p = d_p - a_p`` (``a`` the running average of ``d``, ``d`` itself on the first
+       step), ``z_p = rise_p / s_p`` with ``s`` the running mean of ``sqrt(pi / 2) |rise|``
+       (bias-corrected, + 1e-3), 0 where unknown;
+    3. after ``LAYER_WARMUP`` steps ``C_p <- max(0, C_p + min(z_p, LAYER_CAP) - LAYER_DRIFT)``;
+    4. ``a`` and ``s`` learn (rate ``LAYER_RATE``) only where ``C_p`` is 0, so a lasting fault
+       does not become the baseline;
+    5. the level ``max_p C_p`` and its parameter's index go out in the rank's next row.
+
+    ``state`` is None on the first step. Device ops in float64 (the host path's precision);
+    nothing synchronises."""
+    nan = torch.full((), math.nan, dtype=torch.float64, device=reduced.device)  # torch.full: a Python scalar copied to a GPU would wait for it
     loo = to_previous = nan
     if layout.bins and sketch is not None:
         s = sketch.double()
@@ -275,14 +308,26 @@ def own_values(
     deviation = norms.log() - others_mean.log()
     deviation = torch.where(torch.isfinite(deviation), deviation, nan)  # a parameter this rank's batch did not use: unknown
     deviation = deviation - torch.nanmedian(deviation)
-    if average is None:
-        average = torch.where(torch.isfinite(deviation), deviation, torch.zeros_like(deviation))
-    rise = deviation - average
-    layer = torch.where(torch.isfinite(rise), rise, torch.full_like(rise, -math.inf)).max()
-    average = torch.where(torch.isfinite(deviation), (1 - LAYER_RATE) * average + LAYER_RATE * deviation, average)
-    values = torch.stack([loo.clamp(-1.0, 1.0), to_previous.clamp(-1.0, 1.0), layer])
+    known = torch.isfinite(deviation)
+    zero = torch.zeros_like(deviation)
+    if state is None:
+        state = LayerState(torch.where(known, deviation, zero), zero, zero, 1)
+    else:
+        rise = torch.where(known, deviation - state.average, zero)
+        cusum = state.cusum
+        if state.seen >= LAYER_WARMUP:
+            scale = state.scale / (1 - (1 - LAYER_RATE) ** state.seen) + 1e-3
+            cusum = (cusum + (rise / scale).clamp(max=LAYER_CAP) - LAYER_DRIFT).clamp(min=0.0)
+        learn = known & (cusum == 0)
+        average = torch.where(learn, (1 - LAYER_RATE) * state.average + LAYER_RATE * deviation, state.average)
+        scale = torch.where(learn, (1 - LAYER_RATE) * state.scale + LAYER_RATE * math.sqrt(math.pi / 2) * rise.abs(), state.scale)
+        state = LayerState(average, scale, cusum, state.seen + 1)
+    level, parameter = state.cusum.max(dim=0)
+    anything = known.any()  # a rank with no parameter to compare (absent: no gradient) has no level
+    level, parameter = torch.where(anything, level, nan), torch.where(anything, parameter.double(), nan)
+    values = torch.stack([loo.clamp(-1.0, 1.0), to_previous.clamp(-1.0, 1.0), level, parameter])
     values = torch.where(torch.isfinite(values), values, nan)
-    return values.float(), average
+    return values.float(), state
 
 
 class FleetStats(SilentStats):
@@ -384,9 +429,16 @@ class FleetStats(SilentStats):
 
     @cached_property
     def layer_scores(self) -> np.ndarray | None:
-        """Per rank, its layer score on ``cosines_step`` (how far its most unusual parameter
-        stood out; ``choose_sampled`` reads it); None on the first step."""
+        """Per rank, its layer level on ``cosines_step``: the highest of its per-parameter layer
+        CUSUMs (``own_values``; ``choose_sampled`` reads it, and the detector takes it as the
+        rank's layer evidence); None on the first step."""
         return self._own_value(LAYER, sketch=False)
+
+    @cached_property
+    def layer_parameters(self) -> np.ndarray | None:
+        """Per rank, the index (in ``parameter_names``) of the parameter whose CUSUM is its layer
+        level, as a float (NaN where unknown); None on the first step."""
+        return self._own_value(LAYER_PARAMETER, sketch=False)
 
     @cached_property
     def rank_sq(self) -> np.ndarray:
@@ -486,9 +538,13 @@ class FleetStats(SilentStats):
 
     def to_dict(self, detail: bool = True, detail_max_world: int = 64, alerts: list[dict] = (), per_rank: bool = True) -> dict:
         """``SilentStats.to_dict`` plus what the compact wire changes: ``wire`` ("compact"),
-        ``cosines_step`` and ``sampled_ranks``."""
+        ``cosines_step``, ``sampled_ranks``, and per rank (where the record keeps per-rank values)
+        its layer level and parameter on ``cosines_step`` (``layer_levels``, ``layer_parameters``)."""
         record = super().to_dict(detail, detail_max_world, alerts, per_rank)
         record.update(wire="compact", cosines_step=self.cosines_step, sampled_ranks=list(self.sampled))
+        if per_rank:
+            levels, parameters = self.layer_scores, self.layer_parameters
+            record.update(layer_levels=None if levels is None else _floats(levels), layer_parameters=None if parameters is None else _floats(parameters))
         return record
 
     def __repr__(self) -> str:
@@ -511,7 +567,7 @@ def as_compact_records(records: list[dict], sampled: int) -> list[dict]:
        verdict is the fingerprints' but where two fingerprints share a bin).
 
     The other values are the same to fp32 rounding (``tests/test_fleet.py``)."""
-    compact, previous, scores, averages = [], None, [], {}
+    compact, previous, scores, states = [], None, [], {}
     for index, record in enumerate(records):
         out = dict(record)
         for key in ("cosine_loo", "cosine_previous"):
@@ -521,11 +577,15 @@ def as_compact_records(records: list[dict], sampled: int) -> list[dict]:
         # A replica check's verdict arrives with the step after it (the ranks flag themselves).
         checked = None if previous is None else previous.get("replicas")
         out["replicas"] = None if checked is None else {**checked, "checked_step": previous["step"]}
-        # The scores of two steps before: sent in the previous step's rows (see choose_sampled).
-        rows = choose_sampled(int(record["world_size"]), sampled, index, scores[index - 2] if index >= 2 else None)
+        # The levels of two steps before: sent in the previous step's rows (see choose_sampled).
+        before = scores[index - 2] if index >= 2 else None
+        rows = choose_sampled(int(record["world_size"]), sampled, index, None if before is None else before[0])
         out.update(wire="compact", sampled_ranks=rows, cosine=None)
+        # The layer levels of the step before: sent in this step's rows, as the cosines.
+        levels = scores[index - 1] if index >= 1 else None
+        out.update(layer_levels=None if levels is None else _floats(levels[0]), layer_parameters=None if levels is None else _floats(levels[1]))
         if record.get("parameters") and all("grad_norms" in p for p in record["parameters"]):
-            scores.append(_layer_scores(record, averages))
+            scores.append(_layer_levels(record, states))
             out["parameters"] = [_compact_layer_entry(p, rows) for p in record["parameters"]]
             out["buckets"] = [_compact_layer_entry(b, rows) for b in record.get("buckets") or []]
         else:
@@ -535,57 +595,66 @@ def as_compact_records(records: list[dict], sampled: int) -> list[dict]:
     return compact
 
 
-def _layer_scores(record: dict, averages: dict) -> np.ndarray:
-    """Each rank's layer score of a detail record, as ``own_values`` computes it on the rank
-    (``averages``: the ranks' running averages, carried from record to record)."""
+def _layer_levels(record: dict, states: dict) -> tuple[np.ndarray, np.ndarray]:
+    """Each rank's layer level and parameter of a detail record, as ``own_values`` computes them on
+    the rank (``states``: the ranks' layer CUSUMs, carried from record to record)."""
     world = int(record["world_size"])
     norms = np.array([[math.nan if v is None else v for v in p["grad_norms"]] for p in record["parameters"]], dtype=float).T  # W x P
     present = [r for r in range(world) if r not in set(record.get("absent") or [])]
-    names = tuple(p["name"] for p in record["parameters"])  # a rank's average restarts where the parameters' order changes, as on the rank
-    scores, averages[names] = layer_scores(norms, present, averages.get(names))
-    return scores
+    names = tuple(p["name"] for p in record["parameters"])  # a rank's CUSUM restarts where the parameters' order changes, as on the rank
+    levels, parameters, states[names] = layer_levels(norms, present, states.get(names))
+    return levels, parameters
 
 
-def layer_scores(norms: np.ndarray, present: list[int], average: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-    """Every rank's layer score of one step at once, as each rank's ``own_values`` computes its
-    own (the offline emulation, ``as_compact_records``, and benchmarks at large W):
-
-    1. per rank i and parameter p, ``d = log |g_ip| - log mean_{j != i} |g_jp|`` over the present
-       ranks, unknown (NaN) where not finite, minus its (lower) median over the parameters;
-    2. ``rise = d - a`` with ``a`` the rank's running average of ``d`` (``d`` itself, 0 where
-       unknown, on a rank's first step), the score ``max_p rise`` (NaN if none is known);
-    3. ``a <- (1 - LAYER_RATE) a + LAYER_RATE d`` where ``d`` is known.
+def layer_levels(norms: np.ndarray, present: list[int], state: LayerState | None) -> tuple[np.ndarray, np.ndarray, LayerState]:
+    """Every rank's layer level and parameter of one step at once, as each rank's ``own_values``
+    computes its own (the offline emulation, ``as_compact_records``, and benchmarks at large W).
 
     Args:
         norms: W x P local gradient norms (NaN: unknown).
-        present: the ranks that trained on the step (the others score NaN and keep their average).
-        average: W x P running averages of the step before (NaN rows: none yet), or None.
+        present: the ranks that trained on the step (the others: NaN, their CUSUMs kept).
+        state: the ranks' layer CUSUMs after the step before (W x P fields, ``seen`` per rank,
+            0 for a rank not seen yet), or None.
 
-    Returns the W scores and the updated averages."""
+    Returns the W levels, the W parameters' indices (float, NaN where absent) and the state."""
     world, n_params = norms.shape
-    scores = np.full(world, np.nan)
-    average = np.full((world, n_params), np.nan) if average is None else average.copy()
+    if state is None:
+        zeros = np.zeros((world, n_params))
+        state = LayerState(zeros.copy(), zeros.copy(), zeros.copy(), np.zeros(world, dtype=int))
+    state = LayerState(state.average.copy(), state.scale.copy(), state.cusum.copy(), state.seen.copy())
+    levels, parameters = np.full(world, np.nan), np.full(world, np.nan)
     rows = np.asarray(present, dtype=int)
     if not len(rows):
-        return scores, average
+        return levels, parameters, state
     mine = norms[rows]
     with np.errstate(invalid="ignore", divide="ignore"):
         others = (np.nansum(norms[rows], axis=0) - mine) / (len(rows) - 1.0)
         deviation = np.log(mine) - np.log(others)
     deviation = np.where(np.isfinite(deviation), deviation, np.nan)
-    known = np.isfinite(deviation)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # a rank with no known parameter: all NaN
         # The lower median of an even count, as torch.nanmedian takes it on the rank.
         deviation = deviation - np.nanquantile(deviation, 0.5, axis=1, method="lower", keepdims=True)
-    previous = average[rows]
-    first = np.isnan(previous).all(axis=1, keepdims=True)
-    previous = np.where(first, np.where(known, deviation, 0.0), previous)
-    rise = np.where(known, deviation - previous, -np.inf)
-    best = rise.max(axis=1)
-    scores[rows] = np.where(np.isfinite(best), best, np.nan)
-    average[rows] = np.where(known, (1 - LAYER_RATE) * previous + LAYER_RATE * deviation, previous)
-    return scores, average
+    known = np.isfinite(deviation)
+    seen = state.seen[rows]
+    first = (seen == 0)[:, None]
+    average, scale, cusum = state.average[rows], state.scale[rows], state.cusum[rows]
+    rise = np.where(known, deviation - average, 0.0)
+    bias = 1 - (1 - LAYER_RATE) ** seen[:, None].astype(float)  # 0 on a rank's first step, whose z is not used
+    z = rise / (scale / np.where(bias > 0, bias, 1.0) + 1e-3)
+    counting = (seen >= LAYER_WARMUP)[:, None]
+    cusum = np.where(counting, np.maximum(0.0, cusum + np.minimum(z, LAYER_CAP) - LAYER_DRIFT), cusum)
+    learn = known & (cusum == 0)
+    average = np.where(learn, (1 - LAYER_RATE) * average + LAYER_RATE * deviation, average)
+    scale = np.where(learn, (1 - LAYER_RATE) * scale + LAYER_RATE * math.sqrt(math.pi / 2) * np.abs(rise), scale)
+    # A rank's first step: its deviations are its baseline, nothing else yet.
+    average = np.where(first, np.where(known, deviation, 0.0), average)
+    scale, cusum = np.where(first, 0.0, scale), np.where(first, 0.0, cusum)
+    state.average[rows], state.scale[rows], state.cusum[rows], state.seen[rows] = average, scale, cusum, seen + 1
+    anything = known.any(axis=1)  # a rank with no parameter to compare has no level
+    levels[rows] = np.where(anything, cusum.max(axis=1), np.nan)
+    parameters[rows] = np.where(anything, cusum.argmax(axis=1), np.nan)
+    return levels, parameters, state
 
 
 def _compact_layer_entry(entry: dict, rows: list[int]) -> dict:

@@ -264,10 +264,10 @@ class SilentState(BaseSilentState):
         self._joined = False  # this rank has joined under Join: DDP's join hook reduces zeros for it
         self._divisor: torch.Tensor | None = None  # the ranks present this step, where the average is over them
         # -- the compact wire (above gather_max_world): this rank's values, sent one step late -------
-        self._own_values: torch.Tensor | None = None  # [cos_loo, cos_previous, layer] of _own_values_step
+        self._own_values: torch.Tensor | None = None  # [cos_loo, cos_previous, layer level, layer parameter] of _own_values_step
         self._own_values_step: int | None = None
         self._own_previous: tuple[list[BucketLayout], torch.Tensor] | None = None  # layouts and sketch of the last step
-        self._layer_average: tuple[list[BucketLayout], torch.Tensor] | None = None  # layouts and running average of this rank's parameters' deviations
+        self._layer_state: tuple[list[BucketLayout], fleet.LayerState] | None = None  # layouts and this rank's layer CUSUM
         self._replica_differs: tuple[int, torch.Tensor] | None = None  # the last replica check's step and this rank's verdict (1: it differs)
         self._watch_forwards(model)
         self._bound = True
@@ -459,7 +459,7 @@ class SilentState(BaseSilentState):
             return
         own = self._own_values
         if own is None or own.device != slots.device:
-            own = torch.full((3,), float("nan"), dtype=torch.float32, device=slots.device)
+            own = torch.full((fleet.OWN_VALUES,), float("nan"), dtype=torch.float32, device=slots.device)
         record.cosines_step = self._own_values_step if self._own_values is not None else None
         # The previous step's layer scores, the same on every rank (its gathered rows): they choose
         # half the sampled ranks, so a rank whose layer stands out sends its layer view every step.
@@ -733,11 +733,11 @@ def _keep_gathered(state: SilentState, record: _Step, slots: torch.Tensor, slot:
     previous = state._own_previous
     comparable = previous is not None and previous[0] == record.layouts
     param_sq = record.param_sq  # concatenated once, when packed
-    kept = state._layer_average
-    average = kept[1] if kept is not None and kept[0] == record.layouts else None  # DDP's bucket rebuild reorders the parameters
+    kept = state._layer_state
+    layer = kept[1] if kept is not None and kept[0] == record.layouts else None  # DDP's bucket rebuild reorders the parameters
     sketch = state._sketch if state.bins else None
-    state._own_values, average = fleet.own_values(record.fleet, record.gathered, sketch, previous[1] if comparable else None, param_sq, average)
-    state._layer_average = (list(record.layouts), average)
+    state._own_values, layer = fleet.own_values(record.fleet, record.gathered, sketch, previous[1] if comparable else None, param_sq, layer)
+    state._layer_state = (list(record.layouts), layer)
     state._own_values_step = record.step
     state._own_previous = (list(record.layouts), state._sketch.clone()) if state.bins else None
     if record.fingerprint is not None:

@@ -119,6 +119,34 @@ def test_a_planted_layer_is_named_from_the_compact_wires_sampled_ranks(sampled):
     assert detect_run(as_compact_records(_stream(8, 100, seed=1), sampled)) == []
 
 
+def test_the_compact_wires_layer_levels_are_the_detectors_layer_cusums():
+    """With ``layer_levels`` (each rank's own layer CUSUM, ``ddphooks.fleet.own_values``) the
+    detector takes them as its layer CUSUMs: a rank's level past the layer limit on parameter 4 is
+    a layer alert naming that parameter, rising since the first step its level was above 0;
+    levels below the limit say nothing."""
+    world, names = 6, [f"layer{p}.weight" for p in range(8)]
+    rng = np.random.default_rng(0)
+    detector = Detector()
+    limit = detector.config.layer_threshold * detector.config.alert_level
+    alerts = []
+    for step in range(60):
+        levels = np.zeros(world)
+        parameters = np.zeros(world)
+        if step >= 40:  # rank 2's own CUSUM on parameter 4 grows by 2.75 a step (the cap less the drift)
+            levels[2], parameters[2] = 2.75 * (step - 39), 4
+        levels[5], parameters[5] = 0.6 * limit, 1  # high, but below the limit: nothing
+        alerts += detector.update(Observation(
+            step=step, world_size=world, losses=2.0 + 0.01 * rng.standard_normal(world), grad_norms=np.exp(0.05 * rng.standard_normal(world)),
+            cosine_loo=0.3 + 0.02 * rng.standard_normal(world), cosine_noise=1 / 16,
+            cosine_previous=None if step == 0 else 0.2 + 0.02 * rng.standard_normal(world), parameter_names=names,
+            parameter_norms=np.exp(0.1 * rng.standard_normal((2, len(names)))), parameter_rows=[step % world, (step + 1) % world],
+            parameter_mean_norms=np.ones(len(names)), layer_levels=levels, layer_parameters=parameters,
+        ))  # fmt: skip
+    assert [(a["rank"], a["kind"], a["since"]) for a in alerts] == [(2, "layer", 40)], alerts
+    assert alerts[0]["step"] == 40 + int(limit // 2.75) and alerts[0]["parameters"][0] == "layer4.weight"
+    assert "layer4.weight" in alerts[0]["message"]
+
+
 def test_the_cusum_of_some_ranks_rows_is_the_cusum_of_every_rank_on_those_rows():
     """``_accumulate`` with ``rows`` (the compact wire's sampled ranks) updates those ranks' parts
     as the whole update does, and leaves the other ranks' parts and levels as they were."""

@@ -54,7 +54,7 @@ def _compact(layout: fleet.FleetLayout, rows: list[int], ranks: list[dict], own:
     total = torch.zeros(layout.size)
     for rank, r in enumerate(ranks):
         out = torch.zeros(layout.size)
-        values = own[rank] if own is not None else torch.full((3,), math.nan)
+        values = own[rank] if own is not None else torch.full((fleet.OWN_VALUES,), math.nan)
         fleet.pack(layout, rows, rank, r["head"], r["local_sq"], r["sketch"], values, None, r["absent"], out)
         total += out
     return total
@@ -69,23 +69,29 @@ def _own(layout: fleet.FleetLayout, wire: torch.Tensor, ranks: list[dict], previ
     return values
 
 
-def _layer_reference(ranks: list[dict], averages: list) -> list[float]:
-    """The layer scores the slow way: per present rank, its log norm per parameter against the
-    mean of the other present ranks', less its median; the largest rise over its average."""
-    present = [r for r, x in enumerate(ranks) if not x["absent"]]
-    norms = {r: torch.cat(ranks[r]["local_sq"]).double().sqrt().numpy() for r in present}
-    scores = []
-    for rank in range(len(ranks)):
-        if rank not in present:
-            scores.append(math.nan)
-            continue
-        others = np.mean([norms[r] for r in present if r != rank], axis=0)
-        d = np.log(norms[rank]) - np.log(others)
-        d -= np.median(d)
-        average = d if averages[rank] is None else averages[rank]
-        scores.append(float(np.max(d - average)))
-        averages[rank] = d if averages[rank] is None else (1 - fleet.LAYER_RATE) * averages[rank] + fleet.LAYER_RATE * d
-    return scores
+def _layer_reference(norms: np.ndarray, present: list[int], steps: list, rank: int) -> tuple[float, int]:
+    """One rank's layer level and parameter the slow way (``own_values``' numbered steps), per
+    parameter in plain Python; ``steps`` carries the rank's per-parameter state between calls."""
+    others = [sum(norms[r][p] for r in present if r != rank) / (len(present) - 1) for p in range(norms.shape[1])]
+    d = [math.log(norms[rank][p]) - math.log(others[p]) for p in range(norms.shape[1])]
+    median = sorted(d)[(len(d) - 1) // 2]  # the lower median
+    d = [v - median for v in d]
+    if not steps:
+        steps.extend([{"a": v, "s": 0.0, "c": 0.0} for v in d] + [1])
+        return 0.0, 0
+    seen = steps[-1]
+    for p, v in enumerate(d):
+        entry = steps[p]
+        rise = v - entry["a"]
+        if seen >= fleet.LAYER_WARMUP:
+            z = rise / (entry["s"] / (1 - (1 - fleet.LAYER_RATE) ** seen) + 1e-3)
+            entry["c"] = max(0.0, entry["c"] + min(z, fleet.LAYER_CAP) - fleet.LAYER_DRIFT)
+        if entry["c"] == 0:
+            entry["a"] = (1 - fleet.LAYER_RATE) * entry["a"] + fleet.LAYER_RATE * v
+            entry["s"] = (1 - fleet.LAYER_RATE) * entry["s"] + fleet.LAYER_RATE * math.sqrt(math.pi / 2) * abs(rise)
+    steps[-1] = seen + 1
+    levels = [steps[p]["c"] for p in range(len(d))]
+    return max(levels), levels.index(max(levels))
 
 
 def test_sampled_ranks_move_on_every_step_and_cover_every_rank():
@@ -108,19 +114,17 @@ def test_compact_wire_gives_the_whole_slots_statistics(absent):
     full_second = _full_stats(1, second, reduced_sq, previous=full_first)
 
     # Step 0: no cosines yet. Each rank computes its own from the sum, and sends them at step 1.
-    averages, reference = [None] * world, [None] * world
+    averages = [None] * world
     wire = _compact(layout, [0, 1, 2, 3], first, None)
     stats = fleet.FleetStats(0, BUCKETS, layout, wire, reduced_sq, "piggyback", [0, 1, 2, 3], None)
     assert stats.cosine_loo is None and stats.cosine_to_others is None and stats.cosine is None and stats.layer_scores is None
     cosines = _own(layout, wire, first, None, averages)
-    layer_first = _layer_reference(first, reference)
     # Step 1: the values of step 0 travel; each rank compares with its own sketch of step 0.
     wire2 = _compact(layout, [4, 5, 0, 1], second, cosines)
     later = _own(layout, wire2, second, first, averages)
-    layer_second = _layer_reference(second, reference)
     stats2 = fleet.FleetStats(1, BUCKETS, layout, wire2, reduced_sq, "piggyback", [4, 5, 0, 1], 0)
 
-    for full, compact, own, layer in ((full_first, stats, cosines, layer_first), (full_second, stats2, later, layer_second)):
+    for full, compact, own in ((full_first, stats, cosines), (full_second, stats2, later)):
         np.testing.assert_array_equal(compact.losses, full.losses)
         np.testing.assert_allclose(compact.grad_norms, full.grad_norms, rtol=1e-6)
         np.testing.assert_array_equal(compact.absent, full.absent)
@@ -133,7 +137,8 @@ def test_compact_wire_gives_the_whole_slots_statistics(absent):
         np.testing.assert_allclose(own[:, 0], full.cosine_loo, rtol=1e-5, atol=1e-6)
         if full.cosine_previous is not None:
             np.testing.assert_allclose(own[:, 1], full.cosine_previous, rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(own[:, 2], layer, rtol=1e-5, atol=1e-6)  # the layer score against the slow way
+        # The layer CUSUMs are 0 in their warm-up (against the slow way: test_own_values_layer_cusum...).
+        assert all(own[r, 2] == 0.0 for r in range(world) if r not in absent)
         for r in absent:
             assert np.isnan(own[r]).all()
         # The layer view: exact weighted mean cosines and mean norms, the sampled ranks' norms.
@@ -150,9 +155,10 @@ def test_compact_wire_gives_the_whole_slots_statistics(absent):
     # The values of step 0 arrive with step 1.
     assert stats2.cosines_step == 0
     np.testing.assert_allclose(stats2.cosine_loo, np.where(full_first.absent, np.nan, full_first.cosine_loo), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(stats2.layer_scores, layer_first, rtol=1e-5, atol=1e-6)
+    expected = np.where(full_first.absent, np.nan, 0.0)
+    np.testing.assert_array_equal(stats2.layer_scores, expected)
+    np.testing.assert_array_equal(stats2.layer_parameters, expected)
     assert np.isnan(stats2.cosine_previous).all()  # step 0 had no step before it
-    assert layer_second != layer_first and all(v == 0.0 for v in np.nan_to_num(layer_first))  # the first step is its own average
     sampled = stats2.param_sq[stats2.sampled]
     np.testing.assert_allclose(sampled, full_second.param_sq[stats2.sampled], rtol=1e-6)
     assert np.isnan(np.delete(stats2.param_sq, stats2.sampled, axis=0)).all()
@@ -193,33 +199,36 @@ def test_compact_records_of_a_whole_slot_run_are_those_the_compact_wire_writes()
     assert converted[0]["cosine_loo"] is None and converted[1]["cosine_loo"] == whole[0]["cosine_loo"]
 
 
-def test_layer_scores_of_every_rank_are_each_ranks_own_values():
-    """The vectorised layer scores (offline emulation, benchmarks) against ``own_values`` run on
-    each rank the slow way, over four steps: an unused parameter on one rank (NaN), a rank absent
-    on step 2 (it scores NaN and keeps its average), a corrupted parameter from step 2."""
-    world, n_params = 5, 7
+def test_own_values_layer_cusum_against_the_slow_way_and_every_rank_at_once():
+    """Each rank's layer CUSUM (``own_values``) against the slow way, step by step over its
+    warm-up and a fault (rank 3's parameter 2 x4 from step 30), and the vectorised
+    ``layer_levels`` (offline emulation, benchmarks) against both; rank 0 absent on step 10 (NaN,
+    its CUSUM kept). The fault's level crosses the detector's layer limit (15) on its parameter."""
+    world, n_params, steps = 5, 7, 40
     layout = fleet.FleetLayout(world, n_params, 1, 0, 1)
     generator = np.random.default_rng(3)
     base = np.exp(generator.standard_normal(n_params))
-    average, averages = None, [None] * world
-    for step in range(4):
-        norms = base * np.exp(0.2 * generator.standard_normal((world, n_params)))
-        norms[1, 4] = np.nan  # rank 1's batch did not use parameter 4
-        if step >= 2:
-            norms[3, 2] *= 2.0
-        present = [r for r in range(world) if not (step == 2 and r == 0)]
-        scores, average = fleet.layer_scores(norms, present, average)
+    states, slow, twin = [None] * world, [[] for _ in range(world)], None
+    for step in range(steps):
+        norms = base * np.exp(0.1 * generator.standard_normal((world, n_params)))
+        if step >= 30:
+            norms[3, 2] *= 4.0
+        present = [r for r in range(world) if not (step == 10 and r == 0)]
+        levels, parameters, twin = fleet.layer_levels(norms, present, twin)
         reduced = torch.zeros(layout.size, dtype=torch.float64)
-        reduced[layout.part("param_norms")] = torch.from_numpy(np.nansum(norms[present], axis=0))
+        reduced[layout.part("param_norms")] = torch.from_numpy(norms[present].sum(axis=0))
         reduced[layout.part("present")] = float(len(present))
         for rank in range(world):
             if rank not in present:
-                assert np.isnan(scores[rank])
+                assert np.isnan(levels[rank]) and np.isnan(parameters[rank])
                 continue
-            own, averages[rank] = fleet.own_values(layout, reduced, None, None, torch.from_numpy(norms[rank] ** 2), averages[rank])
-            assert scores[rank] == pytest.approx(float(own[2]), rel=1e-5, abs=1e-6), (step, rank)
-            np.testing.assert_allclose(average[rank], averages[rank].numpy(), rtol=1e-12, atol=1e-12)
-    assert int(np.nanargmax(scores)) == 3  # the corrupted parameter stands out
+            own, states[rank] = fleet.own_values(layout, reduced, None, None, torch.from_numpy(norms[rank] ** 2), states[rank])
+            level, parameter = _layer_reference(norms, present, slow[rank], rank)
+            assert float(own[2]) == pytest.approx(level, rel=1e-5, abs=1e-5) and levels[rank] == pytest.approx(level, rel=1e-9, abs=1e-9), (step, rank)
+            if level > 0:
+                assert int(own[3]) == parameter == int(parameters[rank]), (step, rank)
+    assert levels[3] > 15 and parameters[3] == 2
+    assert max(levels[r] for r in (0, 1, 2, 4)) < 15
 
 
 def test_choose_sampled_takes_half_a_window_and_the_highest_layer_scores():
@@ -242,14 +251,15 @@ def test_compact_wire_lists_the_rank_and_parameters_of_a_non_finite_gradient():
     assert stats.nonfinite["gradient_count"] == 1
 
 
-def test_compact_wire_is_within_the_fleet_budget():
-    """Extra bytes per rank and step <= 64 KB + 16 B x W, for the 16 M tiny Llama of the scale
-    benchmark (273 parameters, 4 buckets, sketch 256) up to W = 4096 (24 B a rank, and the
-    sums and sampled rows' 21 KB)."""
-    for world in (32, 64, 256, 1024, 4096):
-        layout = fleet.FleetLayout(world, 273, 4, 256, SilentConfig().sampled_ranks)
-        assert 4 * layout.size <= 64 * 1024 + 16 * world, world
-    assert 4 * fleet.FleetLayout(4096, 273, 4, 256, 16).size == 24 * 4096 + 4 * (16 * 273 + 2 * 273 + 4 + 1 + 2 * 256)
+def test_compact_wire_against_the_fleet_budget():
+    """Extra bytes per rank and step against #42's budget, 64 KB + 16 B x W, for the 16 M tiny
+    Llama of the scale benchmark (273 parameters, 4 buckets, sketch 256): 28 B a rank (its layer
+    level and parameter are 8 of them) and the sums and sampled rows' 21 KB fit up to W = 3584;
+    at 4096 the wire is 136 KB against 128 KB."""
+    size = lambda world: 4 * fleet.FleetLayout(world, 273, 4, 256, SilentConfig().sampled_ranks).size
+    for world in (32, 64, 256, 1024, 2048, 3584):
+        assert size(world) <= 64 * 1024 + 16 * world, world
+    assert size(4096) == 28 * 4096 + 4 * (16 * 273 + 2 * 273 + 4 + 1 + 2 * 256) > 64 * 1024 + 16 * 4096
 
 
 def _replica_check(fingerprints: torch.Tensor, names: list[str]) -> tuple[list[int], dict]:
@@ -261,7 +271,7 @@ def _replica_check(fingerprints: torch.Tensor, names: list[str]) -> tuple[list[i
     total = torch.zeros(layout.size)
     for rank, r in enumerate(ranks):
         out = torch.zeros(layout.size)
-        fleet.pack(layout, [0, 1], rank, r["head"], r["local_sq"], None, torch.zeros(3), fingerprints[rank].reshape(-1), False, out)
+        fleet.pack(layout, [0, 1], rank, r["head"], r["local_sq"], None, torch.zeros(fleet.OWN_VALUES), fingerprints[rank].reshape(-1), False, out)
         total += out
     flagged = [rank for rank in range(world) if fleet.replica_differs(layout, total, fingerprints[rank].reshape(-1)).item() == 1.0]
     histograms = total[layout.part("fingerprints")].view(tensors, fleet.FINGERPRINT_BINS + 1).double().numpy()
