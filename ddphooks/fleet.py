@@ -99,7 +99,7 @@ LAYER_WARMUP, LAYER_DRIFT, LAYER_CAP = DetectorConfig.warmup, DetectorConfig.lay
 def choose_sampled(world: int, sampled: int, index: int, previous_layer: np.ndarray | None) -> list[int]:
     """The ranks whose per-parameter norms travel on the ``index``-th instrumented step:
     ``sampled_ranks(world, ceil(sampled / 2), index)``, then the ranks with the highest layer
-    scores ``previous_layer`` (W, NaN: unknown; the scores the previous instrumented step's rows
+    levels ``previous_layer`` (W, NaN: unknown; the levels the previous instrumented step's rows
     carried) among the others, highest first (the lower rank between equals); without them,
     ``sampled_ranks(world, sampled, index)``.
     Every rank where ``world <= sampled``. The same on every rank: it reads only what every rank
@@ -557,11 +557,11 @@ def as_compact_records(records: list[dict], sampled: int) -> list[dict]:
     detection on runs recorded in detail every step (``benchmarks/workloads.py --redetect
     --compact-wire``):
 
-    1. each record's per-rank cosines are those of the record before it (``cosines_step``; none
-       for the first), and there is no per-rank ``cosine_to_others``;
+    1. each record's per-rank cosines, layer levels and parameters are those of the record before
+       it (``cosines_step``; none for the first), and there is no per-rank ``cosine_to_others``;
     2. a detail record's per-parameter norms are only those of the step's sampled ranks
        (``grad_norms_sampled``, ``sampled_ranks``, ``grad_norm_mean``), chosen by
-       ``choose_sampled`` from the layer scores each rank would have sent (computed by
+       ``choose_sampled`` from the layer levels each rank would have sent (computed by
        ``own_values`` from the records' norms);
     3. a replica check's verdict is on the record after it (``checked_step``; the hashes'
        verdict is the fingerprints' but where two fingerprints share a bin).

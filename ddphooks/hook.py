@@ -461,7 +461,7 @@ class SilentState(BaseSilentState):
         if own is None or own.device != slots.device:
             own = torch.full((fleet.OWN_VALUES,), float("nan"), dtype=torch.float32, device=slots.device)
         record.cosines_step = self._own_values_step if self._own_values is not None else None
-        # The previous step's layer scores, the same on every rank (its gathered rows): they choose
+        # The previous step's layer levels, the same on every rank (its gathered rows): they choose
         # half the sampled ranks, so a rank whose layer stands out sends its layer view every step.
         previous = self._previous_stats
         try:
