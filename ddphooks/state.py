@@ -239,19 +239,33 @@ class BaseSilentState:
             signs = SignTable(self.config.seed, self.bins, device) if self.bins else None
             choice = self.config.stats_kernel
             kernel = None
-            if choice == "triton" or (choice == "auto" and self.AUTO_TRITON and auto_picks_triton(device, self.bins)):
+            if choice == "triton":
                 from ddphooks.triton_stats import TritonBucketStats  # triton is imported only when chosen
 
                 kernel = TritonBucketStats(self.bins, device, signs)
-                problem = kernel.agrees_with_torch() if choice == "auto" else None
-                if problem is not None:
-                    self._warn(
-                        "ddphooks: stats_kernel='auto' keeps the torch path on %s: the Triton kernel failed its check (%s). "
-                        "Pass stats_kernel='torch' to skip the check.", device, problem,
-                    )  # fmt: skip
-                    kernel = None
+            elif choice == "auto" and self.AUTO_TRITON and auto_picks_triton(device, self.bins):
+                kernel = self._checked_triton(device, signs)
             self._kernels[device] = kernel or BucketStatsKernel(self.bins, device, signs)
         return self._kernels[device]
+
+    def _checked_triton(self, device: torch.device, signs: SignTable):
+        """The Triton kernel where ``stats_kernel="auto"`` picks it, once it agrees with the torch
+        path on a probe (``TritonBucketStats.agrees_with_torch``); None, said once, where it does
+        not or cannot even be built (a broken triton install): never an error into backward."""
+        try:
+            from ddphooks.triton_stats import TritonBucketStats  # triton is imported only when chosen
+
+            kernel = TritonBucketStats(self.bins, device, signs)
+            problem = kernel.agrees_with_torch()
+        except Exception as error:
+            problem = repr(error)
+        if problem is None:
+            return kernel
+        self._warn(
+            "ddphooks: stats_kernel='auto' keeps the torch path on %s: the Triton kernel failed its check (%s). "
+            "Pass stats_kernel='torch' to skip the check.", device, problem,
+        )  # fmt: skip
+        return None
 
     def _reset_sketch(self, device: torch.device) -> None:
         """Zero this step's sketch accumulator (allocated once per device)."""

@@ -108,7 +108,7 @@ def _check_auto(rank: int) -> dict:
     kernel._launch = lambda flat, plan, sq_norms, sketches, division: sq_norms.zero_()  # a launch that computes nothing
     found["broken_check"] = kernel.agrees_with_torch()
     found["default"] = sorted(_records(rank, "auto", False)[2])
-    picks, check = state_module.auto_picks_triton, TritonBucketStats.agrees_with_torch
+    picks, check, build = state_module.auto_picks_triton, TritonBucketStats.agrees_with_torch, TritonBucketStats.__init__
     state_module.auto_picks_triton = lambda device, bins: bins > 0
     try:
         records, params, found["picked"] = _records(rank, "auto", False)
@@ -117,8 +117,18 @@ def _check_auto(rank: int) -> dict:
         log = _Messages()
         found["refused"] = sorted(_records(rank, "auto", False)[2])
         found["warnings"] = [m for m in log.messages if "stats_kernel='auto'" in m]
+        # A kernel that cannot even be built (a broken install) is refused the same way, not raised into backward.
+        TritonBucketStats.agrees_with_torch = check
+
+        def broken(self, *args):
+            raise ImportError("triton: libcuda.so cannot be found")
+
+        TritonBucketStats.__init__ = broken
+        log.messages.clear()
+        found["unbuildable"] = sorted(_records(rank, "auto", False)[2])
+        found["unbuildable_warnings"] = [m for m in log.messages if "stats_kernel='auto'" in m]
     finally:
-        state_module.auto_picks_triton, TritonBucketStats.agrees_with_torch = picks, check
+        state_module.auto_picks_triton, TritonBucketStats.agrees_with_torch, TritonBucketStats.__init__ = picks, check, build
     return found
 
 
@@ -197,6 +207,11 @@ def test_auto_uses_the_kernel_only_where_it_is_picked_and_passes_its_check(resul
         assert auto["warnings"] == [
             "ddphooks: stats_kernel='auto' keeps the torch path on cpu: the Triton kernel failed its check "
             "(RuntimeError('no C compiler for the launcher')). Pass stats_kernel='torch' to skip the check."
+        ]
+        assert auto["unbuildable"] == ["BucketStatsKernel"]
+        assert auto["unbuildable_warnings"] == [
+            "ddphooks: stats_kernel='auto' keeps the torch path on cpu: the Triton kernel failed its check "
+            "(ImportError('triton: libcuda.so cannot be found')). Pass stats_kernel='torch' to skip the check."
         ]
 
 
