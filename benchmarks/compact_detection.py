@@ -9,7 +9,9 @@ ranks' layer CUSUMs as each rank's ``own_values`` runs them (``fleet.layer_level
 
 - P = 32 parameters with log-normal typical norms, a shared trend (every rank alike), and per rank
   and parameter a log-normal factor of spread SIGMA (the zoo's healthy runs at W = 4: 0.15-0.38,
-  0.65 for its heavy-tailed workload);
+  0.65 for its heavy-tailed workload); ``--noise t3``: the log factor is SIGMA times a Student t
+  with 3 degrees of freedom scaled to variance 1 (heavy tails: a 4-sigma step every ~200 draws
+  where the normal has one in 16,000);
 - losses 2 +- 0.05, leave-one-out cosines 0.3 +- 0.05, cosines to the previous step 0.15 +- 0.1;
   a rank's gradient norm is that of its parameters;
 - a fault from step FAULT_STEP on: rank W // 3's parameter P // 2 has its norm multiplied by the
@@ -24,6 +26,7 @@ give the false alarms (alerts in all).
 
     python benchmarks/compact_detection.py                    # W = 64, 1024, 4096; 3 seeds
     python benchmarks/compact_detection.py --worlds 16 64 --seeds 1 --factors 3   # quick
+    python benchmarks/compact_detection.py --worlds 4 --sampled 2 --noise t3 --seeds 30   # layer levels at small W
 """
 
 import argparse
@@ -42,7 +45,14 @@ SIGMAS = (0.15, 0.3)
 NAMES = [f"model.layers.{p // 4}.weight{p % 4}" for p in range(PARAMETERS)]
 
 
-def run(world: int, sigma: float, factor: float | None, seed: int, sampled: int) -> dict:
+def log_noise(rng: np.random.Generator, noise: str, shape: tuple[int, int]) -> np.ndarray:
+    """Per rank and parameter, the log factor's unit-variance noise."""
+    if noise == "t3":
+        return rng.standard_t(3, size=shape) / np.sqrt(3.0)
+    return rng.standard_normal(shape)
+
+
+def run(world: int, sigma: float, factor: float | None, seed: int, sampled: int, noise: str = "normal") -> dict:
     """One synthetic run read by both detectors: what each said about the faulty rank."""
     rng = np.random.default_rng(seed)
     base = np.exp(rng.standard_normal(PARAMETERS))
@@ -52,7 +62,7 @@ def run(world: int, sigma: float, factor: float | None, seed: int, sampled: int)
     levels, state, previous, sampled_steps = [], None, None, 0
     for step in range(FAULT_STEP + HORIZON):
         trend = np.exp(-step / 200 + 0.1 * rng.standard_normal())
-        norms = base * trend * np.exp(sigma * rng.standard_normal((world, PARAMETERS)))
+        norms = base * trend * np.exp(sigma * log_noise(rng, noise, (world, PARAMETERS)))
         if factor is not None and step >= FAULT_STEP:
             norms[faulty, layer] *= factor
         step_values = dict(
@@ -102,10 +112,12 @@ def main() -> None:
     parser.add_argument("--factors", type=float, nargs="+", default=[1.5, 2.0, 3.0])
     parser.add_argument("--sigmas", type=float, nargs="+", default=list(SIGMAS))
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--sampled", type=int, default=SilentConfig().sampled_ranks, help="sampled_ranks (default: the config's)")
+    parser.add_argument("--noise", choices=("normal", "t3"), default="normal", help="the per-rank log factors' noise")
     args = parser.parse_args()
-    sampled = SilentConfig().sampled_ranks
+    sampled = args.sampled
     print(f"\nddphooks compact wire, detection at large W, {date.today()}: synthetic runs, P = {PARAMETERS}, fault from step {FAULT_STEP} "
-          f"(rank W // 3, parameter {PARAMETERS // 2}), {HORIZON} steps after it, {args.seeds} seeds, sampled_ranks = {sampled}\n")  # fmt: skip
+          f"(rank W // 3, parameter {PARAMETERS // 2}), {HORIZON} steps after it, {args.seeds} seeds, sampled_ranks = {sampled}, noise {args.noise}\n")  # fmt: skip
     print("named: runs where the faulty rank is named within the horizon (median delay in steps); layer: with the faulty parameter")
     print("among the alert's parameters; sampled: share of the steps after the fault where the compact wire sampled the faulty rank;")
     print("false alarms: alerts on other ranks or before the fault (healthy runs: every alert)\n")
@@ -115,7 +127,7 @@ def main() -> None:
         for world in args.worlds:
             for factor in [None, *args.factors]:
                 start = time.perf_counter()
-                results = [run(world, sigma, factor, 1000 * world + seed, sampled) for seed in range(args.seeds)]
+                results = [run(world, sigma, factor, 1000 * world + seed, sampled, args.noise) for seed in range(args.seeds)]
                 share = statistics.median(r["sampled_share"] for r in results)
                 false = f"{sum(r['whole']['false'] for r in results)} / {sum(r['compact']['false'] for r in results)}"
                 if factor is None:

@@ -11,9 +11,10 @@ ranks' slots (this rank's slot with losses, per-parameter norms and sketches var
 losses +- 2%, norms x exp(0.1 N(0, 1)), sketches with pairwise cosines ~0.4; replica fingerprints
 equal). That writing is timed and left out of every figure.
 
-Each W runs twice: with every rank's whole slot (the default) and with the compact wire
-(``gather_max_world=1``, ``ddphooks.fleet``; the fake all-reduce then fills the other ranks' rows,
-sampled rows and sums alike). Each run builds the model twice (same weights): one DDP with
+Each W runs twice: with every rank's whole slot (``gather_max_world=None``; the default up to W =
+16) and with the compact wire (``gather_max_world=1``, ``ddphooks.fleet``, the default above 16;
+the fake all-reduce then fills the other ranks' rows, sampled rows and sums alike); the table
+marks the default's row. Each run builds the model twice (same weights): one DDP with
 ``allreduce_hook``, one with ``attach``; every step runs both, forward and backward, on the same
 random tokens. The step's
 statistics are then handed to the detector (``state.flush()``, untimed), so its thread never
@@ -74,6 +75,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import ddphooks
+from ddphooks import fleet
 from ddphooks.config import SilentConfig
 from ddphooks.detect import DetectorConfig
 from ddphooks.hook import silent_hook
@@ -178,12 +180,12 @@ class FakeCollectives:
         normal = partial(torch.randn, generator=self.generator, device=self.device)
         rows = wire[layout.part("per_rank")].view(self.world, -1)
         rows[1:] = rows[:1]
-        rows[1:, 0] *= 1 + LOSS_SPREAD * normal(self.world - 1)
-        rows[1:, 3] *= torch.exp(2 * NORM_SPREAD * normal(self.world - 1))
+        rows[1:, fleet.WIRE_LOSS] *= 1 + LOSS_SPREAD * normal(self.world - 1)
+        rows[1:, fleet.WIRE_RANK_SQ] *= torch.exp(2 * NORM_SPREAD * normal(self.world - 1))
         own = torch.cat(self.record.local_sq)
         sampled = wire[layout.part("sampled")].view(layout.rows, layout.n_params)
         sampled.copy_(own * torch.exp(NORM_SPREAD * normal(layout.rows, layout.n_params)))
-        for name in ("param_sq", "param_norms", "bucket_norms", "present"):
+        for name in ("param_sq", "param_norms", "rise_sum", "rise_count", "bucket_norms", "present"):
             wire[layout.part(name)] *= self.world
         for name in ("sketch_sum", "unit_sum"):
             wire[layout.part(name)] *= 1 + SKETCH_SHARED * (self.world - 1)
@@ -468,7 +470,8 @@ def main() -> None:
             r = measure(world, model_args, steps, gather_max_world, args.device)
             rows.append(r)
             q1, q3 = r["in_hook_ms_beyond_allreduce_iqr"]
-            print(f"| {world} | {r['wire']} | {r['in_hook_ms_beyond_allreduce']:.1f} [{q1:.1f}, {q3:.1f}] ({r['silent_hook_ms']:.1f} - {r['allreduce_hook_ms']:.1f}; slots {r['slot_parts_ms']:.1f}) "
+            default = (r["wire"] == "compact") == (DEFAULTS.gather_max_world is not None and world > DEFAULTS.gather_max_world)
+            print(f"| {world} | {r['wire']}{' (default)' if default else ''} | {r['in_hook_ms_beyond_allreduce']:.1f} [{q1:.1f}, {q3:.1f}] ({r['silent_hook_ms']:.1f} - {r['allreduce_hook_ms']:.1f}; slots {r['slot_parts_ms']:.1f}) "
                   f"| {r['detector_ms']:.2f} | {r['slot_bytes_per_step']:,.0f} ({100 * r['slot_fraction_of_gradient_bytes']:.3f}%) | {r['amortised_bytes_per_step']:,.0f} "
                   f"| {r['compact_record_bytes']:,d} | {r['detail_record_bytes']:,d} | {r['kept_bytes'] / 2**20:.1f} | {r['replica_check_ms']:.1f} |", flush=True)  # fmt: skip
     if rows:

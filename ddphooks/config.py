@@ -79,17 +79,17 @@ class SilentConfig:
     whatever this is; offline detection (``ddphooks detect``) needs them in every record: set
     it to at least W for a run to be detected again offline."""
 
-    gather_max_world: int | None = None
+    gather_max_world: int | None = 16
     """Largest world size whose ranks each send their whole slot (every per-parameter norm and
     the sketch) on every instrumented step: W x (3 + parameters + sketch_dim) numbers, a share of
-    the all-reduce that grows with W. Above it, the compact wire (``ddphooks.fleet``): 28 bytes
-    per rank plus sums over the ranks and ``sampled_ranks`` ranks' per-parameter norms, 136 KB a
-    step at W = 4096 with 273 parameters instead of 8.6 MB; the per-rank cosines, layer levels
-    (each rank's own layer CUSUM) and the replica check's verdict then arrive one instrumented
-    step late, there is no W x W cosine matrix, and a rank's layer view travels on the steps it
-    is sampled. None (the default): always the whole slot. DDP only for now; opt-in: the layer
-    levels name a corrupted layer at large W on synthetic runs, but raised false alarms on a
-    heavy-tailed workload at W = 4 (``benchmarks/README.md``)."""
+    the all-reduce that grows with W (8.6 MB a step at W = 4096 with 273 parameters). Above it,
+    the compact wire (``ddphooks.fleet``): 24 bytes per rank plus sums over the ranks and
+    ``sampled_ranks`` ranks' per-parameter norms, 122 KB a step at W = 4096; the per-rank
+    cosines, layer levels (each rank's own layer CUSUM) and the replica check's verdict then
+    arrive one instrumented step late, there is no W x W cosine matrix, and a rank's layer view
+    travels on the steps it is sampled. 16 (the default) keeps the whole slot on up to two
+    8-accelerator nodes, where it is at most 34 KB a step with 273 parameters; None: the whole
+    slot at any W. DDP's transport only: FSDP2 and DeepSpeed send the whole slot at any W."""
 
     sampled_ranks: int = 16
     """With the compact wire, the ranks per instrumented step whose per-parameter norms travel

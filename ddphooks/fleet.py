@@ -10,9 +10,12 @@ buffer, each part summed over the ranks (a rank writes zeros where it has nothin
 
 1. per rank, ``PER_RANK`` numbers (a gather: only rank i writes row i)::
 
-       [loss_sum, 8 loss_count + status, |g_i|^2, cos_loo_i, cos_previous_i, level_i, parameter_i]
+       [loss_i, |g_i|^2, cos_loo_i, cos_previous_i, level_i, status_i + 16 (parameter_i + 1)]
 
-   the last four being those of the rank's *previous* instrumented step (see 4);
+   ``loss_i`` the rank's mean loss of the step (0 and the status flag ``NO_LOSS`` where it
+   counted none), the cosines, ``level_i`` and ``parameter_i`` those of its *previous*
+   instrumented step (see 4; ``parameter_i + 1`` is 0 where it has no level), the status flags
+   and the parameter in one number (small integers: exact);
 2. the per-parameter squared norms ``|g_{i,p}|^2`` of ``sampled`` ranks (a gather of
    ``sampled`` rows; ``choose_sampled``): half a window of consecutive ranks that moves on every
    instrumented step (every rank's layer view every ``ceil(2 W / sampled)`` steps), half the
@@ -22,13 +25,16 @@ buffer, each part summed over the ranks (a rank writes zeros where it has nothin
 3. sums over the ranks: ``sum_i |g_{i,p}|^2`` and ``sum_i |g_{i,p}|`` per parameter,
    ``sum_i |g_{i,b}|`` per bucket (the exact weighted mean cosines of every layer), the number n
    of ranks present, the sketches' sum ``S = sum_i s_i`` and their unit vectors' sum
-   ``U = sum_i s_i / |s_i|`` (an absent rank adds zeros);
+   ``U = sum_i s_i / |s_i|``, and per parameter what the ranks' layer CUSUMs of the previous step
+   learned (``sum_i sqrt(pi / 2) |rise_{i,p}|`` and how many ranks learned; their pooled scale,
+   see 4) (an absent rank adds zeros);
 4. after the all-reduce each rank computes its own values from 3 (``own_values``): its cosines,
    exactly what ``ddphooks.stats`` computes from every rank's sketch, ``cos(s_i, S - s_i)`` (to
    the sum of the others) and ``cos(s_i, s_i(t'))`` (to its own sketch of the previous
    instrumented step); and its layer CUSUM: the detector's per-parameter CUSUM of
    ``d_p = log|g_{i,p}| - log(mean_{j != i} |g_{j,p}|)`` (less its median over parameters)
-   against the rank's own baseline, which only the rank can keep for every parameter and step;
+   against the rank's own baseline, which only the rank can keep for every parameter and step,
+   in the scale pooled over the ranks;
    its ``level`` is the highest of them and ``parameter`` that one's index, and the detector
    takes them as its layer evidence. They reach the other ranks in the next instrumented step's
    row 1, one instrumented step late (``cosines_step`` says which);
@@ -38,8 +44,9 @@ buffer, each part summed over the ranks (a rank writes zeros where it has nothin
    it after the all-reduce and says so in the next instrumented step's status
    (``REPLICA_DIFFERS``), where the record's ``replicas`` names it (``replica_verdict``).
 
-Per rank and step: 28 B x W plus 4 (sampled x P + 2P + B + 1 + 2k) B: 136 KB at W = 4096 (P =
-273, k = 256, 16 sampled ranks), against 8.6 MB for every rank's whole slot; a replica-check step
+Per rank and step: 24 B x W plus 4 (sampled x P + 4P + B + 1 + 2k) B: 122 KB at W = 4096 (P =
+273, k = 256, 16 sampled ranks; #42's budget 64 KB + 16 B x W holds up to W = 5203), against
+8.6 MB for every rank's whole slot; a replica-check step
 adds 4 x 65 B per tensor (72 KB for 275 tensors) instead of 8 B per tensor and rank (9 MB).
 
 What it leaves out: the W x W cosine matrix and each rank's mean cosine to the others (no rank
@@ -75,17 +82,22 @@ from ddphooks.stats import (
 )
 
 #: Numbers per rank in the compact wire's row (see the module docstring), and their places.
-PER_RANK = 7
-WIRE_LOSS_SUM, WIRE_COUNT_STATUS, WIRE_RANK_SQ, WIRE_OWN = 0, 1, 2, 3
-#: The rank's own values (``own_values``), in this order from ``WIRE_OWN`` on.
+PER_RANK = 6
+WIRE_LOSS, WIRE_RANK_SQ, WIRE_COSINE_LOO, WIRE_COSINE_PREVIOUS, WIRE_LAYER, WIRE_STATUS = range(PER_RANK)
+#: The rank's own values (``own_values``): cos_loo, cos_previous, layer level, layer parameter.
 OWN_VALUES = 4
 #: The row as ``FleetStats`` reads it, decoded: ``SilentStats``'s first three columns, then these.
 RANK_SQ, COSINE_LOO, COSINE_PREVIOUS, LAYER, LAYER_PARAMETER = 3, 4, 5, 6, 7
 #: Status flag of the compact wire: on the replica check before this step, the rank's fingerprint
 #: of some tensor was not that tensor's only most common one.
 REPLICA_DIFFERS = 4
-#: The status flags' room in the ``8 loss_count + status`` number (ABSENT 1, REPLICA_CHECK_REQUESTED 2, REPLICA_DIFFERS 4).
-STATUS_ROOM = 8
+#: Status flag of the compact wire: the rank observed no loss on this step (its row's loss, a mean,
+#: is then 0, not a loss).
+NO_LOSS = 8
+#: The status flags' room in the ``status + STATUS_ROOM (parameter + 1)`` number (ABSENT 1,
+#: REPLICA_CHECK_REQUESTED 2, REPLICA_DIFFERS 4, NO_LOSS 8; parameter + 1 = 0: no layer level).
+#: Exact in fp32 up to a million parameters.
+STATUS_ROOM = 16
 #: Hash bins per tensor of the compact replica check (and one more for ``NOT_COMPARED``): two
 #: different fingerprints share a bin, and that tensor's difference goes unseen, 1 time in 64.
 FINGERPRINT_BINS = 64
@@ -157,6 +169,8 @@ class FleetLayout:
             "sampled": self.rows * self.n_params,
             "param_sq": self.n_params,
             "param_norms": self.n_params,
+            "rise_sum": self.n_params,
+            "rise_count": self.n_params,
             "bucket_norms": self.n_buckets,
             "present": 1,
             "sketch_sum": self.bins,
@@ -190,29 +204,39 @@ def pack(
     absent: bool,
     out: torch.Tensor,
     differs: torch.Tensor | None = None,
+    layer: LayerState | None = None,
 ) -> torch.Tensor:
     """Write this rank's part of the compact wire into ``out`` (zeroed, ``layout.size`` fp32):
-    its row (``head`` = [loss_sum, loss_count, status], its squared norm, ``own`` = its
-    ``own_values`` of the previous step), its per-parameter squared norms (``local_sq``, one
-    tensor per bucket) where it is in ``rows`` (``choose_sampled``), and what it adds to the sums
-    (nothing but its row where it is ``absent``): on a replica-check step its one in each
+    its row (from ``head`` = [loss_sum, loss_count, status]: its mean loss and status, with
+    ``NO_LOSS`` where it counted none; its squared norm; ``own`` = its ``own_values`` of the
+    previous step, the layer parameter in the status number), its per-parameter squared norms
+    (``local_sq``, one tensor per bucket) where it is in ``rows`` (``choose_sampled``), and what it
+    adds to the sums (nothing but its row where it is ``absent``): ``layer``'s rises of the
+    previous step (``own_values``, for the pooled scale); on a replica-check step its one in each
     tensor's histogram (``fingerprint_bins``); after one, ``differs`` (``replica_differs``: 1 or
     0) sets ``REPLICA_DIFFERS`` in its status. Returns the rank's P squared norms in one tensor
     (``own_values`` reads them after the all-reduce). Device ops only: nothing synchronises."""
     param_sq = torch.cat(local_sq) if len(local_sq) > 1 else local_sq[0]
     row = out[layout.part("per_rank")].view(layout.world, PER_RANK)[rank]
-    row[WIRE_LOSS_SUM] = head[0]
-    torch.add(head[2], head[1], alpha=STATUS_ROOM, out=row[WIRE_COUNT_STATUS])  # exact: small integers
-    if differs is not None:
-        row[WIRE_COUNT_STATUS] += REPLICA_DIFFERS * differs
+    counted = head[1] > 0
+    row[WIRE_LOSS] = torch.where(counted, head[0] / torch.where(counted, head[1], 1.0), 0.0)
     row[WIRE_RANK_SQ] = param_sq.sum()
-    row[WIRE_OWN:] = own
+    row[WIRE_COSINE_LOO : WIRE_LAYER + 1] = own[:3]
+    # status + STATUS_ROOM (parameter + 1): small integers, exact (NaN parameter: 0).
+    status = row[WIRE_STATUS]
+    torch.add(head[2], torch.nan_to_num(own[3] + 1.0, nan=0.0), alpha=STATUS_ROOM, out=status)
+    status += NO_LOSS * (~counted)
+    if differs is not None:
+        status += REPLICA_DIFFERS * differs
     if absent:
         return param_sq
     if rank in rows:
         out[layout.part("sampled")].view(layout.rows, layout.n_params)[rows.index(rank)] = param_sq
     out[layout.part("param_sq")] = param_sq
     torch.sqrt(param_sq, out=out[layout.part("param_norms")])
+    if layer is not None:
+        out[layout.part("rise_sum")] = layer.rise_sum
+        out[layout.part("rise_count")] = layer.rise_count
     bucket_norms = out[layout.part("bucket_norms")]
     torch.stack([sq.sum() for sq in local_sq], out=bucket_norms)
     bucket_norms.sqrt_()
@@ -259,13 +283,26 @@ def replica_differs(layout: FleetLayout, reduced: torch.Tensor, fingerprint: tor
 @dataclass
 class LayerState:
     """A rank's layer CUSUM between instrumented steps (``own_values``; ``layer_levels`` keeps one
-    for every rank at once, each field with a leading rank axis): per parameter the running average
-    of its deviation, the running mean of its absolute rise, its CUSUM, and the steps seen."""
+    for every rank at once: the fields but ``scale`` and ``weight`` with a leading rank axis).
+
+    Per parameter, the rank's own:
+        average: the running average of its deviation ``d_p``.
+        cusum: its CUSUM.
+        seen: the steps where it had a parameter to compare (a 0-dim tensor; 0: none yet).
+    Per parameter, pooled over the ranks (the same on every rank: read from the all-reduced sums):
+        scale: the running mean of ``sqrt(pi / 2) |rise|`` over the ranks that learn.
+        weight: the weight ``scale`` has gathered (its bias correction, as in Adam's).
+    What the rank adds to the next step's sums:
+        rise_sum: ``sqrt(pi / 2) |rise_p|`` where it learned on this step, else 0.
+        rise_count: 1 where it learned on this step, else 0."""
 
     average: torch.Tensor | np.ndarray
-    scale: torch.Tensor | np.ndarray
     cusum: torch.Tensor | np.ndarray
-    seen: int | np.ndarray
+    seen: torch.Tensor | np.ndarray
+    scale: torch.Tensor | np.ndarray
+    weight: torch.Tensor | np.ndarray
+    rise_sum: torch.Tensor | np.ndarray
+    rise_count: torch.Tensor | np.ndarray
 
 
 def own_values(
@@ -277,19 +314,27 @@ def own_values(
     rank's sketch (``previous``: this rank's sketch of the previous instrumented step where
     comparable, the same bucket layouts). The layer CUSUM is the detector's per-parameter one
     (``Detector._parameter_changes``), run by the rank on itself, since only the rank holds its
-    own history of every parameter:
+    own history of every parameter, with a scale pooled over the ranks through the wire, as the
+    detector pools it (one rank's own scale, from a heavy-tailed stream, is noisy enough to
+    raise false alarms):
 
-    1. ``d_p = log|g_p| - log mean_{j != i} |g_{j,p}|`` (the others' exact mean, from the sums),
+    1. the pooled scale learns from the ranks' rises of the previous step (the sums in
+       ``reduced``): where n_p = sum_i learned_{i,p} > 0,
+       ``s_p <- (1 - LAYER_RATE) s_p + LAYER_RATE sum_i sqrt(pi / 2) |rise_{i,p}| / n_p``;
+    2. ``d_p = log|g_p| - log mean_{j != i} |g_{j,p}|`` (the others' exact mean, from the sums),
        unknown where not finite, less its (lower) median over the parameters;
-    2. ``rise_p = d_p - a_p`` (``a`` the running average of ``d``, ``d`` itself on the first
-       step), ``z_p = rise_p / s_p`` with ``s`` the running mean of ``sqrt(pi / 2) |rise|``
-       (bias-corrected, + 1e-3), 0 where unknown;
-    3. after ``LAYER_WARMUP`` steps ``C_p <- max(0, C_p + min(z_p, LAYER_CAP) - LAYER_DRIFT)``;
-    4. ``a`` and ``s`` learn (rate ``LAYER_RATE``) only where ``C_p`` is 0, so a lasting fault
-       does not become the baseline;
-    5. the level ``max_p C_p`` and its parameter's index go out in the rank's next row.
+    3. ``rise_p = d_p - a_p`` (``a`` the running average of ``d``, ``d`` itself on the first
+       step), ``z_p = rise_p / (s_p / w_p + 1e-3)`` (``w_p`` the weight ``s_p`` has gathered),
+       0 where unknown;
+    4. after ``LAYER_WARMUP`` steps ``C_p <- max(0, C_p + min(z_p, LAYER_CAP) - LAYER_DRIFT)``;
+    5. ``a`` learns (rate ``LAYER_RATE``), and the rank's ``sqrt(pi / 2) |rise_p|`` goes into the
+       next step's sums, only where ``C_p`` is 0, so a lasting fault becomes neither the baseline
+       nor the scale;
+    6. the level ``max_p C_p`` and its parameter's index go out in the rank's next row.
 
-    ``state`` is None on the first step. Device ops in float64 (the host path's precision);
+    A step where the rank has no parameter to compare (absent under ``Join``: no gradient) leaves
+    its baseline and CUSUMs as they were (its scale still learns from the others). ``state`` is
+    None on the first step. Device ops in float64 (the host path's precision);
     nothing synchronises."""
     nan = torch.full((), math.nan, dtype=torch.float64, device=reduced.device)  # torch.full: a Python scalar copied to a GPU would wait for it
     loo = to_previous = nan
@@ -309,25 +354,35 @@ def own_values(
     deviation = torch.where(torch.isfinite(deviation), deviation, nan)  # a parameter this rank's batch did not use: unknown
     deviation = deviation - torch.nanmedian(deviation)
     known = torch.isfinite(deviation)
+    anything = known.any()  # a rank with no parameter to compare (absent: no gradient) has no level, and its CUSUM waits
     zero = torch.zeros_like(deviation)
     if state is None:
-        state = LayerState(torch.where(known, deviation, zero), zero, zero, 1)
-    else:
-        rise = torch.where(known, deviation - state.average, zero)
-        cusum = state.cusum
-        if state.seen >= LAYER_WARMUP:
-            scale = state.scale / (1 - (1 - LAYER_RATE) ** state.seen) + 1e-3
-            cusum = (cusum + (rise / scale).clamp(max=LAYER_CAP) - LAYER_DRIFT).clamp(min=0.0)
-        learn = known & (cusum == 0)
-        average = torch.where(learn, (1 - LAYER_RATE) * state.average + LAYER_RATE * deviation, state.average)
-        scale = torch.where(learn, (1 - LAYER_RATE) * state.scale + LAYER_RATE * math.sqrt(math.pi / 2) * rise.abs(), state.scale)
-        state = LayerState(average, scale, cusum, state.seen + 1)
+        state = LayerState(zero, zero, torch.zeros((), dtype=torch.float64, device=zero.device), zero, zero, zero, zero)
+    scale, weight = _pool_scale(state.scale, state.weight, reduced[layout.part("rise_sum")].double(), reduced[layout.part("rise_count")].double())
+    first = state.seen == 0  # its deviations are its baseline, nothing else yet
+    rise = torch.where(known, deviation - state.average, zero)
+    typical = torch.where(weight > 0, scale / torch.where(weight > 0, weight, 1.0), 0.0) + 1e-3
+    counted = (state.cusum + (rise / typical).clamp(max=LAYER_CAP) - LAYER_DRIFT).clamp(min=0.0)
+    cusum = torch.where(first, zero, torch.where((state.seen >= LAYER_WARMUP) & anything, counted, state.cusum))
+    learn = known & (cusum == 0) & ~first
+    average = torch.where(learn, (1 - LAYER_RATE) * state.average + LAYER_RATE * deviation, state.average)
+    average = torch.where(first, torch.where(known, deviation, zero), average)
+    rise_sum = torch.where(learn, math.sqrt(math.pi / 2) * rise.abs(), zero)
+    state = LayerState(average, cusum, state.seen + anything.double(), scale, weight, rise_sum, learn.double())
     level, parameter = state.cusum.max(dim=0)
-    anything = known.any()  # a rank with no parameter to compare (absent: no gradient) has no level
     level, parameter = torch.where(anything, level, nan), torch.where(anything, parameter.double(), nan)
     values = torch.stack([loo.clamp(-1.0, 1.0), to_previous.clamp(-1.0, 1.0), level, parameter])
     values = torch.where(torch.isfinite(values), values, nan)
     return values.float(), state
+
+
+def _pool_scale(scale, weight, rise_sum, rise_count):
+    """Step 1 of ``own_values`` (torch or numpy): the pooled scale and its weight after the ranks'
+    rises of the previous step, unchanged where no rank learned."""
+    where = torch.where if isinstance(scale, torch.Tensor) else np.where
+    learned = rise_count > 0
+    mean = rise_sum / where(learned, rise_count, 1.0)
+    return where(learned, (1 - LAYER_RATE) * scale + LAYER_RATE * mean, scale), where(learned, (1 - LAYER_RATE) * weight + LAYER_RATE, weight)
 
 
 class FleetStats(SilentStats):
@@ -383,13 +438,17 @@ class FleetStats(SilentStats):
 
     @cached_property
     def _arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        """The rows decoded (``SilentStats``'s loss sum, loss count and status, then ``RANK_SQ``
-        ...) and the reduced squared norms."""
+        """The rows decoded (``SilentStats``'s loss sum, loss count and status, the loss being the
+        rank's mean over a count of 1, 0 where ``NO_LOSS``; then ``RANK_SQ`` ...) and the reduced
+        squared norms."""
         with self._lock:
             wire, reduced = self._host.arrays()
-        packed = wire[:, WIRE_COUNT_STATUS]
-        count = np.floor(packed / STATUS_ROOM)
-        rows = np.column_stack([wire[:, WIRE_LOSS_SUM], count, packed - STATUS_ROOM * count, wire[:, WIRE_RANK_SQ:]])
+        packed = wire[:, WIRE_STATUS]
+        code = np.floor(packed / STATUS_ROOM)
+        status = packed - STATUS_ROOM * code
+        count = ((status.astype(np.int64) & NO_LOSS) == 0).astype(float)
+        parameter = np.where(code > 0, code - 1.0, np.nan)
+        rows = np.column_stack([wire[:, WIRE_LOSS], count, status, wire[:, WIRE_RANK_SQ : WIRE_LAYER + 1], parameter])
         return rows, reduced
 
     @cached_property
@@ -613,17 +672,19 @@ def layer_levels(norms: np.ndarray, present: list[int], state: LayerState | None
     Args:
         norms: W x P local gradient norms (NaN: unknown).
         present: the ranks that trained on the step (the others: NaN, their CUSUMs kept).
-        state: the ranks' layer CUSUMs after the step before (W x P fields, ``seen`` per rank,
-            0 for a rank not seen yet), or None.
+        state: the ranks' layer CUSUMs after the step before (W x P fields, ``seen`` per rank, 0
+            for a rank not seen yet; the pooled ``scale`` and ``weight`` P), or None.
 
     Returns the W levels, the W parameters' indices (float, NaN where absent) and the state."""
     world, n_params = norms.shape
     if state is None:
-        zeros = np.zeros((world, n_params))
-        state = LayerState(zeros.copy(), zeros.copy(), zeros.copy(), np.zeros(world, dtype=int))
-    state = LayerState(state.average.copy(), state.scale.copy(), state.cusum.copy(), state.seen.copy())
+        zeros, pooled = np.zeros((world, n_params)), np.zeros(n_params)
+        state = LayerState(zeros, zeros, np.zeros(world), pooled, pooled, zeros, zeros)
     levels, parameters = np.full(world, np.nan), np.full(world, np.nan)
     rows = np.asarray(present, dtype=int)
+    # What the step's all-reduce sums: the present ranks' rises of their step before.
+    scale, weight = _pool_scale(state.scale, state.weight, state.rise_sum[rows].sum(axis=0), state.rise_count[rows].sum(axis=0))
+    state = LayerState(state.average.copy(), state.cusum.copy(), state.seen.copy(), scale, weight, np.zeros((world, n_params)), np.zeros((world, n_params)))
     if not len(rows):
         return levels, parameters, state
     mine = norms[rows]
@@ -636,22 +697,19 @@ def layer_levels(norms: np.ndarray, present: list[int], state: LayerState | None
         # The lower median of an even count, as torch.nanmedian takes it on the rank.
         deviation = deviation - np.nanquantile(deviation, 0.5, axis=1, method="lower", keepdims=True)
     known = np.isfinite(deviation)
+    anything = known.any(axis=1)
     seen = state.seen[rows]
     first = (seen == 0)[:, None]
-    average, scale, cusum = state.average[rows], state.scale[rows], state.cusum[rows]
+    average, cusum = state.average[rows], state.cusum[rows]
     rise = np.where(known, deviation - average, 0.0)
-    bias = 1 - (1 - LAYER_RATE) ** seen[:, None].astype(float)  # 0 on a rank's first step, whose z is not used
-    z = rise / (scale / np.where(bias > 0, bias, 1.0) + 1e-3)
-    counting = (seen >= LAYER_WARMUP)[:, None]
-    cusum = np.where(counting, np.maximum(0.0, cusum + np.minimum(z, LAYER_CAP) - LAYER_DRIFT), cusum)
-    learn = known & (cusum == 0)
+    z = rise / (np.where(weight > 0, scale / np.where(weight > 0, weight, 1.0), 0.0) + 1e-3)
+    counting = ((seen >= LAYER_WARMUP) & anything)[:, None]
+    cusum = np.where(first, 0.0, np.where(counting, np.maximum(0.0, cusum + np.minimum(z, LAYER_CAP) - LAYER_DRIFT), cusum))
+    learn = known & (cusum == 0) & ~first
     average = np.where(learn, (1 - LAYER_RATE) * average + LAYER_RATE * deviation, average)
-    scale = np.where(learn, (1 - LAYER_RATE) * scale + LAYER_RATE * math.sqrt(math.pi / 2) * np.abs(rise), scale)
-    # A rank's first step: its deviations are its baseline, nothing else yet.
     average = np.where(first, np.where(known, deviation, 0.0), average)
-    scale, cusum = np.where(first, 0.0, scale), np.where(first, 0.0, cusum)
-    state.average[rows], state.scale[rows], state.cusum[rows], state.seen[rows] = average, scale, cusum, seen + 1
-    anything = known.any(axis=1)  # a rank with no parameter to compare has no level
+    state.average[rows], state.cusum[rows], state.seen[rows] = average, cusum, seen + anything
+    state.rise_sum[rows], state.rise_count[rows] = np.where(learn, math.sqrt(math.pi / 2) * np.abs(rise), 0.0), learn
     levels[rows] = np.where(anything, cusum.max(axis=1), np.nan)
     parameters[rows] = np.where(anything, cusum.argmax(axis=1), np.nan)
     return levels, parameters, state

@@ -140,7 +140,7 @@ class SilentState(BaseSilentState):
             each per-rank signal; above it, quantiles over ranks and the ranks that stand out (see
             ``SilentConfig``).
         gather_max_world: above this world size the statistics travel in the compact wire
-            (``ddphooks.fleet``; None, the default: every rank's whole slot at any W; see ``SilentConfig``).
+            (``ddphooks.fleet``; 16 by default, None: every rank's whole slot at any W; see ``SilentConfig``).
         sampled_ranks: with the compact wire, the ranks per step whose per-parameter norms travel.
         max_pending_records: records waiting for the writer thread at most (see ``SilentConfig``).
         detect: run the online detector (``ddphooks.detect``; a ``DetectorConfig`` to set its
@@ -183,7 +183,7 @@ class SilentState(BaseSilentState):
         detail_every: int = 100,
         detail_max_world: int = 64,
         per_rank_max_world: int = 256,
-        gather_max_world: int | None = None,
+        gather_max_world: int | None = 16,
         sampled_ranks: int = 16,
         max_pending_records: int = 1024,
         detect: bool | DetectorConfig = True,
@@ -477,7 +477,12 @@ class SilentState(BaseSilentState):
             record.replica_check, differs = previous, differs[1].to(slots.device)
         else:
             differs = None
-        record.param_sq = fleet.pack(record.fleet, record.sampled, self.rank, self._head(status, slots.device), record.local_sq, self._sketch if self.bins else None, own, fingerprint, record.absent, slots, differs)
+        # This rank's rises of its previous step, for the layer CUSUMs' pooled scale (none where
+        # DDP's bucket rebuild reordered the parameters: the CUSUM restarts, see _keep_gathered).
+        kept = self._layer_state
+        layer = kept[1] if kept is not None and kept[0] == record.layouts else None
+        sketch = self._sketch if self.bins else None
+        record.param_sq = fleet.pack(record.fleet, record.sampled, self.rank, self._head(status, slots.device), record.local_sq, sketch, own, fingerprint, record.absent, slots, differs, layer)
 
     def _fleet_stats(self, record: _Step) -> "fleet.FleetStats":
         layout = record.fleet

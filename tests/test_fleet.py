@@ -69,29 +69,43 @@ def _own(layout: fleet.FleetLayout, wire: torch.Tensor, ranks: list[dict], previ
     return values
 
 
-def _layer_reference(norms: np.ndarray, present: list[int], steps: list, rank: int) -> tuple[float, int]:
-    """One rank's layer level and parameter the slow way (``own_values``' numbered steps), per
-    parameter in plain Python; ``steps`` carries the rank's per-parameter state between calls."""
-    others = [sum(norms[r][p] for r in present if r != rank) / (len(present) - 1) for p in range(norms.shape[1])]
-    d = [math.log(norms[rank][p]) - math.log(others[p]) for p in range(norms.shape[1])]
-    median = sorted(d)[(len(d) - 1) // 2]  # the lower median
-    d = [v - median for v in d]
-    if not steps:
-        steps.extend([{"a": v, "s": 0.0, "c": 0.0} for v in d] + [1])
-        return 0.0, 0
-    seen = steps[-1]
-    for p, v in enumerate(d):
-        entry = steps[p]
-        rise = v - entry["a"]
-        if seen >= fleet.LAYER_WARMUP:
-            z = rise / (entry["s"] / (1 - (1 - fleet.LAYER_RATE) ** seen) + 1e-3)
-            entry["c"] = max(0.0, entry["c"] + min(z, fleet.LAYER_CAP) - fleet.LAYER_DRIFT)
-        if entry["c"] == 0:
-            entry["a"] = (1 - fleet.LAYER_RATE) * entry["a"] + fleet.LAYER_RATE * v
-            entry["s"] = (1 - fleet.LAYER_RATE) * entry["s"] + fleet.LAYER_RATE * math.sqrt(math.pi / 2) * abs(rise)
-    steps[-1] = seen + 1
-    levels = [steps[p]["c"] for p in range(len(d))]
-    return max(levels), levels.index(max(levels))
+def _layer_reference(norms: np.ndarray, present: list[int], slow: dict) -> dict[int, tuple[float, int]]:
+    """Every present rank's layer level and parameter the slow way (``own_values``' numbered
+    steps), per rank and parameter in plain Python; ``slow`` carries the ranks' per-parameter
+    state, the pooled scale and what each rank sends with its next step between calls."""
+    n_params = norms.shape[1]
+    ranks, pooled = slow.setdefault("ranks", {}), slow.setdefault("pooled", [{"s": 0.0, "w": 0.0} for _ in range(n_params)])
+    # 1. the pooled scale learns from the present ranks' rises of their step before
+    for p in range(n_params):
+        sent = [ranks[r]["sent"][p] for r in present if r in ranks]
+        learned = sum(1 for v in sent if v is not None)
+        if learned:
+            mean = sum(v for v in sent if v is not None) / learned
+            pooled[p] = {"s": (1 - fleet.LAYER_RATE) * pooled[p]["s"] + fleet.LAYER_RATE * mean, "w": (1 - fleet.LAYER_RATE) * pooled[p]["w"] + fleet.LAYER_RATE}
+    for r in ranks:
+        ranks[r]["sent"] = [None] * n_params  # an absent rank sends nothing
+    result = {}
+    for rank in present:
+        others = [sum(norms[r][p] for r in present if r != rank) / (len(present) - 1) for p in range(n_params)]
+        d = [math.log(norms[rank][p]) - math.log(others[p]) for p in range(n_params)]
+        median = sorted(d)[(len(d) - 1) // 2]  # the lower median
+        d = [v - median for v in d]
+        if rank not in ranks:
+            ranks[rank] = {"a": list(d), "c": [0.0] * n_params, "seen": 1, "sent": [None] * n_params}
+            result[rank] = (0.0, 0)
+            continue
+        mine = ranks[rank]
+        for p, v in enumerate(d):
+            rise = v - mine["a"][p]
+            if mine["seen"] >= fleet.LAYER_WARMUP:
+                typical = (pooled[p]["s"] / pooled[p]["w"] if pooled[p]["w"] > 0 else 0.0) + 1e-3
+                mine["c"][p] = max(0.0, mine["c"][p] + min(rise / typical, fleet.LAYER_CAP) - fleet.LAYER_DRIFT)
+            if mine["c"][p] == 0:
+                mine["a"][p] = (1 - fleet.LAYER_RATE) * mine["a"][p] + fleet.LAYER_RATE * v
+                mine["sent"][p] = math.sqrt(math.pi / 2) * abs(rise)
+        mine["seen"] += 1
+        result[rank] = (max(mine["c"]), mine["c"].index(max(mine["c"])))
+    return result
 
 
 def test_sampled_ranks_move_on_every_step_and_cover_every_rank():
@@ -203,27 +217,37 @@ def test_own_values_layer_cusum_against_the_slow_way_and_every_rank_at_once():
     """Each rank's layer CUSUM (``own_values``) against the slow way, step by step over its
     warm-up and a fault (rank 3's parameter 2 x4 from step 30), and the vectorised
     ``layer_levels`` (offline emulation, benchmarks) against both; rank 0 absent on step 10 (NaN,
-    its CUSUM kept). The fault's level crosses the detector's layer limit (15) on its parameter."""
+    its CUSUM kept, its rises of step 9 never sent). The fault's level crosses the detector's
+    layer limit (15) on its parameter."""
     world, n_params, steps = 5, 7, 40
     layout = fleet.FleetLayout(world, n_params, 1, 0, 1)
     generator = np.random.default_rng(3)
     base = np.exp(generator.standard_normal(n_params))
-    states, slow, twin = [None] * world, [[] for _ in range(world)], None
+    states, slow, twin = [None] * world, {}, None
     for step in range(steps):
         norms = base * np.exp(0.1 * generator.standard_normal((world, n_params)))
         if step >= 30:
             norms[3, 2] *= 4.0
         present = [r for r in range(world) if not (step == 10 and r == 0)]
         levels, parameters, twin = fleet.layer_levels(norms, present, twin)
+        reference = _layer_reference(norms, present, slow)
+        # The step's all-reduce: the present ranks' norms, and their rises of the step before.
         reduced = torch.zeros(layout.size, dtype=torch.float64)
         reduced[layout.part("param_norms")] = torch.from_numpy(norms[present].sum(axis=0))
         reduced[layout.part("present")] = float(len(present))
+        for rank in present:
+            if states[rank] is not None:
+                reduced[layout.part("rise_sum")] += states[rank].rise_sum
+                reduced[layout.part("rise_count")] += states[rank].rise_count
         for rank in range(world):
             if rank not in present:
                 assert np.isnan(levels[rank]) and np.isnan(parameters[rank])
+                absent_sq = torch.zeros(n_params, dtype=torch.float64)  # no gradient: nothing to compare
+                own, states[rank] = fleet.own_values(layout, reduced, None, None, absent_sq, states[rank])
+                assert torch.isnan(own[2:]).all()
                 continue
             own, states[rank] = fleet.own_values(layout, reduced, None, None, torch.from_numpy(norms[rank] ** 2), states[rank])
-            level, parameter = _layer_reference(norms, present, slow[rank], rank)
+            level, parameter = reference[rank]
             assert float(own[2]) == pytest.approx(level, rel=1e-5, abs=1e-5) and levels[rank] == pytest.approx(level, rel=1e-9, abs=1e-9), (step, rank)
             if level > 0:
                 assert int(own[3]) == parameter == int(parameters[rank]), (step, rank)
@@ -253,13 +277,14 @@ def test_compact_wire_lists_the_rank_and_parameters_of_a_non_finite_gradient():
 
 def test_compact_wire_against_the_fleet_budget():
     """Extra bytes per rank and step against #42's budget, 64 KB + 16 B x W, for the 16 M tiny
-    Llama of the scale benchmark (273 parameters, 4 buckets, sketch 256): 28 B a rank (its layer
-    level and parameter are 8 of them) and the sums and sampled rows' 21 KB fit up to W = 3584;
-    at 4096 the wire is 136 KB against 128 KB."""
+    Llama of the scale benchmark (273 parameters, 4 buckets, sketch 256): 24 B a rank (8 more than
+    the budget's 16) and the sums and sampled rows' 23 KB fit up to W = 5203; at 4096 the wire is
+    122 KB against 128 KB."""
     size = lambda world: 4 * fleet.FleetLayout(world, 273, 4, 256, SilentConfig().sampled_ranks).size
-    for world in (32, 64, 256, 1024, 2048, 3584):
+    for world in (8, 32, 64, 256, 1024, 2048, 4096, 5203):
         assert size(world) <= 64 * 1024 + 16 * world, world
-    assert size(4096) == 28 * 4096 + 4 * (16 * 273 + 2 * 273 + 4 + 1 + 2 * 256) > 64 * 1024 + 16 * 4096
+    assert size(4096) == 24 * 4096 + 4 * (16 * 273 + 4 * 273 + 4 + 1 + 2 * 256) == 122_212
+    assert size(5204) > 64 * 1024 + 16 * 5204
 
 
 def _replica_check(fingerprints: torch.Tensor, names: list[str]) -> tuple[list[int], dict]:
@@ -334,3 +359,50 @@ def test_fingerprint_bins_are_equal_for_equal_fingerprints_and_spread_over_the_b
 def test_bad_compact_wire_settings_are_refused(settings, error, match):
     with pytest.raises(error, match=match):
         SilentConfig(**settings)
+
+
+def test_compact_row_carries_mean_loss_status_and_layer_parameter_exactly():
+    """The 6-number row: the rank's mean loss (NaN where it counted none, listed as non-finite only
+    where it counted one), its status flags and its layer parameter in one number, decoded
+    exactly, up to the largest parameter index the room allows."""
+    from ddphooks.stats import REPLICA_CHECK_REQUESTED
+
+    world = 4
+    layout = fleet.FleetLayout(world, N_PARAMS, len(BUCKETS), BINS, sampled=4)
+    ranks = _ranks(world, 5)
+    ranks[0]["head"] = torch.tensor([3.0, 2.0, 0.0])  # two losses: the mean 1.5
+    ranks[1]["head"] = torch.tensor([0.0, 0.0, float(REPLICA_CHECK_REQUESTED)])  # no loss, asks for a check
+    ranks[2]["head"] = torch.tensor([math.inf, 1.0, 0.0])  # a non-finite loss
+    largest = 2**24 // fleet.STATUS_ROOM - 2  # status + 16 (parameter + 1) stays below 2**24: exact in fp32
+    own = [torch.tensor([0.5, 0.25, 3.0, p]) for p in (4.0, math.nan, largest, 0.0)]
+    wire = _compact(layout, [0, 1, 2, 3], ranks, own)
+    stats = fleet.FleetStats(1, BUCKETS, layout, wire, torch.ones(N_PARAMS), "piggyback", [0, 1, 2, 3], 0)
+    losses = stats.losses
+    assert losses[0] == 1.5 and math.isnan(losses[1]) and losses[2] == math.inf and losses[3] == 4.5
+    assert stats.nonfinite["losses"] == [2]
+    assert stats.replica_check_requested and stats.status.tolist() == [0, REPLICA_CHECK_REQUESTED | fleet.NO_LOSS, 0, 0]
+    parameters = stats.layer_parameters
+    assert parameters[0] == 4 and math.isnan(parameters[1]) and parameters[2] == largest and parameters[3] == 0
+    assert stats.layer_scores.tolist() == [3.0] * world and stats.cosine_loo.tolist() == [0.5] * world
+
+
+def test_the_default_wire_is_the_whole_slot_up_to_16_ranks_and_the_compact_wire_above():
+    """DDP's default ``gather_max_world`` (16): whole slots on two 8-accelerator nodes, the compact
+    wire above; None keeps the whole slot at any W; FSDP2 and DeepSpeed say whole slots (None)."""
+    from types import SimpleNamespace
+
+    from ddphooks.deepspeed import DeepSpeedSilentState
+    from ddphooks.fsdp import ShardedSilentState
+    from ddphooks.hook import SilentState
+
+    assert SilentConfig().gather_max_world == 16
+    record = SimpleNamespace(layouts=BUCKETS, fingerprinted=[])
+    default, whole = SilentState(), SilentState(gather_max_world=None)
+    for world, compact in ((2, False), (16, False), (17, True), (4096, True)):
+        default.world_size = whole.world_size = world
+        default.bins = whole.bins = BINS  # set when binding
+        layout = default._fleet_layout(record, N_PARAMS)
+        assert (layout is not None) == compact, world
+        assert layout is None or layout.world == world and layout.sampled == 16
+        assert whole._fleet_layout(record, N_PARAMS) is None
+    assert ShardedSilentState().config.gather_max_world is None and DeepSpeedSilentState().config.gather_max_world is None

@@ -412,6 +412,46 @@ def _check_compact_wire_without_sketch(rank: int, world: int) -> list:
     return sorted(set(steps))
 
 
+def _check_default_wire_above_16_ranks(rank: int, world: int) -> tuple[str, int]:
+    """At the defaults on 17 ranks (above ``gather_max_world`` = 16) the statistics travel in the
+    compact wire: the same losses, norms and summary as every rank's whole slot
+    (``gather_max_world=None``) on the same data, each rank's cosines one step late, 16 sampled
+    ranks' per-parameter norms, and training to rounding."""
+    models = [_make_ddp(), _make_ddp()]
+    states = [SilentState(model=models[0], gather_max_world=None), SilentState(model=models[1])]
+    optimizers = []
+    for model, state in zip(models, states):
+        model.register_comm_hook(state, silent_hook)
+        optimizers.append(torch.optim.SGD(model.parameters(), lr=0.05))
+    previous = None
+    for step in range(3):
+        full, compact = _step_both(models, states, *_batch(rank, step))
+        assert type(compact).__name__ == "FleetStats" and type(full).__name__ == "SilentStats"
+        np.testing.assert_array_equal(compact.losses, full.losses)
+        np.testing.assert_allclose(compact.grad_norms, full.grad_norms, rtol=1e-5)
+        got, expected = compact.summary(), full.summary()
+        for key in expected:
+            assert got[key] == pytest.approx(expected[key], rel=1e-4, abs=1e-5, nan_ok=True), (step, key)
+        assert len(compact.sampled) == 16
+        np.testing.assert_allclose(compact.param_sq[compact.sampled], full.param_sq[compact.sampled], rtol=1e-5)
+        if previous is not None:
+            np.testing.assert_allclose(compact.cosine_loo, previous.cosine_loo, rtol=1e-4, atol=1e-5)
+        previous = full
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+    for state in states:
+        state.close()
+    return compact.transport, compact.layout.world
+
+
+def test_the_default_is_the_compact_wire_above_16_ranks():
+    results = _spawn_cases(17, [("default_wire", _check_default_wire_above_16_ranks, ())])["default_wire"]
+    assert results == [("piggyback", 17)] * 17
+
+
 @pytest.fixture(scope="module")
 def three_ranks() -> dict:
     """Every three-rank case of this file in one spawn: the all-gather reference, the exact
