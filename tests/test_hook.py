@@ -330,6 +330,17 @@ def _step_both(models: list[DDP], states: list[SilentState], x: torch.Tensor, y:
     return tuple(state.latest for state in states)
 
 
+def _assert_same_step_statistics(compact, full, step: int) -> None:
+    """The compact wire's statistics of a step against every rank's whole slot: the same losses,
+    norms (to rounding) and summary."""
+    assert type(compact).__name__ == "FleetStats" and type(full).__name__ == "SilentStats"
+    np.testing.assert_array_equal(compact.losses, full.losses)
+    np.testing.assert_allclose(compact.grad_norms, full.grad_norms, rtol=1e-5)
+    got, expected = compact.summary(), full.summary()
+    for key in expected:
+        assert got[key] == pytest.approx(expected[key], rel=1e-4, abs=1e-5, nan_ok=True), (step, key)
+
+
 def _check_compact_wire(rank: int, world: int) -> list[str]:
     """The compact wire (``gather_max_world`` below W) against every rank's whole slot, on the same
     data, with each transport and a replica check every other step (the last one after rank 1's
@@ -352,12 +363,7 @@ def _check_compact_wire(rank: int, world: int) -> list[str]:
                     with torch.no_grad():
                         model.module.out.bias[0] += 1e-3
             full, compact = _step_both(models, states, x, y)
-            assert type(compact).__name__ == "FleetStats" and type(full).__name__ == "SilentStats"
-            np.testing.assert_array_equal(compact.losses, full.losses)
-            np.testing.assert_allclose(compact.grad_norms, full.grad_norms, rtol=1e-5)
-            got, expected = compact.summary(), full.summary()
-            for key in expected:
-                assert got[key] == pytest.approx(expected[key], rel=1e-4, abs=1e-5, nan_ok=True), (step, key)
+            _assert_same_step_statistics(compact, full, step)
             if step % 2:  # the compact wire's verdict of the check before (steps 0, 2, 4) comes with the next step
                 assert compact.replicas["checked_step"] == step - 1 and compact.replicas["ranks"] == previous.replicas["ranks"], step
                 assert {p["name"] for p in compact.replicas["parameters"]} == {p["name"] for p in previous.replicas["parameters"]}
@@ -426,12 +432,7 @@ def _check_default_wire_above_16_ranks(rank: int, world: int) -> tuple[str, int]
     previous = None
     for step in range(3):
         full, compact = _step_both(models, states, *_batch(rank, step))
-        assert type(compact).__name__ == "FleetStats" and type(full).__name__ == "SilentStats"
-        np.testing.assert_array_equal(compact.losses, full.losses)
-        np.testing.assert_allclose(compact.grad_norms, full.grad_norms, rtol=1e-5)
-        got, expected = compact.summary(), full.summary()
-        for key in expected:
-            assert got[key] == pytest.approx(expected[key], rel=1e-4, abs=1e-5, nan_ok=True), (step, key)
+        _assert_same_step_statistics(compact, full, step)
         assert len(compact.sampled) == 16
         np.testing.assert_allclose(compact.param_sq[compact.sampled], full.param_sq[compact.sampled], rtol=1e-5)
         if previous is not None:
