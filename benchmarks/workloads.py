@@ -361,8 +361,11 @@ def train(rank: int, world: int, spec: Spec, records: str | None = None) -> dict
         }  # fmt: skip
         sinks = [ddphooks.JsonlSink(Path(records) / f"run-{spec.name}.jsonl", header=header)]
     # Records in detail (per-parameter norms every step) only so benchmarks/detection.py can replay
-    # the layer CUSUM offline; the detector online is the same either way.
-    state = ddphooks.attach(ddp, sinks=sinks, **({"detail_every": 1} if records is not None else {}))
+    # the layer CUSUM offline; the detector online is the same either way. They keep every rank's
+    # whole slot at any W (above gather_max_world too), so --redetect --compact-wire can replay
+    # what the compact wire would have carried against what the whole slots carried.
+    detail = {"detail_every": 1, "gather_max_world": None} if records is not None else {}
+    state = ddphooks.attach(ddp, sinks=sinks, **detail)
     optimizer, schedule = optimizer_for(family, ddp, spec.steps)
     torch.manual_seed(spec.seed * 1000 + rank)  # dropout masks: a stream per rank (nanoGPT's seed_offset)
     step_box = [0]
