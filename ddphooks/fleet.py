@@ -25,9 +25,9 @@ buffer, each part summed over the ranks (a rank writes zeros where it has nothin
 3. sums over the ranks: ``sum_i |g_{i,p}|^2`` and ``sum_i |g_{i,p}|`` per parameter,
    ``sum_i |g_{i,b}|`` per bucket (the exact weighted mean cosines of every layer), the number n
    of ranks present, the sketches' sum ``S = sum_i s_i`` and their unit vectors' sum
-   ``U = sum_i s_i / |s_i|``, and per parameter what the ranks' layer CUSUMs of the previous step
-   learned (``sum_i sqrt(pi / 2) |rise_{i,p}|`` and how many ranks learned; their pooled scale,
-   see 4) (an absent rank adds zeros);
+   ``U = sum_i s_i / |s_i|``, and per parameter the ranks' layer rises of the previous step
+   (``sum_i sqrt(pi / 2) |rise_{i,p}|`` and how many ranks had one; their pooled scale, see 4)
+   (an absent rank adds zeros);
 4. after the all-reduce each rank computes its own values from 3 (``own_values``): its cosines,
    exactly what ``ddphooks.stats`` computes from every rank's sketch, ``cos(s_i, S - s_i)`` (to
    the sum of the others) and ``cos(s_i, s_i(t'))`` (to its own sketch of the previous
@@ -293,8 +293,8 @@ class LayerState:
         scale: the running mean of ``sqrt(pi / 2) |rise|`` over the ranks that learn.
         weight: the weight ``scale`` has gathered (its bias correction, as in Adam's).
     What the rank adds to the next step's sums:
-        rise_sum: ``sqrt(pi / 2) |rise_p|`` where it learned on this step, else 0.
-        rise_count: 1 where it learned on this step, else 0."""
+        rise_sum: ``sqrt(pi / 2) |rise_p|`` where it knew ``d_p`` on this step (not its first), else 0.
+        rise_count: 1 there, else 0."""
 
     average: torch.Tensor | np.ndarray
     cusum: torch.Tensor | np.ndarray
@@ -319,17 +319,19 @@ def own_values(
     raise false alarms):
 
     1. the pooled scale learns from the ranks' rises of the previous step (the sums in
-       ``reduced``): where n_p = sum_i learned_{i,p} > 0,
-       ``s_p <- (1 - LAYER_RATE) s_p + LAYER_RATE sum_i sqrt(pi / 2) |rise_{i,p}| / n_p``;
+       ``reduced``): where n_p, the ranks that knew ``d_p``, is > 0,
+       ``s_p <- (1 - LAYER_RATE) s_p + LAYER_RATE sum_i sqrt(pi / 2) |rise_{i,p}| / n_p``
+       (every rank's rise, a rank whose CUSUM is rising included: a scale of the quiet parts only
+       is too small for heavy-tailed gradients, and one faulty rank is 1 / n of the mean);
     2. ``d_p = log|g_p| - log mean_{j != i} |g_{j,p}|`` (the others' exact mean, from the sums),
        unknown where not finite, less its (lower) median over the parameters;
     3. ``rise_p = d_p - a_p`` (``a`` the running average of ``d``, ``d`` itself on the first
        step), ``z_p = rise_p / (s_p / w_p + 1e-3)`` (``w_p`` the weight ``s_p`` has gathered),
        0 where unknown;
     4. after ``LAYER_WARMUP`` steps ``C_p <- max(0, C_p + min(z_p, LAYER_CAP) - LAYER_DRIFT)``;
-    5. ``a`` learns (rate ``LAYER_RATE``), and the rank's ``sqrt(pi / 2) |rise_p|`` goes into the
-       next step's sums, only where ``C_p`` is 0, so a lasting fault becomes neither the baseline
-       nor the scale;
+    5. ``a`` learns (rate ``LAYER_RATE``) only where ``C_p`` is 0, so a lasting fault does not
+       become the baseline; the rank's ``sqrt(pi / 2) |rise_p|`` goes into the next step's sums
+       wherever ``d_p`` was known;
     6. the level ``max_p C_p`` and its parameter's index go out in the rank's next row.
 
     A step where the rank has no parameter to compare (absent under ``Join``: no gradient) leaves
@@ -367,8 +369,9 @@ def own_values(
     learn = known & (cusum == 0) & ~first
     average = torch.where(learn, (1 - LAYER_RATE) * state.average + LAYER_RATE * deviation, state.average)
     average = torch.where(first, torch.where(known, deviation, zero), average)
-    rise_sum = torch.where(learn, math.sqrt(math.pi / 2) * rise.abs(), zero)
-    state = LayerState(average, cusum, state.seen + anything.double(), scale, weight, rise_sum, learn.double())
+    pooled = known & ~first
+    rise_sum = torch.where(pooled, math.sqrt(math.pi / 2) * rise.abs(), zero)
+    state = LayerState(average, cusum, state.seen + anything.double(), scale, weight, rise_sum, pooled.double())
     level, parameter = state.cusum.max(dim=0)
     level, parameter = torch.where(anything, level, nan), torch.where(anything, parameter.double(), nan)
     values = torch.stack([loo.clamp(-1.0, 1.0), to_previous.clamp(-1.0, 1.0), level, parameter])
@@ -709,7 +712,8 @@ def layer_levels(norms: np.ndarray, present: list[int], state: LayerState | None
     average = np.where(learn, (1 - LAYER_RATE) * average + LAYER_RATE * deviation, average)
     average = np.where(first, np.where(known, deviation, 0.0), average)
     state.average[rows], state.cusum[rows], state.seen[rows] = average, cusum, seen + anything
-    state.rise_sum[rows], state.rise_count[rows] = np.where(learn, math.sqrt(math.pi / 2) * np.abs(rise), 0.0), learn
+    pooled = known & ~first
+    state.rise_sum[rows], state.rise_count[rows] = np.where(pooled, math.sqrt(math.pi / 2) * np.abs(rise), 0.0), pooled
     levels[rows] = np.where(anything, cusum.max(axis=1), np.nan)
     parameters[rows] = np.where(anything, cusum.argmax(axis=1), np.nan)
     return levels, parameters, state

@@ -102,7 +102,7 @@ def _layer_reference(norms: np.ndarray, present: list[int], slow: dict) -> dict[
                 mine["c"][p] = max(0.0, mine["c"][p] + min(rise / typical, fleet.LAYER_CAP) - fleet.LAYER_DRIFT)
             if mine["c"][p] == 0:
                 mine["a"][p] = (1 - fleet.LAYER_RATE) * mine["a"][p] + fleet.LAYER_RATE * v
-                mine["sent"][p] = math.sqrt(math.pi / 2) * abs(rise)
+            mine["sent"][p] = math.sqrt(math.pi / 2) * abs(rise)  # every rise, for the pooled scale
         mine["seen"] += 1
         result[rank] = (max(mine["c"]), mine["c"].index(max(mine["c"])))
     return result
