@@ -662,8 +662,8 @@ def _partial_layer_view(obs: Observation) -> bool:
     """Whether the step's layer evidence is the ranks' own layer levels: the compact wire sent
     them and its rows miss some rank. Where every rank is sampled on every step (W <=
     ``sampled_ranks``) the detector's own per-parameter CUSUMs see every rank from its first
-    step, with the scale pooled over the ranks, and it keeps them (each rank's own scale, in the
-    levels, raised false alarms on heavy-tailed workloads at W = 2 and 4: benchmarks/README.md)."""
+    step, against the median rank (the levels' reference is the other ranks' mean, which one rank
+    moves by 1 / (W - 1) of its own change), and it keeps them."""
     if obs.layer_levels is None or obs.parameter_rows is None:
         return False
     return len(set(obs.parameter_rows) | set(obs.absent)) < obs.world_size

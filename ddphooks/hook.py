@@ -477,12 +477,16 @@ class SilentState(BaseSilentState):
             record.replica_check, differs = previous, differs[1].to(slots.device)
         else:
             differs = None
-        # This rank's rises of its previous step, for the layer CUSUMs' pooled scale (none where
-        # DDP's bucket rebuild reordered the parameters: the CUSUM restarts, see _keep_gathered).
-        kept = self._layer_state
-        layer = kept[1] if kept is not None and kept[0] == record.layouts else None
+        # This rank's rises of its previous step, for the layer CUSUMs' pooled scale.
+        layer = self._layer_state_of(record.layouts)
         sketch = self._sketch if self.bins else None
         record.param_sq = fleet.pack(record.fleet, record.sampled, self.rank, self._head(status, slots.device), record.local_sq, sketch, own, fingerprint, record.absent, slots, differs, layer)
+
+    def _layer_state_of(self, layouts: list[BucketLayout]) -> "fleet.LayerState | None":
+        """This rank's layer CUSUM where it is of these bucket layouts; None after DDP's bucket
+        rebuild reordered the parameters (the CUSUM restarts)."""
+        kept = self._layer_state
+        return kept[1] if kept is not None and kept[0] == layouts else None
 
     def _fleet_stats(self, record: _Step) -> "fleet.FleetStats":
         layout = record.fleet
@@ -738,10 +742,8 @@ def _keep_gathered(state: SilentState, record: _Step, slots: torch.Tensor, slot:
     previous = state._own_previous
     comparable = previous is not None and previous[0] == record.layouts
     param_sq = record.param_sq  # concatenated once, when packed
-    kept = state._layer_state
-    layer = kept[1] if kept is not None and kept[0] == record.layouts else None  # DDP's bucket rebuild reorders the parameters
     sketch = state._sketch if state.bins else None
-    state._own_values, layer = fleet.own_values(record.fleet, record.gathered, sketch, previous[1] if comparable else None, param_sq, layer)
+    state._own_values, layer = fleet.own_values(record.fleet, record.gathered, sketch, previous[1] if comparable else None, param_sq, state._layer_state_of(record.layouts))
     state._layer_state = (list(record.layouts), layer)
     state._own_values_step = record.step
     state._own_previous = (list(record.layouts), state._sketch.clone()) if state.bins else None
