@@ -50,6 +50,7 @@ and the pass per element of it, and the step (forward and backward, no communica
     python benchmarks/scale.py                  # W = 8, 64, 256, 1024, 4096, a 16 M-parameter tiny Llama (273 tensors)
     python benchmarks/scale.py --quick          # W = 8, 64 and 512, a 2-layer tiny Llama (seconds)
     python benchmarks/scale.py --worlds 8 1024 --steps 5 --json scale.json
+    python benchmarks/scale.py --only fsdp2 --worlds 2 8 64 256 1024   # the FSDP2 table alone
     python benchmarks/scale.py --device cuda --worlds 8 1024 4096   # the hook's host time on a GPU (DDP only)
 """
 
@@ -448,6 +449,7 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="write the rows to this file")
     parser.add_argument("--device", default="cpu", help="where the model and the statistics live (cuda: the hook's host time on a GPU; "
                         "the FSDP2 table runs on the CPU only)")
+    parser.add_argument("--only", choices=("ddp", "fsdp2"), default=None, help="run one of the two tables")
     parser.add_argument("--fsdp-max-world", type=int, default=1024,
                         help="largest W of the FSDP2 table (at 4096 shards every 192-row parameter is padded to 4096 rows)")
     args = parser.parse_args()
@@ -459,13 +461,14 @@ def main() -> None:
     print(f"\nddphooks at scale, {date.today()}, torch {torch.__version__}, {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} cores, 1 thread, {args.device}{' ' + torch.cuda.get_device_name() if args.device.startswith('cuda') else ''}; one process on the fake process group (rank 0 of W), tiny Llama {model_args}, "
           f"{BATCH} x {TOKENS} tokens, attach() defaults; medians over {steps} steps after {WARMUP} warm-up steps\n")  # fmt: skip
-    print("in-hook: median [IQR] per step of ddphooks' calls less allreduce_hook's (their medians in brackets; slots: the\n"
-          "last bucket's buffer and slot, its callback with the copy of the W slots, and building SilentStats)\n")
-    print("| W | wire | DDP in-hook ms beyond allreduce_hook | detector ms (its thread) | statistics bytes/step (% of gradient bytes) "
-          "| with replica steps | compact record bytes | detail record bytes | kept MB | replica check ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    if args.only != "fsdp2":
+        print("in-hook: median [IQR] per step of ddphooks' calls less allreduce_hook's (their medians in brackets; slots: the\n"
+              "last bucket's buffer and slot, its callback with the copy of the W slots, and building SilentStats)\n")
+        print("| W | wire | DDP in-hook ms beyond allreduce_hook | detector ms (its thread) | statistics bytes/step (% of gradient bytes) "
+              "| with replica steps | compact record bytes | detail record bytes | kept MB | replica check ms |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
     rows = []
-    for world in worlds:
+    for world in worlds if args.only != "fsdp2" else []:
         for gather_max_world in (None, 1):  # every rank's whole slot; the compact wire (ddphooks.fleet)
             r = measure(world, model_args, steps, gather_max_world, args.device)
             rows.append(r)
@@ -479,12 +482,13 @@ def main() -> None:
         print(f"\n{last['parameters'] / 1e6:.1f} M parameters, {last['tensors']} tensors, {last['buckets']} buckets, transport "
               f"{last['transport']}; alerts raised (healthy simulated ranks): {[r['alerts'] for r in rows]}; largest kept at "
               f"W = {last['world_size']}: " + ", ".join(f"{t['path']} {t['bytes'] / 2**20:.1f} MB" for t in last["kept_largest"][:3]))  # fmt: skip
-    print("\nFSDP2 (fully_shard per decoder layer and the root, W shards): the statistics pass inside the reduce-scatters, "
-          "median [IQR] per step\n")
-    print("| W | FSDP2 statistics pass ms/step | reduce-scatter input elements/step | ns per element | step ms (no communication) |")
-    print("|---|---|---|---|---|")
+    if args.only != "ddp":
+        print("\nFSDP2 (fully_shard per decoder layer and the root, W shards): the statistics pass inside the reduce-scatters, "
+              "median [IQR] per step\n")
+        print("| W | FSDP2 statistics pass ms/step | reduce-scatter input elements/step | ns per element | step ms (no communication) |")
+        print("|---|---|---|---|---|")
     fsdp_rows = []
-    for world in worlds:
+    for world in worlds if args.only != "ddp" else []:
         if world > args.fsdp_max_world or args.device != "cpu":
             continue
         r = measure_fsdp(world, model_args, steps)

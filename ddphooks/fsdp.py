@@ -38,18 +38,6 @@ from ddphooks.sketch import ACCELERATOR_CHUNK_ELEMS, CPU_CHUNK_ELEMS, BucketPlan
 from ddphooks.state import BaseSilentState, agree_across_ranks, stats_kernel_problem
 from ddphooks.stats import BucketLayout, SilentStats
 
-#: A group whose input holds more parameter segments than this (shard rows x parameters) takes its
-#: per-parameter norms by column (``_column_norms``: a few operations per block of rows and one per
-#: parameter) instead of one reduction per segment. Measured on one decoder layer of the 16 M tiny
-#: Llama (9 tensors) on the CPU, sketch included: per segment 0.4-0.5 ms at 2-8 shards (the norms
-#: come from the sketch's pass), 1.5 ms at 64, 19 ms at 1024; by column 0.6-0.8 ms from 8 to 1024.
-COLUMN_SEGMENTS = 256
-#: The least elements per block of rows in ``_column_norms`` (a 2 MB fp32 temporary): blocks of the
-#: CPU's sketch chunk (128 Ki elements) cost 0.33 ms against 0.20 ms in one pass over a decoder
-#: layer's 512 x 1666 input (the per-block reductions' fixed cost).
-COLUMN_BLOCK_ELEMS = 1 << 19
-
-
 @dataclass
 class _GroupEntry:
     """The plan of one FSDPModule's reduce-scatter input: ``(S, C)`` rows, each holding every
@@ -59,10 +47,7 @@ class _GroupEntry:
     plan: BucketPlan
     layout: BucketLayout
     shard_lengths: list[int]  # padded shard of each parameter: its columns in a row, its part of the output
-    sq_rows: torch.Tensor  # fp32, the kernel's norms: S x parameters (|g|^2 of each parameter's columns in each row), or one by column
     sq_norms: torch.Tensor  # fp32, one per parameter (summed over the rows), rewritten on every instrumented step
-    by_column: bool  # the per-parameter norms by column (see COLUMN_SEGMENTS)
-    data_rows: int  # by column: the leading shard rows that hold gradient; the rows after them are padding only
 
 
 @dataclass
@@ -229,14 +214,8 @@ class ShardedSilentState(BaseSilentState):
             record.layouts.append(entry.layout)
             record.local_sq.append(entry.sq_norms)
             record.outputs.append((output, entry.shard_lengths))
-            try:
-                measured = flat[: entry.plan.numel] if entry.by_column else flat
-                self._kernel(flat.device).run(measured, entry.plan, self._sketch if self.bins else None, entry.sq_rows.view(-1))
-                if not entry.by_column:
-                    torch.sum(entry.sq_rows, dim=0, out=entry.sq_norms)
-                else:
-                    rows = flat.view(self._shards, -1)[: entry.data_rows]
-                    _column_norms(rows, entry.shard_lengths, entry.sq_norms, max(entry.plan.chunk_elems, COLUMN_BLOCK_ELEMS))
+            try:  # the rows past the plan's are FSDP2's zero padding (see _entry)
+                self._kernel(flat.device).run(flat[: entry.plan.numel], entry.plan, self._sketch if self.bins else None, entry.sq_norms)
                 if flat.device.type != "cpu":
                     record.streams.append(torch.accelerator.current_stream(flat.device))
             except Exception as error:  # never raise a statistics bug into backward
@@ -274,20 +253,13 @@ class ShardedSilentState(BaseSilentState):
         if entry is not None:
             kernel.forget(entry.plan)
         chunk = self.config.chunk_elems or (CPU_CHUNK_ELEMS if flat.device.type == "cpu" else ACCELERATOR_CHUNK_ELEMS)
-        by_column = self._shards * len(lengths) > COLUMN_SEGMENTS
-        data_rows = _rows_with_data(params, self._shards) if by_column else self._shards
-        if by_column:
-            # The kernel takes the sketch of the input (the same signs, position by position) and
-            # one norm; the parameters' norms come by column. Both stop after the last row that holds
-            # gradient: with more shards than a parameter has rows along dim 0, FSDP2 pads the rest
-            # with zeros (3.3x the gradient at 1024 shards for the 16 M tiny Llama), which add nothing.
-            plan = BucketPlan([data_rows * sum(lengths)], self.bins, comm.base, flat.device, chunk)
-            sq_rows = torch.empty(1, dtype=torch.float32, device=flat.device)
-        else:
-            plan = BucketPlan(lengths * self._shards, self.bins, comm.base, flat.device, chunk)
-            sq_rows = torch.empty(self._shards, len(lengths), dtype=torch.float32, device=flat.device)
+        # One row per shard, each parameter's shard in the same columns of every row: the kernel
+        # takes the sketch and the norms by column in one pass. It stops after the last row that
+        # holds gradient: with more shards than a parameter has rows along dim 0, FSDP2 pads the
+        # rest with zeros (3.3x the gradient at 1024 shards for the 16 M tiny Llama), which add nothing.
+        plan = BucketPlan(lengths, self.bins, comm.base, flat.device, chunk, rows=_rows_with_data(params, self._shards))
         sq_norms = torch.empty(len(lengths), dtype=torch.float32, device=flat.device)
-        entry = _GroupEntry(key, plan, BucketLayout(len(self._entries), names, numels), lengths, sq_rows, sq_norms, by_column, data_rows)
+        entry = _GroupEntry(key, plan, BucketLayout(len(self._entries), names, numels), lengths, sq_norms)
         self._entries[id(comm)] = entry
         return entry
 
@@ -362,25 +334,6 @@ class ShardedSilentState(BaseSilentState):
         if key not in self._said:
             self._said.add(key)
             self._warn(message, *args)
-
-
-def _column_norms(rows: torch.Tensor, lengths: list[int], out: torch.Tensor, block_elems: int) -> None:
-    """``out[j] = |rows[:, a_j:b_j]|^2`` for the consecutive column ranges of ``lengths`` (each
-    parameter's padded shard in every shard row), in fp32:
-
-    1. per block of rows (at most ``block_elems`` elements: a bounded temporary, in cache on the
-       CPU), the squares summed over its rows into one C-vector;
-    2. that vector summed over each parameter's columns.
-
-    O(rows x C / block_elems + parameters) operations, whatever the number of rows. (A strided
-    reduction per parameter over its columns was 60 ms a step at 1024 shards on the CPU.)"""
-    shards, width = rows.shape
-    per_column = torch.zeros(width, dtype=torch.float32, device=rows.device)
-    step = max(1, block_elems // max(width, 1))
-    for begin in range(0, shards, step):
-        # half precision promoted, as the kernel does; the squares are a temporary of one block
-        per_column += rows[begin : begin + step].float().square().sum(dim=0)
-    torch.stack([part.sum() for part in per_column.split(lengths)], out=out)
 
 
 def _rows_with_data(params: list, shards: int) -> int:

@@ -178,20 +178,31 @@ class BucketPlan:
     kernel's :class:`SignTable` at positions ``base, base + 1, ...``, and the chunks are kept as
     a few integers each in numpy arrays (chunk ``c`` covers ``[c * chunk_elems, ...)``).
 
+    A plan of ``rows`` rows is FSDP2's reduce-scatter input: ``rows`` rows of ``sum(lengths)``
+    elements, each holding every parameter's part (one shard) in the same columns. Parameter
+    ``j``'s squared norm sums its segment in every row, or, where a chunk holds a whole row,
+    its columns (``by_column``: no segments, however many rows).
+
     Args:
-        lengths: number of elements of each parameter, in bucket order (segments are contiguous).
+        lengths: number of elements of each parameter, in bucket order (segments are contiguous);
+            with ``rows``, of each parameter in one row.
         bins: sketch entries ``p`` (a prime), or 0 for norms only.
         base: position of the bucket's first element in the model, a multiple of ``bins``
             (identical on every rank: the buckets laid out one after the other).
         device: where the bucket lives.
         chunk_elems: elements per chunk (rounded to a multiple of ``bins``).
+        rows: how many times the layout ``lengths`` repeats (1: a DDP or DeepSpeed bucket).
     """
 
-    def __init__(self, lengths: list[int], bins: int, base: int, device: torch.device, chunk_elems: int) -> None:
+    def __init__(self, lengths: list[int], bins: int, base: int, device: torch.device, chunk_elems: int, rows: int = 1) -> None:
         if base < 0 or (bins and base % bins):
             raise ValueError(f"base={base} must be a non-negative multiple of bins={bins}")
+        if rows < 1:
+            raise ValueError(f"rows={rows} must be at least 1")
         self.lengths = list(lengths)
-        self.numel = sum(self.lengths)
+        self.rows = rows
+        self.row_width = sum(self.lengths)
+        self.numel = rows * self.row_width
         self.device = torch.device(device)
         self.bins = bins
         self.base = base
@@ -203,9 +214,15 @@ class BucketPlan:
         # The segments (the part of one parameter in one chunk), chunk by chunk: chunk c holds
         # segments segment_start[c] .. segment_start[c + 1] - 1, at [segment_begin, segment_end)
         # inside the chunk. A parameter of many chunks adds one segment per chunk.
+        # Rows that a chunk holds whole take their norms by column (no segments), and the columns'
+        # scratch is no larger than a chunk. A chunk of wider rows holds at most two segments of each
+        # parameter. Measured on the 16 M tiny Llama's FSDP2 input on this CPU (benchmarks/scale.py,
+        # the pass in ms a step, interleaved): by segment 18 at 2 shards (rows wider than a chunk),
+        # 21-23 at 8, 44 at 1024; by column 23, 20 and 26-29 (800 at 1024 with one dot per segment).
+        self.by_column = rows > 1 and self.row_width <= self.chunk_elems
         owner, begin, end, per_chunk = [], [], [], np.zeros(self.n_chunks + 1, dtype=np.int64)
         offset = 0
-        for j, length in enumerate(self.lengths):
+        for j, length in [] if self.by_column else [(j, length) for _ in range(rows) for j, length in enumerate(self.lengths)]:
             for chunk in range(offset // self.chunk_elems, -(-(offset + length) // self.chunk_elems)):
                 first = chunk * self.chunk_elems
                 owner.append(j)
@@ -247,6 +264,14 @@ class BucketStatsKernel:
     Without a sketch (``bins == 0``) the kernel only takes one squared norm per parameter
     (``squared_norms``).
 
+    A plan of many narrow rows (FSDP2's reduce-scatter input at many shards, ``by_column``) takes
+    its norms by column instead of step 3, still from the chunk in cache: the squares are added
+    into one fp32 vector of a row's width (the rows the chunk holds whole in one matrix-vector
+    product, the partial rows at its ends as slices), and each parameter's norm is the sum of its
+    columns. The operations per chunk do not depend on the number of rows or parameters. (A second
+    read of the rows for their columns cost 20 of 44 ms a step for the 16 M tiny Llama at 1024
+    shards on this CPU; one dot per parameter and row, 800.)
+
     The scratch is shared by all buckets: DDP calls the hook for one bucket after the other on
     one thread, so it is never used concurrently. A plan keeps a few integers per chunk, and the
     views into the scratch are shared by all its chunks, so its memory stays small at any size.
@@ -275,6 +300,8 @@ class BucketStatsKernel:
         self.fused = self.device.type != "cpu" if fused is None else fused
         self._scratch_elems = 0
         self._partials: torch.Tensor | None = None
+        self._columns = torch.empty(0, dtype=torch.float32, device=self.device)  # squares by column (by_column plans)
+        self._ones = torch.empty(0, dtype=torch.float32, device=self.device)  # weights of the rows a chunk holds whole
         self._prepared: dict[int, tuple] = {}
 
     def _allocate(self, plans: list[BucketPlan]) -> None:
@@ -298,6 +325,15 @@ class BucketStatsKernel:
         if self._partials is None or segments > self._partials.numel():
             self._partials = torch.empty(segments, **f32)
             grew = True
+        row_plans = [plan for plan in plans if plan.by_column]
+        width = max((plan.row_width for plan in row_plans), default=0)  # no more than a chunk
+        if width > self._columns.numel():
+            self._columns = torch.empty(width, **f32)
+            grew = True
+        whole_rows = max((plan.chunk_elems // max(plan.row_width, 1) for plan in row_plans), default=0)
+        if whole_rows > self._ones.numel():
+            self._ones = torch.ones(whole_rows, **f32)
+            grew = True
         if self.signs is not None:
             tiles = self.signs._row_tiles
             self.signs.row_signs(ROW_PERIOD - 1, needed // self.bins)  # tiles the row signs for any chunk, once
@@ -314,15 +350,17 @@ class BucketStatsKernel:
         the sign and the number of entries of the last, partial row and its view of the scratch;
         and for a plan of one chunk, its table signs and row signs (None for more chunks, whose
         signs are sliced per chunk: a plan keeps nothing per chunk)."""
-        if plan.chunk_elems > self.signs.page:
-            raise ValueError(f"chunks of {plan.chunk_elems} elements exceed the sign table's {self.signs.page} entries; use chunk_elems <= {self.signs.page}")
         views = {}
         last_length = plan.numel - (plan.n_chunks - 1) * plan.chunk_elems
+        if self.signs is None:  # a plan of rows without a sketch: the product is the gradient in fp32
+            return {length: (self._product[:length], None) for length in {plan.chunk_elems, last_length}}, False, 0.0, 0, None, None, {}
+        if plan.chunk_elems > self.signs.page:
+            raise ValueError(f"chunks of {plan.chunk_elems} elements exceed the sign table's {self.signs.page} entries; use chunk_elems <= {self.signs.page}")
         for length in {plan.chunk_elems, last_length}:
             full = length - length % self.bins
             views[length] = (self._product[:length], self._product[:full].view(-1, self.bins).t())
         self.signs.row_signs(ROW_PERIOD - 1, plan.chunk_elems // self.bins)  # tiles the row signs for any chunk, once
-        direct = plan.n_chunks == 1 and plan.n_segments == len(plan.lengths)  # segment j is parameter j
+        direct = plan.rows == 1 and plan.n_chunks == 1 and plan.n_segments == len(plan.lengths)  # segment j is parameter j
         tail_row = (plan.base + plan.numel) // self.bins  # the last, partial row (if any)
         tail = plan.numel % self.bins if plan.n_chunks else 0
         tail_product = self._product[last_length - tail : last_length] if tail else None
@@ -334,12 +372,29 @@ class BucketStatsKernel:
         # their first run: a bucket of many small parameters slices and views once, not every step.
         return views, direct, self.signs.row_table[tail_row % ROW_PERIOD].item(), tail, tail_product, one_chunk, {}
 
+    def _column_parts(self, plan: BucketPlan, product: torch.Tensor, begin: int, end: int) -> tuple[list, tuple | None]:
+        """How chunk ``[begin, end)`` of a row plan adds its squares into the columns: the
+        (columns, squares) slices of the partial rows at its ends, and the (rows^T, ones) of the
+        rows it holds whole, or None. Views of the kernel's scratch, made at the chunk's first run."""
+        width, length = plan.row_width, end - begin
+        first = begin % width
+        head = min((width - first) % width, length)  # the end of a row begun in the previous chunk
+        whole = (length - head) // width
+        rest = length - head - whole * width  # the start of a row that goes on in the next chunk
+        adds = []
+        if head:
+            adds.append((self._columns[first : first + head], product[:head]))
+        if rest:
+            adds.append((self._columns[:rest], product[length - rest : length]))
+        rows = (product[head : head + whole * width].view(whole, width).t(), self._ones[:whole]) if whole else None
+        return adds, rows
+
     def persistent_bytes(self) -> int:
         """Bytes kept between calls: the scratch and the sign tables (fixed, whatever the model)."""
         table = self.signs.nbytes() if self.signs is not None else 0
         if not self._scratch_elems:
             return table
-        return table + 4 * (self._scratch_elems + self._partials.numel())
+        return table + 4 * (self._scratch_elems + self._partials.numel() + self._columns.numel() + self._ones.numel())
 
     def forget(self, plan: BucketPlan) -> None:
         """Drop the prepared views of a plan that is no longer used (after a bucket rebuild)."""
@@ -359,7 +414,9 @@ class BucketStatsKernel:
             raise ValueError(f"bucket has {flat.numel()} elements but its plan expects {plan.numel}")
         if plan.bins != self.bins:
             raise ValueError(f"plan has {plan.bins} bins but this kernel sketches into {self.bins}")
-        if sketch_acc is None or not self.bins:
+        sketching = sketch_acc is not None and self.bins > 0
+        by_column = plan.by_column
+        if not sketching and plan.rows == 1:
             # norms only: one reduction per parameter, or one segmented reduction on accelerators
             squared_norms(flat, plan.lengths, sq_norms, fused=self.fused)
             return
@@ -376,31 +433,53 @@ class BucketStatsKernel:
             product.copy_(signs)
             product.mul_(flat)
             sketch_acc.addmv_(rows_t, row_signs)
-            torch.dot(product, product, out=sq_norms[0])
             if tail:
                 sketch_acc[:tail].add_(tail_product, alpha=tail_sign)
+            torch.dot(product, product, out=sq_norms[0])
             return
-        table, page, bins, chunk_elems = self.signs.values, self.signs.page, self.bins, plan.chunk_elems
+        bins, chunk_elems = self.bins, plan.chunk_elems
         starts, seg_begin, seg_end = plan.segment_start.tolist(), plan.segment_begin.tolist(), plan.segment_end.tolist()
         norms = sq_norms if direct else self._partials  # one chunk: segment k is parameter k
+        if by_column:
+            columns = self._columns[: plan.row_width]
+            columns.zero_()
         for c in range(plan.n_chunks):
             begin = c * chunk_elems
             end = min(begin + chunk_elems, plan.numel)
             product, rows_t = views[end - begin]
-            if one_chunk is None:
-                position = plan.base + begin
-                signs = table[position % page : position % page + end - begin]
-                row_signs = self.signs.row_signs(position // bins, rows_t.shape[1])
-                chunk = flat[begin:end]
+            chunk = flat[begin:end] if one_chunk is None else flat
+            if sketching:
+                if one_chunk is None:
+                    position = plan.base + begin
+                    signs = self.signs.values[position % self.signs.page : position % self.signs.page + end - begin]
+                    row_signs = self.signs.row_signs(position // bins, rows_t.shape[1])
+                else:
+                    signs, row_signs = one_chunk
+                if self.fused:  # one launch: sign * gradient, promoted to fp32
+                    torch.mul(signs, chunk, out=product)
+                else:  # measured faster on the CPU than the mixed-dtype multiply
+                    product.copy_(signs)
+                    product.mul_(chunk)
+                # rows weighted by their signs, summed into bins: s += rows^T v
+                sketch_acc.addmv_(rows_t, row_signs)
+                if tail and c == plan.n_chunks - 1:  # the bucket may end in the middle of a row
+                    sketch_acc[:tail].add_(tail_product, alpha=tail_sign)
             else:
-                (signs, row_signs), chunk = one_chunk, flat
-            if self.fused:  # one launch: sign * gradient, promoted to fp32
-                torch.mul(signs, chunk, out=product)
-            else:  # measured faster on the CPU than the mixed-dtype multiply
-                product.copy_(signs)
-                product.mul_(chunk)
-            # rows weighted by their signs, summed into bins: s += rows^T v
-            sketch_acc.addmv_(rows_t, row_signs)
+                product.copy_(chunk)  # a plan of rows without a sketch: the chunk in fp32
+            if by_column:
+                parts = chunk_parts.get(c)
+                if parts is None:
+                    parts = chunk_parts[c] = self._column_parts(plan, product, begin, end)
+                adds, whole_rows = parts
+                if whole_rows is None:  # parts of one or two rows: each squared into its columns
+                    for target, part in adds:
+                        target.addcmul_(part, part)
+                    continue
+                product.mul_(product)  # squares, in place: the sketch has read the product
+                for target, squares in adds:
+                    target.add_(squares)
+                columns.addmv_(*whole_rows)  # the whole rows summed into the columns
+                continue
             first, last = starts[c], starts[c + 1]
             whole = last - first == 1 and seg_end[first] - seg_begin[first] == end - begin
             if whole:
@@ -417,10 +496,10 @@ class BucketStatsKernel:
             else:  # one dot per segment: measured fastest on the CPU, where a call costs no launch;
                 # stacked into the norms in one copy (the same values as a dot into each entry)
                 torch.stack([torch.dot(part, part) for part in parts], out=norms[first:last])
-        if not direct:  # a parameter split over chunks sums its segments
+        if by_column:  # a parameter's norm: the sum of its columns
+            torch.stack([part.sum() for part in columns.split(plan.lengths)], out=sq_norms)
+        elif not direct:  # a parameter split over chunks sums its segments
             sq_norms.zero_().index_add_(0, plan.segment_owner, self._partials[: plan.n_segments])
-        if tail:  # the bucket may end in the middle of a row
-            sketch_acc[:tail].add_(tail_product, alpha=tail_sign)
 
 
 def squared_norms(flat: torch.Tensor, lengths: list[int], out: torch.Tensor, fused: bool = False) -> None:

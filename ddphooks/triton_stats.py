@@ -151,19 +151,23 @@ class TritonBucketStats:
         # keeps the grid in globals, and a first launch compiles).
         self._launching = threading.Lock()
 
-    def _prepared(self, plan: BucketPlan) -> tuple[torch.Tensor, int]:
+    def _prepared(self, plan: BucketPlan) -> tuple[torch.Tensor, int, torch.Tensor | None]:
         """The plan's segment offsets padded to a power of two (``2^k + 1`` entries, the padding at
-        ``numel``) and ``k``, the binary search's steps."""
+        ``numel``), ``k``, the binary search's steps, and for a plan of several rows the norms of
+        each parameter in each row (its segments here: the search costs ``log2(rows x
+        parameters)`` steps, nothing per segment on the host), else None."""
         entry = self._offsets.get(id(plan))
         if entry is None or entry[0] is not plan:
-            steps = max(1, math.ceil(math.log2(len(plan.lengths) + 1)))
+            segments = plan.lengths * plan.rows
+            steps = max(1, math.ceil(math.log2(len(segments) + 1)))
             bounds = [0]
-            for length in plan.lengths:
+            for length in segments:
                 bounds.append(bounds[-1] + length)
             bounds += [plan.numel] * ((1 << steps) + 1 - len(bounds))
-            entry = (plan, torch.tensor(bounds, dtype=torch.int64, device=self.device), steps)
+            row_norms = torch.empty(plan.rows, len(plan.lengths), dtype=torch.float32, device=self.device) if plan.rows > 1 else None
+            entry = (plan, torch.tensor(bounds, dtype=torch.int64, device=self.device), steps, row_norms)
             self._offsets[id(plan)] = entry
-        return entry[1], entry[2]
+        return entry[1], entry[2], entry[3]
 
     def run(self, flat: torch.Tensor, plan: BucketPlan, sketch_acc: torch.Tensor | None, sq_norms: torch.Tensor, divide_by: int | None = None) -> None:
         """Write ``|g_j|^2`` of every segment into ``sq_norms``; add the sketch into ``sketch_acc``;
@@ -232,19 +236,21 @@ class TritonBucketStats:
         and with ``division`` (by the reciprocal?, the number) the quotient written back."""
         if flat.numel() != plan.numel:
             raise ValueError(f"bucket has {flat.numel()} elements but its plan expects {plan.numel}")
-        offsets, steps = self._prepared(plan)
-        sq_norms.zero_()
-        if not plan.numel:
-            return
-        tiles = -(-plan.numel // (self.rows * self.bins))
-        reciprocal, divisor = division or (False, 1.0)
-        with self._launching:
-            _bucket_stats[(tiles,)](
-                flat, self.signs.values, self.signs.row_table, offsets, sq_norms if sketches is None else sketches, sq_norms, plan.numel,
-                plan.base % self.signs.page, plan.base // self.bins % ROW_PERIOD, self.signs.page, ROW_PERIOD, self.bins, divisor,
-                ROWS=self.rows, PB=self.block, SEARCH=steps, COPIES=self.copies, SKETCH=sketches is not None, DIVIDE=division is not None,
-                RECIPROCAL=reciprocal,
-            )  # fmt: skip
+        offsets, steps, row_norms = self._prepared(plan)
+        norms = sq_norms if row_norms is None else row_norms.view(-1)  # several rows: a norm per parameter and row
+        norms.zero_()
+        if plan.numel:
+            tiles = -(-plan.numel // (self.rows * self.bins))
+            reciprocal, divisor = division or (False, 1.0)
+            with self._launching:
+                _bucket_stats[(tiles,)](
+                    flat, self.signs.values, self.signs.row_table, offsets, norms if sketches is None else sketches, norms, plan.numel,
+                    plan.base % self.signs.page, plan.base // self.bins % ROW_PERIOD, self.signs.page, ROW_PERIOD, self.bins, divisor,
+                    ROWS=self.rows, PB=self.block, SEARCH=steps, COPIES=self.copies, SKETCH=sketches is not None, DIVIDE=division is not None,
+                    RECIPROCAL=reciprocal,
+                )  # fmt: skip
+        if row_norms is not None:
+            torch.sum(row_norms, dim=0, out=sq_norms)
 
     def agrees_with_torch(self) -> str | None:
         """Why this kernel cannot stand in for the torch path on this device, or None where it can.
@@ -285,7 +291,8 @@ class TritonBucketStats:
     def persistent_bytes(self) -> int:
         """Bytes kept between calls: the sign tables, the sketch copies and each plan's segment offsets."""
         copies = 0 if self._sketches is None else self._sketches.numel() * 4
-        return self.signs.nbytes() + copies + sum(offsets.numel() * 8 for _, offsets, _ in self._offsets.values())
+        rows = sum(r.numel() * 4 for *_, r in self._offsets.values() if r is not None)
+        return self.signs.nbytes() + copies + rows + sum(offsets.numel() * 8 for _, offsets, *_ in self._offsets.values())
 
 
 def check_device(device: torch.device) -> None:

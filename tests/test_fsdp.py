@@ -171,18 +171,19 @@ def _check_two_ranks(rank: int, world: int) -> dict:
         "errors": _check_errors(rank, world),
         "root_only_every_2": _check_root_only_every(rank, world),
         "unused": _check_unused_parameters(rank, world),
-        "by_column": _check_by_column(rank, world),
+        "by_segment": _check_by_segment(rank, world),
     }
 
 
-def _check_by_column(rank: int, world: int) -> list[dict]:
-    """The per-parameter norms by column (what groups of many shards use) on the same reference."""
-    segments = ddphooks.fsdp.COLUMN_SEGMENTS
-    ddphooks.fsdp.COLUMN_SEGMENTS = 0  # every group by column, at 2 shards
+def _check_by_segment(rank: int, world: int) -> list[dict]:
+    """The per-parameter norms of each shard row (what rows wider than a chunk use) on the same
+    reference: the chunks cut to the sketch's 251 bins, narrower than every group's row."""
+    chunk = ddphooks.fsdp.CPU_CHUNK_ELEMS
+    ddphooks.fsdp.CPU_CHUNK_ELEMS = 1
     try:
         return _check_reference(rank, world, (world,), 1, False)
     finally:
-        ddphooks.fsdp.COLUMN_SEGMENTS = segments
+        ddphooks.fsdp.CPU_CHUNK_ELEMS = chunk
 
 
 def _check_replica_divergence(rank: int, world: int) -> dict:
@@ -256,29 +257,12 @@ def test_hsdp_statistics_span_the_whole_mesh_with_accumulation(hsdp):
     assert all(len(record["losses"]) == 4 for record in records[0])
 
 
-def test_norms_by_column_match_the_unsharded_reference(two_ranks):
-    # _check_reference compares every record with the reference (as for "fp32"); here the same checks
-    # pass with every group's per-parameter norms taken by column
-    _same_on_every_rank_and_linked([r["by_column"] for r in two_ranks], hsdp=False)
-    by_column, by_segment = (two_ranks[0][case][1]["parameters"] for case in ("by_column", "fp32"))
+def test_norms_by_segment_match_the_unsharded_reference(two_ranks):
+    # _check_reference compares every record with the reference (as for "fp32", whose rows a chunk
+    # holds whole: norms by column); here the same checks pass with one norm per parameter and row
+    _same_on_every_rank_and_linked([r["by_segment"] for r in two_ranks], hsdp=False)
+    by_segment, by_column = (two_ranks[0][case][1]["parameters"] for case in ("by_segment", "fp32"))
     assert [v for p in by_column for v in p["grad_norms"]] == pytest.approx([v for p in by_segment for v in p["grad_norms"]], rel=1e-5)
-
-
-def test_column_norms_of_many_shards_equal_the_float64_sums():
-    from ddphooks.fsdp import _column_norms
-
-    shards, lengths = 1024, [36, 96, 1, 2]
-    rows = torch.randn(shards, sum(lengths), generator=torch.Generator().manual_seed(0))
-    columns = [(sum(lengths[:j]), sum(lengths[: j + 1])) for j in range(len(lengths))]
-    expected = [float((rows[:, a:b].double() ** 2).sum()) for a, b in columns]
-    for block_elems in (1, 1000, 1 << 17):  # a row at a time, blocks that split the rows unevenly, one block
-        out = torch.empty(len(lengths))
-        _column_norms(rows, lengths, out, block_elems)
-        assert out.tolist() == pytest.approx(expected, rel=1e-5), block_elems
-    out = torch.empty(len(lengths))
-    _column_norms(rows.to(torch.bfloat16), lengths, out, 1000)  # half precision summed in fp32
-    expected = [float((rows[:, a:b].to(torch.bfloat16).double() ** 2).sum()) for a, b in columns]
-    assert out.tolist() == pytest.approx(expected, rel=1e-5)
 
 
 def test_many_shards_skip_the_padding_rows_and_keep_the_norms():
@@ -289,7 +273,7 @@ def test_many_shards_skip_the_padding_rows_and_keep_the_norms():
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    shards = 256  # 2 parameters x 256 rows a group: by column (COLUMN_SEGMENTS)
+    shards = 256
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=shards)
     try:
         torch.manual_seed(0)
@@ -308,11 +292,11 @@ def test_many_shards_skip_the_padding_rows_and_keep_the_norms():
         checked = {}
         for key, entry in state._entries.items():
             rows = inputs[key].view(shards, -1)
-            assert entry.by_column and torch.count_nonzero(rows[entry.data_rows :]) == 0
+            assert torch.count_nonzero(rows[entry.plan.rows :]) == 0
             bounds = torch.tensor([0, *entry.shard_lengths]).cumsum(0).tolist()
             expected = [float((rows[:, a:b].double() ** 2).sum()) for a, b in zip(bounds, bounds[1:])]
             assert entry.sq_norms.tolist() == pytest.approx(expected, rel=1e-5)
-            checked[entry.layout.names[0]] = entry.data_rows
+            checked[entry.layout.names[0]] = entry.plan.rows
         state.close()
     finally:
         dist.destroy_process_group()

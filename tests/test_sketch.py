@@ -135,6 +135,38 @@ def test_kernel_matches_direct_formulas(dtype, sketch_dim, chunk_elems, fused, p
     assert torch.equal(flat, before), "the kernel must not modify the gradient"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sketch_dim", [0, 256])
+@pytest.mark.parametrize("fused", [False, True], ids=["cpu", "fused"])
+@pytest.mark.parametrize(
+    ("rows", "params", "chunk_elems", "by_column"),
+    [(8, 5, 1024, False), (50, 65, 2600, True), (50, 65, 1 << 16, True), (1024, 4, 1 << 17, True), (1024, 4, 7000, True)],
+)
+def test_row_plans_take_each_parameters_norm_over_its_rows(dtype, sketch_dim, fused, rows, params, chunk_elems, by_column):
+    # FSDP2's reduce-scatter input: rows of the same layout (an empty parameter and one element
+    # among them). Rows wider than a chunk (2,308 > 1024): one segment per parameter and row.
+    # Narrower: by column, with chunks of parts of two rows only (2600), of many rows, one chunk for
+    # everything, and chunks that start and end mid-row. The norms against float64
+    # sums over each parameter's columns, the sketch against the definition, position by position.
+    lengths = ([300, 7, 0, 1, 2000] + [3] * 60)[:params] if params != 4 else [36, 96, 1, 2]
+    flat = torch.randn(rows * sum(lengths), generator=torch.Generator().manual_seed(2)).to(dtype)
+    bins = sketch_bins(sketch_dim)
+    table = _table(3, bins, 1 << 17) if bins else None
+    plan = BucketPlan(lengths, bins, 3 * bins, CPU, chunk_elems, rows=rows)
+    assert plan.by_column == by_column
+    kernel = BucketStatsKernel(bins, CPU, table, fused=fused)
+    columns = flat.double().view(rows, -1).pow(2).sum(dim=0)
+    expected = torch.stack([part.sum() for part in columns.split(lengths)])
+    for _ in range(2):  # the second run reuses the prepared views
+        sketch, sq = torch.zeros(max(bins, 1)), torch.full((len(lengths),), 7.0)
+        kernel.run(flat, plan, sketch if bins else None, sq)
+        torch.testing.assert_close(sq.double(), expected, rtol=1e-5, atol=0)
+        if bins:
+            torch.testing.assert_close(sketch.double(), _reference_sketch(flat, plan, table), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="rows=0 must be at least 1"):
+        BucketPlan(lengths, bins, 0, CPU, chunk_elems, rows=0)
+
+
 def test_kernel_shares_scratch_between_plans_of_different_sizes():
     table = _table(0, 61, 1 << 14)
     kernel = BucketStatsKernel(61, CPU, table)
@@ -161,6 +193,9 @@ def test_kernel_reports_non_finite_values_in_their_segment_only():
     sq = torch.empty(3)
     BucketStatsKernel(61, CPU, _table(0, 61, 1 << 12)).run(flat, plan, torch.zeros(61), sq)
     assert math.isfinite(sq[0]) and math.isnan(sq[1]) and math.isinf(sq[2])
+    rows = BucketPlan([50, 50, 50], 61, 0, CPU, 1024, rows=2)  # the same values as 2 rows of 3 parameters
+    BucketStatsKernel(61, CPU, _table(0, 61, 1 << 12)).run(flat, rows, torch.zeros(61), sq)
+    assert math.isnan(sq[0]) and math.isfinite(sq[1]) and math.isinf(sq[2])  # columns 0 and 100 of row 1
 
 
 def test_squared_norms_of_reduced_buckets():

@@ -19,16 +19,19 @@ from test_hook import TIMEOUT, _batch, _loss, _make_ddp, _Messages
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (Linux x86-64 test extra)")
 
-# (bins, parameter lengths, first row): a table wrap, an empty parameter, one element, many small
-# ones, a bucket 2.3 G positions into the model (its base overflows 32 bits).
+# (bins, parameter lengths, first row, rows): a table wrap, an empty parameter, one element, many
+# small ones, a bucket 2.3 G positions into the model (its base overflows 32 bits); FSDP2's input of
+# rows (one per shard, every parameter's shard in the same columns), narrower than a tile and wider.
 LAYOUTS = (
-    (61, [1000, 70_001, 5, 0, 30_000, 17, 1], 3),
-    (251, [300_000, 251, 4_000], 40_000),
-    (1021, [50_000, 9], 70_000),
-    (13, [3000, 7], 0),
-    (251, [7], 2),
-    (251, [100] * 50, 5),
-    (251, [5000, 3], 9_000_000),
+    (61, [1000, 70_001, 5, 0, 30_000, 17, 1], 3, 1),
+    (251, [300_000, 251, 4_000], 40_000, 1),
+    (1021, [50_000, 9], 70_000, 1),
+    (13, [3000, 7], 0, 1),
+    (251, [7], 2, 1),
+    (251, [100] * 50, 5, 1),
+    (251, [5000, 3], 9_000_000, 1),
+    (251, [40, 3, 1], 11, 1024),
+    (61, [300, 7, 0, 2000], 5, 50),
 )
 
 
@@ -39,9 +42,9 @@ def _check_kernel() -> list[tuple]:
     from ddphooks.triton_stats import TritonBucketStats
 
     cpu, generator, found = torch.device("cpu"), torch.Generator().manual_seed(0), []
-    for bins, lengths, first_row in LAYOUTS:
+    for bins, lengths, first_row, rows in LAYOUTS:
         table = SignTable(3, bins, cpu)
-        plan = BucketPlan(lengths, bins, first_row * bins, cpu, 1 << 16)
+        plan = BucketPlan(lengths, bins, first_row * bins, cpu, 1 << 16, rows=rows)
         for dtype, form in ((torch.float32, "run"), (torch.bfloat16, "run"), (torch.bfloat16, "divide"), (torch.float32, "divide"), (torch.float32, "norms")):
             flat = torch.randn(plan.numel, generator=generator).to(dtype)
             original = flat.clone()
@@ -70,7 +73,7 @@ def _check_kernel() -> list[tuple]:
             same = torch.equal(flat, expected_flat)
             sketch_diff = ((sketch - expected_sketch).abs().max() / expected_sketch.abs().max()).item()
             sq_diff = max(abs(a - b) / b if b else abs(a) for a, b in zip(sq.tolist(), expected_sq.tolist()))
-            found.append((bins, len(lengths), f"{dtype} {form}", sketch_diff, sq_diff, same))
+            found.append((bins, (len(lengths), rows), f"{dtype} {form}", sketch_diff, sq_diff, same))
     return found
 
 
