@@ -49,7 +49,7 @@ from ddphooks.replicas import ReplicaTensors
 from ddphooks.sinks import Sink
 from ddphooks.sketch import ACCELERATOR_CHUNK_ELEMS, CPU_CHUNK_ELEMS, BucketPlan
 from ddphooks.state import BaseSilentState, agree_across_ranks, stats_kernel_problem
-from ddphooks.stats import BucketLayout, SilentStats
+from ddphooks.stats import FAILED, STATUS, BucketLayout, SilentStats
 
 #: What this transport measures, for the one-line refusals.
 SUPPORTED = (
@@ -411,13 +411,12 @@ class DeepSpeedSilentState(BaseSilentState):
                         mine[slot:].index_copy_(0, self._index_tensor(indices, device), torch.stack(norms).square_().to(device))
         except Exception as error:  # still join the all-reduce: every rank waits in it
             record.error = error
-        if record.error is not None:
-            mine.fill_(float("nan"))  # the other ranks see it too: the step fails everywhere
+        if record.error is not None:  # the other ranks read it too: no rank measures the step
+            mine.zero_()
+            mine[STATUS] = FAILED
         dist.all_reduce(slots, group=self.process_group)
         if record.error is not None:
             return record.error
-        if torch.isnan(rows).all(dim=1).any():  # a rank's row is all NaN only where its statistics failed
-            return RuntimeError(f"ddphooks statistics of step {record.step} failed on another rank (its warning names the error)")
         accumulation = record.accumulation
         if accumulation == MICRO_BATCH_NORMS and accumulation not in self._said:
             self._said.add(accumulation)

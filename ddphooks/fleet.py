@@ -10,7 +10,7 @@ buffer, each part summed over the ranks (a rank writes zeros where it has nothin
 
 1. per rank, ``PER_RANK`` numbers (a gather: only rank i writes row i)::
 
-       [loss_i, |g_i|^2, cos_loo_i, cos_previous_i, level_i, status_i + 16 (parameter_i + 1)]
+       [loss_i, |g_i|^2, cos_loo_i, cos_previous_i, level_i, status_i + 32 (parameter_i + 1)]
 
    ``loss_i`` the rank's mean loss of the step (0 and the status flag ``NO_LOSS`` where it
    counted none), the cosines, ``level_i`` and ``parameter_i`` those of its *previous*
@@ -95,9 +95,9 @@ REPLICA_DIFFERS = 4
 #: is then 0, not a loss).
 NO_LOSS = 8
 #: The status flags' room in the ``status + STATUS_ROOM (parameter + 1)`` number (ABSENT 1,
-#: REPLICA_CHECK_REQUESTED 2, REPLICA_DIFFERS 4, NO_LOSS 8; parameter + 1 = 0: no layer level).
-#: Exact in fp32 up to a million parameters.
-STATUS_ROOM = 16
+#: REPLICA_CHECK_REQUESTED 2, REPLICA_DIFFERS 4, NO_LOSS 8, FAILED 16; parameter + 1 = 0: no layer
+#: level). Exact in fp32 up to 524,286 parameters.
+STATUS_ROOM = 32
 #: Hash bins per tensor of the compact replica check (and one more for ``NOT_COMPARED``): two
 #: different fingerprints share a bin, and that tensor's difference goes unseen, 1 time in 64.
 FINGERPRINT_BINS = 64

@@ -36,7 +36,7 @@ from ddphooks.replicas import ReplicaTensors
 from ddphooks.sinks import Sink
 from ddphooks.sketch import ACCELERATOR_CHUNK_ELEMS, CPU_CHUNK_ELEMS, BucketPlan, squared_norms
 from ddphooks.state import BaseSilentState, agree_across_ranks, stats_kernel_problem
-from ddphooks.stats import BucketLayout, SilentStats
+from ddphooks.stats import FAILED, STATUS, BucketLayout, SilentStats
 
 @dataclass
 class _GroupEntry:
@@ -218,9 +218,8 @@ class ShardedSilentState(BaseSilentState):
                 self._kernel(flat.device).run(flat[: entry.plan.numel], entry.plan, self._sketch if self.bins else None, entry.sq_norms)
                 if flat.device.type != "cpu":
                     record.streams.append(torch.accelerator.current_stream(flat.device))
-            except Exception as error:  # never raise a statistics bug into backward
-                entry.sq_norms.fill_(float("nan"))
-                record.error = error
+            except Exception as error:  # never raise a statistics bug into backward: the step is FAILED (_gather)
+                record.error = record.error or error
 
     def _entry(self, comm: _MeasuredReduceScatter, group, flat: torch.Tensor) -> _GroupEntry:
         """The plan of this group's layout; rebuilt when the parameters that got a gradient change."""
@@ -310,14 +309,17 @@ class ShardedSilentState(BaseSilentState):
         rows = slots.view(self.world_size, slot + n_params)
         mine = rows[self.rank]
         try:
-            self._pack_slot(record.local_sq, fingerprint, mine[:slot])
-            offset = slot
-            for output, lengths in record.outputs:  # this rank's shard of the averaged gradient
-                squared_norms(output, lengths, mine[offset : offset + len(lengths)], fused=device.type != "cpu")
-                offset += len(lengths)
-        except Exception as error:  # still join the all-reduce: every rank waits in it
-            record.error = record.error or error
-            mine.fill_(float("nan"))
+            if record.error is None:
+                self._pack_slot(record.local_sq, fingerprint, mine[:slot])
+                offset = slot
+                for output, lengths in record.outputs:  # this rank's shard of the averaged gradient
+                    squared_norms(output, lengths, mine[offset : offset + len(lengths)], fused=device.type != "cpu")
+                    offset += len(lengths)
+        except Exception as error:
+            record.error = error
+        if record.error is not None:  # still join the all-reduce (every rank waits in it): zeros, FAILED
+            mine.zero_()
+            mine[STATUS] = FAILED
         dist.all_reduce(slots, group=self.process_group)
         if record.error is not None:
             return record.error

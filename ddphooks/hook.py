@@ -24,7 +24,7 @@ from ddphooks.replicas import ReplicaTensors
 from ddphooks.sinks import Sink
 from ddphooks.sketch import ACCELERATOR_CHUNK_ELEMS, CPU_CHUNK_ELEMS, BucketPlan, squared_norms
 from ddphooks.state import BaseSilentState, agree_across_ranks, stats_kernel_problem
-from ddphooks.stats import ABSENT, REPLICA_CHECK_REQUESTED, BucketLayout, SilentStats, slot_size
+from ddphooks.stats import ABSENT, FAILED, REPLICA_CHECK_REQUESTED, STATUS, BucketLayout, SilentStats, slot_size
 from ddphooks.watchdog import SyncWatchdog
 
 CommHook = Callable[[object, dist.GradBucket], torch.futures.Future]
@@ -451,6 +451,26 @@ class SilentState(BaseSilentState):
             return None
         return fleet.FleetLayout(self.world_size, n_params, len(record.layouts), self.bins, self.config.sampled_ranks, len(record.fingerprinted))
 
+    def _pack_or_fail(self, record: _Step, slots: torch.Tensor, slot: int, status: int) -> None:
+        """Zero ``slots`` and write this rank's share of the step into them, or, where this rank's
+        statistics failed (its pass, or the packing itself: a bug), only the status ``FAILED``.
+
+        A failure must neither raise into backward nor change the collective, which every rank
+        has sized alike: the rank sends zeros and the flag, every rank then leaves the step
+        unmeasured (``SilentStats.failed_ranks``), and the gradients' all-reduce is unchanged."""
+        slots.zero_()
+        if record.error is None:
+            try:
+                self._pack(record, slots, slot, status)
+                return
+            except Exception as error:
+                record.error = error
+                slots.zero_()
+        if record.fleet is None:
+            slots[self.rank * slot + STATUS] = FAILED
+        else:
+            slots[record.fleet.part("per_rank").start + self.rank * fleet.PER_RANK + fleet.WIRE_STATUS] = FAILED
+
     def _pack(self, record: _Step, slots: torch.Tensor, slot: int, status: int) -> None:
         """Write this rank's share of the step's statistics into the zeroed ``slots``: its slot at
         its row, or its parts of the compact wire."""
@@ -606,7 +626,9 @@ def silent_hook(state: SilentState, bucket: dist.GradBucket) -> torch.futures.Fu
 
     Other steps take the plain ``allreduce_hook`` path with no statistics work. The step counter
     advances on ``bucket.is_last()``. Gradients are never modified beyond the average, and nothing
-    in the statistics raises inside the hook: non-finite values are reported in the record.
+    in the statistics raises inside the hook: non-finite values are reported in the record, and a
+    bug in a rank's pass or packing sends its slot as ``FAILED``, which leaves the step unmeasured
+    on every rank (``state.latest`` raises saying so).
 
     Example::
         >>> state = SilentState(model=ddp_model)
@@ -647,9 +669,14 @@ def silent_hook(state: SilentState, bucket: dist.GradBucket) -> torch.futures.Fu
     # on a GPU the host's launches bound the step); the piggyback divides into its own buffer.
     divided = not piggyback and state._divides_in_pass(kernel, buffer)
     if divided:
+        # Not guarded: a pass that failed may or may not have divided the bucket, and training must
+        # stay what allreduce_hook gives (the kernel passed its check against torch on this device).
         kernel.run(buffer, entry.plan, state._sketch, entry.sq_norms, divide_by=state.world_size)
     else:
-        kernel.run(buffer, entry.plan, state._sketch if state.bins else None, entry.sq_norms)
+        try:  # a statistics bug fails the step's statistics, never the backward (_pack_or_fail)
+            kernel.run(buffer, entry.plan, state._sketch if state.bins else None, entry.sq_norms)
+        except Exception as error:
+            record.error = record.error or error
     position = len(record.layouts)
     record.kernel = kernel
     record.plans.append(entry.plan)
@@ -687,16 +714,13 @@ def silent_hook(state: SilentState, bucket: dist.GradBucket) -> torch.futures.Fu
         combined = state._stats_buffer("_piggyback", numel + wire, buffer.dtype, buffer.device, numel + widest)
         # Same division as allreduce_hook (divide first to avoid overflow), into the big buffer.
         torch.div(buffer, world if state._divisor is None else state._divisor, out=combined[:numel])
-        slots = combined[numel:]
-        slots.zero_()
-        state._pack(record, slots, slot, status)
+        state._pack_or_fail(record, combined[numel:], slot, status)
         future = dist.all_reduce(combined, group=state.process_group, async_op=True).get_future()
         future = future.then(partial(_reduced_piggyback, state, record, position, numel, slot))
     else:
         gradient_future = _all_reduce_divided(state, buffer) if divided else state._communicate(bucket)
         slots = state._stats_buffer("_separate", wire, torch.float32, buffer.device, widest)
-        slots.zero_()
-        state._pack(record, slots, slot, status)
+        state._pack_or_fail(record, slots, slot, status)
         slots_future = dist.all_reduce(slots, group=state.process_group, async_op=True).get_future()
         both = torch.futures.collect_all([gradient_future, slots_future])
         future = both.then(partial(_reduced_separate, state, record, position, slot))
@@ -739,6 +763,9 @@ def _keep_gathered(state: SilentState, record: _Step, slots: torch.Tensor, slot:
         record.gathered = slots.view(state.world_size, slot).clone()
         return
     record.gathered = slots.clone()
+    if record.error is not None:  # this rank's statistics failed: nothing of the step goes into its next row
+        state._own_values = state._own_previous = None
+        return
     previous = state._own_previous
     comparable = previous is not None and previous[0] == record.layouts
     param_sq = record.param_sq  # concatenated once, when packed

@@ -135,6 +135,7 @@ class StepPipeline:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._detector_failed = False
+        self._said_not_measured = False
         self._output_failed = False
         self._start_failed = False
         self._carried: list[dict] = []  # alerts raised outside the detector, for the next record
@@ -209,6 +210,14 @@ class StepPipeline:
     def _process(self, stats) -> None:
         found: list[dict] = []
         try:
+            if stats.failed_ranks:  # a rank's statistics failed (a bug): the step is not measured
+                if not self._said_not_measured:
+                    self._said_not_measured = True
+                    self._warnings.warn(
+                        "ddphooks: step %d is not measured: the statistics of rank(s) %s failed there (their log says why); "
+                        "training is unchanged (said once)", stats.step, stats.failed_ranks,
+                    )  # fmt: skip
+                return
             found = self._detect(stats)
             if self.warns:
                 for alert in found:

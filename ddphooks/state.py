@@ -140,12 +140,20 @@ class BaseSilentState:
         (``reduced_grad_norm``, the weighted mean cosine, the noise scale: a threaded BLAS may sum
         in another order on another rank). Its values are computed when first read (``summary()`` is cheap; the
         per-parameter ``to_dict()`` is not meant for every step).
+
+        Raises ``RuntimeError`` where the step's statistics could not be computed, on this rank or
+        on another one (``SilentStats.failed_ranks``: a bug in ddphooks; training is unchanged).
         """
         if not self._bound:
             return None
         latest = self._latest
         if isinstance(latest, BaseException):
             raise RuntimeError(f"ddphooks could not compute the statistics of the latest instrumented step: {latest!r}") from latest
+        if latest is not None and latest.failed_ranks:
+            raise RuntimeError(
+                f"ddphooks did not measure step {latest.step}: the statistics of rank(s) {latest.failed_ranks} failed there "
+                "(their log says why); training is unchanged"
+            )
         return latest
 
     @property

@@ -58,6 +58,10 @@ PARAMS_BEGIN = 3
 ABSENT = 1
 #: Status flag: the rank asks for a replica check on the next instrumented step (see ``ddphooks.watchdog``).
 REPLICA_CHECK_REQUESTED = 2
+#: Status flag: the rank's statistics of this step failed (a bug in ddphooks; its log says which);
+#: the rest of its slot is zeros, and no rank measures the step (``SilentStats.failed_ranks``).
+#: Training is unchanged: the gradients' all-reduce is the same.
+FAILED = 16
 #: Non-finite (rank, parameter) pairs listed in a record; ``gradient_count`` gives the total, so a
 #: run that blows up everywhere does not write W x parameters entries per step.
 MAX_NONFINITE_LISTED = 64
@@ -506,6 +510,12 @@ class SilentStats:
     @property
     def absent_ranks(self) -> list[int]:
         return [int(r) for r in np.flatnonzero(self.absent)]
+
+    @cached_property
+    def failed_ranks(self) -> list[int]:
+        """Ranks whose statistics of this step failed (status ``FAILED``): where any did, the
+        step is not measured (``state.latest`` raises, the detector and the records skip it)."""
+        return [int(r) for r in np.flatnonzero((self.status & FAILED) != 0)]
 
     @cached_property
     def replica_check_requested(self) -> bool:

@@ -10,6 +10,7 @@ norm and cosines. The parameters after the steps must be bitwise equal to the ru
 ddphooks.
 """
 
+import contextlib
 import copy
 import json
 import math
@@ -27,6 +28,7 @@ deepspeed = pytest.importorskip("deepspeed")
 
 import ddphooks  # noqa: E402
 from ddphooks.launch import spawn  # noqa: E402
+from test_hook import _broken  # noqa: E402
 
 TIMEOUT = 240
 STEPS = 2
@@ -283,12 +285,34 @@ def _faults(rank: int, world: int) -> dict:
         engine.backward(engine(x, y).loss)
         engine.step()
     out["detached"] = ("_backward_epilogue" not in vars(engine), state.step == steps)
+    # rank 1's statistics pass fails on step 1 of 3: the step is not measured on either rank
+    model = _Loss(_model())
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=_config(2, 1, False, True, True))
+    state = ddphooks.attach(engine, sketch_dim=SKETCH_DIM, check_replicas_every=0)
+    out["failure"] = []
+    for t, micro_batches in enumerate(_batches(rank, 3, 1, torch.float32)):
+        with _broken("kernel") if rank == 1 and t == 1 else contextlib.nullcontext():
+            for x, y in micro_batches:
+                engine.backward(engine(x, y).loss)  # must not raise
+                engine.step()
+        try:
+            out["failure"].append(state.latest.step)
+        except RuntimeError as error:
+            out["failure"].append(str(error))
+    state.close()
     return out
 
 
 @pytest.fixture(scope="module")
 def faults():
     return spawn(_faults, 2, timeout=TIMEOUT)
+
+
+def test_a_statistics_bug_leaves_the_step_unmeasured(faults):
+    mine, other = faults[1]["failure"], faults[0]["failure"]
+    assert mine[0::2] == other[0::2] == [0, 2]
+    assert "could not compute the statistics" in mine[1] and "injected bug" in mine[1]
+    assert "did not measure step 1" in other[1] and "rank(s) [1]" in other[1]
 
 
 def test_engine_module_and_stage0_are_refused_with_the_fix(faults):

@@ -373,7 +373,7 @@ def test_compact_row_carries_mean_loss_status_and_layer_parameter_exactly():
     ranks[0]["head"] = torch.tensor([3.0, 2.0, 0.0])  # two losses: the mean 1.5
     ranks[1]["head"] = torch.tensor([0.0, 0.0, float(REPLICA_CHECK_REQUESTED)])  # no loss, asks for a check
     ranks[2]["head"] = torch.tensor([math.inf, 1.0, 0.0])  # a non-finite loss
-    largest = 2**24 // fleet.STATUS_ROOM - 2  # status + 16 (parameter + 1) stays below 2**24: exact in fp32
+    largest = 2**24 // fleet.STATUS_ROOM - 2  # status + STATUS_ROOM (parameter + 1) stays below 2**24: exact in fp32
     own = [torch.tensor([0.5, 0.25, 3.0, p]) for p in (4.0, math.nan, largest, 0.0)]
     wire = _compact(layout, [0, 1, 2, 3], ranks, own)
     stats = fleet.FleetStats(1, BUCKETS, layout, wire, torch.ones(N_PARAMS), "piggyback", [0, 1, 2, 3], 0)

@@ -7,6 +7,7 @@ losses, norms, per-bucket and per-parameter norms, the weighted mean cosine and 
 are computed directly from them in float64.
 """
 
+import contextlib
 import json
 import logging
 import math
@@ -537,6 +538,7 @@ def two_rank_steps(tmp_path_factory) -> dict:
         ("every", _check_every, ()),
         ("no_sync", _check_no_sync, ()),
         ("nonfinite", _check_nonfinite, ()),
+        ("statistics_failure", _check_statistics_failure, ()),
         ("jsonl", _check_jsonl, (str(folder),)),
     ])  # fmt: skip
     return {**runs, "jsonl_folder": folder}
@@ -623,6 +625,76 @@ def test_non_finite_gradients_and_losses_are_reported_not_raised(two_rank_steps)
     bad = record["nonfinite"]["gradients"]
     assert [(b["rank"], b["parameter"]) for b in bad] == [(1, "hidden.weight")]
     assert record["losses"][0] is None and record["grad_norms"][1] is None
+
+
+@contextlib.contextmanager
+def _broken(where: str):
+    """A bug in this rank's statistics: its pass over a bucket, or the packing of its slot, raises."""
+    from ddphooks.sketch import BucketStatsKernel
+
+    owner, name = (BucketStatsKernel, "run") if where == "kernel" else (SilentState, "_pack")
+    original = getattr(owner, name)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError(f"injected bug in {name}")
+
+    setattr(owner, name, broken)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+def _check_statistics_failure(rank: int, world: int) -> dict:
+    """Rank 1's statistics fail on step 1 of 4 (its pass, or its packing), with each wire and
+    transport: what each rank's ``latest`` says per step, whether training stayed bitwise that of
+    ``allreduce_hook``, the alerts and the warnings."""
+    plain = _make_ddp()
+    plain.register_comm_hook(None, allreduce_hook)
+    expected = _train(rank, plain, 4)
+    found = {}
+    for wire, settings in (("piggyback", {}), ("separate", {"transport": "separate"}), ("compact", {"gather_max_world": 1})):
+        for where in ("kernel", "pack"):
+            log = _Messages()
+            model = _make_ddp()
+            state = SilentState(model=model, sketch_dim=64, check_replicas_every=0, **settings)
+            model.register_comm_hook(state, silent_hook)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+            steps = []
+            for step in range(4):
+                x, y = _batch(rank, step)
+                loss = _loss(model, x, y)
+                state.observe_loss(loss)
+                with _broken(where) if rank == 1 and step == 1 else contextlib.nullcontext():
+                    loss.backward()  # must not raise
+                state.flush()
+                try:
+                    steps.append(state.latest.step)
+                except RuntimeError as error:
+                    steps.append(str(error))
+                optimizer.step()
+                optimizer.zero_grad()
+            state.close()
+            logging.getLogger("ddphooks").removeHandler(log)
+            found[f"{wire}/{where}"] = {
+                "steps": steps,
+                "unchanged": all(torch.equal(a, b.detach()) for a, b in zip(expected, model.parameters())),
+                "alerts": len(state.alerts),
+                "messages": log.messages,
+            }
+    return found
+
+
+def test_a_statistics_bug_leaves_the_step_unmeasured_and_training_unchanged(two_rank_steps):
+    for case, (mine, other) in ((c, (two_rank_steps["statistics_failure"][1][c], two_rank_steps["statistics_failure"][0][c])) for c in two_rank_steps["statistics_failure"][0]):
+        assert mine["unchanged"] and other["unchanged"], case  # bitwise allreduce_hook's, the failed step too
+        assert mine["alerts"] == other["alerts"] == 0, case
+        assert mine["steps"][0::2] == other["steps"][0::2] == [0, 2] and mine["steps"][3] == other["steps"][3] == 3, case
+        # the failing rank publishes its own error; the other rank reads the flag in its slot
+        assert "could not compute the statistics" in mine["steps"][1] and "injected bug" in mine["steps"][1], case
+        assert "did not measure step 1" in other["steps"][1] and "rank(s) [1]" in other["steps"][1], case
+        assert any("statistics of step 1 failed" in m and "injected bug" in m for m in mine["messages"]), case
+        assert any("step 1 is not measured" in m and "[1]" in m for m in other["messages"]), case
 
 
 # -- sinks ---------------------------------------------------------------------------------------
