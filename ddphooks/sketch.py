@@ -43,6 +43,14 @@ MAX_SKETCH_DIM = 65536
 MIN_SKETCH_DIM = 16
 #: Elements per chunk on the CPU: the chunk and its fp32 product stay in a 2 MB L2 cache.
 CPU_CHUNK_ELEMS = 1 << 17
+#: A plan of rows with more segments (rows x parameters) than this takes its norms by column where a
+#: chunk holds whole rows (``BucketPlan.by_column``). Measured on the 16 M tiny Llama's FSDP2 input
+#: (``benchmarks/scale.py``, the pass in ms a step on this CPU, interleaved): one segment per
+#: parameter and row 18 at 2 shards (rows wider than a chunk), 21-23 at 8 (72 segments a decoder
+#: layer), 44 at 1024 with a second read for the columns (800 with one dot per segment); by column
+#: 23, 20-22 and 26-29. On accelerators a decoder layer's group is 7 operations by segment at 8
+#: shards and 10 by column (21 before at 1024 shards; ``launches`` of ``benchmarks/hook_cost.py``).
+COLUMN_SEGMENTS = 256
 #: Elements per chunk on accelerators, where each chunk costs kernel launches rather than cache: a
 #: bucket of up to 32 MB of fp32 is one chunk, and the fp32 scratch stays at 32 MB.
 ACCELERATOR_CHUNK_ELEMS = 1 << 23
@@ -180,8 +188,8 @@ class BucketPlan:
 
     A plan of ``rows`` rows is FSDP2's reduce-scatter input: ``rows`` rows of ``sum(lengths)``
     elements, each holding every parameter's part (one shard) in the same columns. Parameter
-    ``j``'s squared norm sums its segment in every row, or, where a chunk holds a whole row,
-    its columns (``by_column``: no segments, however many rows).
+    ``j``'s squared norm sums its segment in every row, or, above ``COLUMN_SEGMENTS`` segments
+    in rows that a chunk holds whole, its columns (``by_column``: no segments, however many rows).
 
     Args:
         lengths: number of elements of each parameter, in bucket order (segments are contiguous);
@@ -214,12 +222,10 @@ class BucketPlan:
         # The segments (the part of one parameter in one chunk), chunk by chunk: chunk c holds
         # segments segment_start[c] .. segment_start[c + 1] - 1, at [segment_begin, segment_end)
         # inside the chunk. A parameter of many chunks adds one segment per chunk.
-        # Rows that a chunk holds whole take their norms by column (no segments), and the columns'
-        # scratch is no larger than a chunk. A chunk of wider rows holds at most two segments of each
-        # parameter. Measured on the 16 M tiny Llama's FSDP2 input on this CPU (benchmarks/scale.py,
-        # the pass in ms a step, interleaved): by segment 18 at 2 shards (rows wider than a chunk),
-        # 21-23 at 8, 44 at 1024; by column 23, 20 and 26-29 (800 at 1024 with one dot per segment).
-        self.by_column = rows > 1 and self.row_width <= self.chunk_elems
+        # Many segments in rows that a chunk holds whole: the norms by column (no segments; the
+        # columns' scratch is no larger than a chunk). A chunk of wider rows holds at most two
+        # segments of each parameter.
+        self.by_column = rows > 1 and rows * len(self.lengths) > COLUMN_SEGMENTS and self.row_width <= self.chunk_elems
         owner, begin, end, per_chunk = [], [], [], np.zeros(self.n_chunks + 1, dtype=np.int64)
         offset = 0
         for j, length in [] if self.by_column else [(j, length) for _ in range(rows) for j, length in enumerate(self.lengths)]:
@@ -496,7 +502,10 @@ class BucketStatsKernel:
             else:  # one dot per segment: measured fastest on the CPU, where a call costs no launch;
                 # stacked into the norms in one copy (the same values as a dot into each entry)
                 torch.stack([torch.dot(part, part) for part in parts], out=norms[first:last])
-        if by_column:  # a parameter's norm: the sum of its columns
+        if by_column and self.fused:  # a parameter's norm, the sum of its (nonnegative) columns, is the squared
+            # norm of their square roots: one multi-tensor kernel whatever the number of parameters
+            torch.stack(torch._foreach_norm(columns.sqrt().split(plan.lengths), 2), out=sq_norms).square_()
+        elif by_column:  # a parameter's norm: the sum of its columns
             torch.stack([part.sum() for part in columns.split(plan.lengths)], out=sq_norms)
         elif not direct:  # a parameter split over chunks sums its segments
             sq_norms.zero_().index_add_(0, plan.segment_owner, self._partials[: plan.n_segments])

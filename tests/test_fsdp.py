@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import ddphooks
-import ddphooks.fsdp
+import ddphooks.sketch
 from ddphooks.launch import spawn
 from test_hook import TIMEOUT, _assert_step_1_unmeasured, _batch, _compare, _loss, _Messages, _Net, _reference, _steps_with_a_bug
 
@@ -171,7 +171,7 @@ def _check_two_ranks(rank: int, world: int) -> dict:
         "errors": _check_errors(rank, world),
         "root_only_every_2": _check_root_only_every(rank, world),
         "unused": _check_unused_parameters(rank, world),
-        "by_segment": _check_by_segment(rank, world),
+        "by_column": _check_by_column(rank, world),
         "failure": _check_statistics_failure(rank, world),
     }
 
@@ -188,15 +188,14 @@ def _check_statistics_failure(rank: int, world: int) -> dict:
     return {"steps": steps, "unchanged": unchanged, "alerts": len(state.alerts)}
 
 
-def _check_by_segment(rank: int, world: int) -> list[dict]:
-    """The per-parameter norms of each shard row (what rows wider than a chunk use) on the same
-    reference: the chunks cut to the sketch's 251 bins, narrower than every group's row."""
-    chunk = ddphooks.fsdp.CPU_CHUNK_ELEMS
-    ddphooks.fsdp.CPU_CHUNK_ELEMS = 1
+def _check_by_column(rank: int, world: int) -> list[dict]:
+    """The per-parameter norms by column (what groups of many shards use) on the same reference."""
+    segments = ddphooks.sketch.COLUMN_SEGMENTS
+    ddphooks.sketch.COLUMN_SEGMENTS = 0  # every group by column, at 2 shards
     try:
         return _check_reference(rank, world, (world,), 1, False)
     finally:
-        ddphooks.fsdp.CPU_CHUNK_ELEMS = chunk
+        ddphooks.sketch.COLUMN_SEGMENTS = segments
 
 
 def _check_replica_divergence(rank: int, world: int) -> dict:
@@ -270,11 +269,11 @@ def test_hsdp_statistics_span_the_whole_mesh_with_accumulation(hsdp):
     assert all(len(record["losses"]) == 4 for record in records[0])
 
 
-def test_norms_by_segment_match_the_unsharded_reference(two_ranks):
-    # _check_reference compares every record with the reference (as for "fp32", whose rows a chunk
-    # holds whole: norms by column); here the same checks pass with one norm per parameter and row
-    _same_on_every_rank_and_linked([r["by_segment"] for r in two_ranks], hsdp=False)
-    by_segment, by_column = (two_ranks[0][case][1]["parameters"] for case in ("by_segment", "fp32"))
+def test_norms_by_column_match_the_unsharded_reference(two_ranks):
+    # _check_reference compares every record with the reference (as for "fp32", one norm per
+    # parameter and row); here the same checks pass with every group's norms taken by column
+    _same_on_every_rank_and_linked([r["by_column"] for r in two_ranks], hsdp=False)
+    by_column, by_segment = (two_ranks[0][case][1]["parameters"] for case in ("by_column", "fp32"))
     assert [v for p in by_column for v in p["grad_norms"]] == pytest.approx([v for p in by_segment for v in p["grad_norms"]], rel=1e-5)
 
 

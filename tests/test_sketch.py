@@ -140,13 +140,14 @@ def test_kernel_matches_direct_formulas(dtype, sketch_dim, chunk_elems, fused, p
 @pytest.mark.parametrize("fused", [False, True], ids=["cpu", "fused"])
 @pytest.mark.parametrize(
     ("rows", "params", "chunk_elems", "by_column"),
-    [(8, 5, 1024, False), (50, 65, 2600, True), (50, 65, 1 << 16, True), (1024, 4, 1 << 17, True), (1024, 4, 7000, True)],
+    [(8, 5, 1 << 16, False), (50, 65, 1024, False), (50, 65, 2600, True), (50, 65, 1 << 16, True), (1024, 4, 1 << 17, True), (1024, 4, 7000, True)],
 )
 def test_row_plans_take_each_parameters_norm_over_its_rows(dtype, sketch_dim, fused, rows, params, chunk_elems, by_column):
     # FSDP2's reduce-scatter input: rows of the same layout (an empty parameter and one element
-    # among them). Rows wider than a chunk (2,308 > 1024): one segment per parameter and row.
-    # Narrower: by column, with chunks of parts of two rows only (2600), of many rows, one chunk for
-    # everything, and chunks that start and end mid-row. The norms against float64
+    # among them). Few segments (8 x 5), or rows wider than a chunk (2,308 > 1024): one segment per
+    # parameter and row. More than COLUMN_SEGMENTS in narrower rows: by column, with chunks of parts
+    # of two rows only (2600), of many rows, one chunk for everything, and chunks that start and end
+    # mid-row. The norms against float64
     # sums over each parameter's columns, the sketch against the definition, position by position.
     lengths = ([300, 7, 0, 1, 2000] + [3] * 60)[:params] if params != 4 else [36, 96, 1, 2]
     flat = torch.randn(rows * sum(lengths), generator=torch.Generator().manual_seed(2)).to(dtype)
