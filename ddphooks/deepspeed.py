@@ -411,12 +411,11 @@ class DeepSpeedSilentState(BaseSilentState):
                         mine[slot:].index_copy_(0, self._index_tensor(indices, device), torch.stack(norms).square_().to(device))
         except Exception as error:  # still join the all-reduce: every rank waits in it
             record.error = error
-        if record.error is not None:  # the other ranks read it too: no rank measures the step
+        if record.error is not None:  # every rank reads it (this one too): no rank measures the step
+            self._say_failed(record.step, record.error)
             mine.zero_()
             mine[STATUS] = FAILED
         dist.all_reduce(slots, group=self.process_group)
-        if record.error is not None:
-            return record.error
         accumulation = record.accumulation
         if accumulation == MICRO_BATCH_NORMS and accumulation not in self._said:
             self._said.add(accumulation)

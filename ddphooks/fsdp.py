@@ -318,11 +318,10 @@ class ShardedSilentState(BaseSilentState):
         except Exception as error:
             record.error = error
         if record.error is not None:  # still join the all-reduce (every rank waits in it): zeros, FAILED
+            self._say_failed(record.step, record.error)
             mine.zero_()
             mine[STATUS] = FAILED
         dist.all_reduce(slots, group=self.process_group)
-        if record.error is not None:
-            return record.error
         try:
             reduced = rows[:, slot:].sum(dim=0).div_(self._replicas)  # every replica holds the same shards
             return SilentStats(

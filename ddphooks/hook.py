@@ -96,6 +96,7 @@ class _Step:
         self.n_buckets: int | None = None  # set before the last bucket is launched
         self.done = 0
         self.error: BaseException | None = None
+        self.failed = False  # this rank's pass or packing failed: its slot went out as FAILED
         self.lock = threading.Lock()
 
 
@@ -466,6 +467,8 @@ class SilentState(BaseSilentState):
             except Exception as error:
                 record.error = error
                 slots.zero_()
+        self._say_failed(record.step, record.error)
+        record.failed, record.error = True, None
         if record.fleet is None:
             slots[self.rank * slot + STATUS] = FAILED
         else:
@@ -763,8 +766,10 @@ def _keep_gathered(state: SilentState, record: _Step, slots: torch.Tensor, slot:
         record.gathered = slots.view(state.world_size, slot).clone()
         return
     record.gathered = slots.clone()
-    if record.error is not None:  # this rank's statistics failed: nothing of the step goes into its next row
-        state._own_values = state._own_previous = None
+    if record.failed:  # this rank's statistics failed: its next row says "unknown" for this step, as a rank's
+        # with nothing to compare does (every rank then reads the same step's values; the layer CUSUMs wait)
+        state._own_values = torch.full((fleet.OWN_VALUES,), float("nan"), dtype=torch.float32, device=slots.device)
+        state._own_values_step, state._own_previous = record.step, None
         return
     previous = state._own_previous
     comparable = previous is not None and previous[0] == record.layouts

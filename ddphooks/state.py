@@ -223,6 +223,13 @@ class BaseSilentState:
         hold up training (see ``ddphooks.pipeline``). A bound state only."""
         self._pipeline.warn(message, *args)
 
+    def _say_failed(self, step: int, error: BaseException) -> None:
+        """This rank's statistics of ``step`` failed (a bug in ddphooks): say why here; its slot
+        goes out as zeros and ``FAILED``, and every rank, this one too, builds the step's
+        statistics from the same gathered slots and leaves the step unmeasured (``failed_ranks``),
+        so that the ranks' next steps still compare alike."""
+        self._warn("ddphooks: the statistics of step %d failed on this rank: %r; its slot went out as FAILED, so no rank measures the step (training is unchanged)", step, error)
+
     def _warn_no_loss(self, step: int) -> None:
         skipped = self._losses.skipped
         seen = (

@@ -28,7 +28,7 @@ deepspeed = pytest.importorskip("deepspeed")
 
 import ddphooks  # noqa: E402
 from ddphooks.launch import spawn  # noqa: E402
-from test_hook import _assert_step_1_unmeasured, _broken  # noqa: E402
+from test_hook import _assert_step_1_unmeasured, _broken, _Messages  # noqa: E402
 
 TIMEOUT = 240
 STEPS = 2
@@ -289,17 +289,20 @@ def _faults(rank: int, world: int) -> dict:
     model = _Loss(_model())
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=_config(2, 1, False, True, True))
     state = ddphooks.attach(engine, sketch_dim=SKETCH_DIM, check_replicas_every=0)
-    out["failure"] = []
+    log, steps = _Messages(), []
     for t, micro_batches in enumerate(_batches(rank, 3, 1, torch.float32)):
         with _broken("kernel") if rank == 1 and t == 1 else contextlib.nullcontext():
             for x, y in micro_batches:
                 engine.backward(engine(x, y).loss)  # must not raise
                 engine.step()
+        state.flush()
         try:
-            out["failure"].append(state.latest.step)
+            steps.append(state.latest.step)
         except RuntimeError as error:
-            out["failure"].append(str(error))
+            steps.append(str(error))
+    after = state.latest.to_dict()["cosine_previous"]  # step 2, compared with the failed step's slots
     state.close()
+    out["failure"] = {"steps": steps, "messages": log.messages, "after": after}
     return out
 
 

@@ -645,10 +645,10 @@ def _broken(where: str):
         setattr(owner, name, original)
 
 
-def _steps_with_a_bug(rank: int, model: torch.nn.Module, state, optimizer: torch.optim.Optimizer, where: str) -> list:
+def _steps_with_a_bug(rank: int, model: torch.nn.Module, state, optimizer: torch.optim.Optimizer, where: str) -> dict:
     """Four steps, rank 1's statistics failing (``_broken(where)``) on step 1: what ``latest``
-    says after each, its step or the error it raises."""
-    steps = []
+    says after each (its step or the error it raises), and the warnings."""
+    log, steps, after = _Messages(), [], None
     for step in range(4):
         loss = _loss(model, *_batch(rank, step))
         state.observe_loss(loss)
@@ -659,18 +659,27 @@ def _steps_with_a_bug(rank: int, model: torch.nn.Module, state, optimizer: torch
             steps.append(state.latest.step)
         except RuntimeError as error:
             steps.append(str(error))
+        if step == 2:  # compared with the failed step's slots: alike on every rank
+            after = state.latest.to_dict()["cosine_previous"]
         optimizer.step()
         optimizer.zero_grad()
-    return steps
+    state.close()
+    logging.getLogger("ddphooks").removeHandler(log)
+    return {"steps": steps, "messages": log.messages, "after": after}
 
 
-def _assert_step_1_unmeasured(failing: list, other: list) -> None:
-    """Step 1 not measured on either rank, the steps around it measured: the failing rank gives its
-    own error, the other rank the flag it read in the failing rank's slot."""
-    measured = [step for step in range(len(failing)) if step != 1]
-    assert [failing[step] for step in measured] == [other[step] for step in measured] == measured
-    assert "could not compute the statistics" in failing[1] and "injected bug" in failing[1]
-    assert "did not measure step 1" in other[1] and "rank(s) [1]" in other[1]
+def _assert_step_1_unmeasured(failing: dict, other: dict) -> None:
+    """Step 1 not measured on either rank, alike (both read the flag in the failing rank's slot),
+    the steps around it measured; the failing rank's log says what failed, each rank's says once
+    that the step is not measured."""
+    measured = [step for step in range(len(failing["steps"])) if step != 1]
+    assert [failing["steps"][step] for step in measured] == [other["steps"][step] for step in measured] == measured
+    assert failing["steps"][1] == other["steps"][1] and "did not measure step 1" in other["steps"][1] and "rank(s) [1]" in other["steps"][1]
+    assert any("statistics of step 1 failed on this rank" in m and "injected bug" in m for m in failing["messages"])
+    assert not any("injected bug" in m for m in other["messages"])
+    assert failing["after"] == other["after"] and failing["after"] is not None
+    for run in (failing, other):
+        assert sum("step 1 is not measured" in m and "[1]" in m for m in run["messages"]) == 1
 
 
 def _check_statistics_failure(rank: int, world: int) -> dict:
@@ -683,19 +692,12 @@ def _check_statistics_failure(rank: int, world: int) -> dict:
     found = {}
     for wire, settings in (("piggyback", {}), ("separate", {"transport": "separate"}), ("compact", {"gather_max_world": 1})):
         for where in ("kernel", "pack"):
-            log = _Messages()
             model = _make_ddp()
             state = SilentState(model=model, sketch_dim=64, check_replicas_every=0, **settings)
             model.register_comm_hook(state, silent_hook)
-            steps = _steps_with_a_bug(rank, model, state, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), where)
-            state.close()
-            logging.getLogger("ddphooks").removeHandler(log)
-            found[f"{wire}/{where}"] = {
-                "steps": steps,
-                "unchanged": all(torch.equal(a, b.detach()) for a, b in zip(expected, model.parameters())),
-                "alerts": len(state.alerts),
-                "messages": log.messages,
-            }
+            run = _steps_with_a_bug(rank, model, state, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), where)
+            unchanged = all(torch.equal(a, b.detach()) for a, b in zip(expected, model.parameters()))
+            found[f"{wire}/{where}"] = {**run, "unchanged": unchanged, "alerts": len(state.alerts)}
     return found
 
 
@@ -703,9 +705,7 @@ def test_a_statistics_bug_leaves_the_step_unmeasured_and_training_unchanged(two_
     for case, (mine, other) in ((c, (two_rank_steps["statistics_failure"][1][c], two_rank_steps["statistics_failure"][0][c])) for c in two_rank_steps["statistics_failure"][0]):
         assert mine["unchanged"] and other["unchanged"], case  # bitwise allreduce_hook's, the failed step too
         assert mine["alerts"] == other["alerts"] == 0, case
-        _assert_step_1_unmeasured(mine["steps"], other["steps"])
-        assert any("statistics of step 1 failed" in m and "injected bug" in m for m in mine["messages"]), case
-        assert any("step 1 is not measured" in m and "[1]" in m for m in other["messages"]), case
+        _assert_step_1_unmeasured(mine, other)
 
 
 # -- sinks ---------------------------------------------------------------------------------------
