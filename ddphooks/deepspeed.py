@@ -49,7 +49,7 @@ from ddphooks.replicas import ReplicaTensors
 from ddphooks.sinks import Sink
 from ddphooks.sketch import ACCELERATOR_CHUNK_ELEMS, CPU_CHUNK_ELEMS, BucketPlan
 from ddphooks.state import BaseSilentState, agree_across_ranks, stats_kernel_problem
-from ddphooks.stats import FAILED, STATUS, BucketLayout, SilentStats
+from ddphooks.stats import BucketLayout, SilentStats
 
 #: What this transport measures, for the one-line refusals.
 SUPPORTED = (
@@ -412,9 +412,7 @@ class DeepSpeedSilentState(BaseSilentState):
         except Exception as error:  # still join the all-reduce: every rank waits in it
             record.error = error
         if record.error is not None:  # every rank reads it (this one too): no rank measures the step
-            self._say_failed(record.step, record.error)
-            mine.zero_()
-            mine[STATUS] = FAILED
+            self._send_failed(record.step, record.error, mine)
         dist.all_reduce(slots, group=self.process_group)
         accumulation = record.accumulation
         if accumulation == MICRO_BATCH_NORMS and accumulation not in self._said:

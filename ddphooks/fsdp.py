@@ -36,7 +36,7 @@ from ddphooks.replicas import ReplicaTensors
 from ddphooks.sinks import Sink
 from ddphooks.sketch import ACCELERATOR_CHUNK_ELEMS, CPU_CHUNK_ELEMS, BucketPlan, squared_norms
 from ddphooks.state import BaseSilentState, agree_across_ranks, stats_kernel_problem
-from ddphooks.stats import FAILED, STATUS, BucketLayout, SilentStats
+from ddphooks.stats import BucketLayout, SilentStats
 
 @dataclass
 class _GroupEntry:
@@ -318,9 +318,7 @@ class ShardedSilentState(BaseSilentState):
         except Exception as error:
             record.error = error
         if record.error is not None:  # still join the all-reduce (every rank waits in it): zeros, FAILED
-            self._say_failed(record.step, record.error)
-            mine.zero_()
-            mine[STATUS] = FAILED
+            self._send_failed(record.step, record.error, mine)
         dist.all_reduce(slots, group=self.process_group)
         try:
             reduced = rows[:, slot:].sum(dim=0).div_(self._replicas)  # every replica holds the same shards

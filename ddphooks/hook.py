@@ -24,7 +24,7 @@ from ddphooks.replicas import ReplicaTensors
 from ddphooks.sinks import Sink
 from ddphooks.sketch import ACCELERATOR_CHUNK_ELEMS, CPU_CHUNK_ELEMS, BucketPlan, squared_norms
 from ddphooks.state import BaseSilentState, agree_across_ranks, stats_kernel_problem
-from ddphooks.stats import ABSENT, FAILED, REPLICA_CHECK_REQUESTED, STATUS, BucketLayout, SilentStats, slot_size
+from ddphooks.stats import ABSENT, REPLICA_CHECK_REQUESTED, BucketLayout, SilentStats, slot_size
 from ddphooks.watchdog import SyncWatchdog
 
 CommHook = Callable[[object, dist.GradBucket], torch.futures.Future]
@@ -467,12 +467,12 @@ class SilentState(BaseSilentState):
             except Exception as error:
                 record.error = error
                 slots.zero_()
-        self._say_failed(record.step, record.error)
-        record.failed, record.error = True, None
         if record.fleet is None:
-            slots[self.rank * slot + STATUS] = FAILED
+            self._send_failed(record.step, record.error, slots[self.rank * slot : (self.rank + 1) * slot])
         else:
-            slots[record.fleet.part("per_rank").start + self.rank * fleet.PER_RANK + fleet.WIRE_STATUS] = FAILED
+            rows = slots[record.fleet.part("per_rank")].view(self.world_size, fleet.PER_RANK)
+            self._send_failed(record.step, record.error, rows[self.rank], fleet.WIRE_STATUS)
+        record.failed, record.error = True, None
 
     def _pack(self, record: _Step, slots: torch.Tensor, slot: int, status: int) -> None:
         """Write this rank's share of the step's statistics into the zeroed ``slots``: its slot at

@@ -22,7 +22,7 @@ from ddphooks.records import RecordBuilder
 from ddphooks.sinks import Sink
 from ddphooks.sinks.base import bind_sink
 from ddphooks.sketch import BucketStatsKernel, SignTable, sketch_bins
-from ddphooks.stats import SilentStats, slot_size
+from ddphooks.stats import FAILED, STATUS, SilentStats, slot_size
 from ddphooks.writer import RecordWriter
 
 logger = logging.getLogger("ddphooks")
@@ -223,12 +223,15 @@ class BaseSilentState:
         hold up training (see ``ddphooks.pipeline``). A bound state only."""
         self._pipeline.warn(message, *args)
 
-    def _say_failed(self, step: int, error: BaseException) -> None:
-        """This rank's statistics of ``step`` failed (a bug in ddphooks): say why here; its slot
-        goes out as zeros and ``FAILED``, and every rank, this one too, builds the step's
-        statistics from the same gathered slots and leaves the step unmeasured (``failed_ranks``),
-        so that the ranks' next steps still compare alike."""
+    def _send_failed(self, step: int, error: BaseException, row: torch.Tensor, status_index: int = STATUS) -> None:
+        """This rank's statistics of ``step`` failed (a bug in ddphooks): say why here, and write
+        its ``row`` of the step's gathered buffer as zeros and ``FAILED`` (at ``status_index``).
+        Every rank, this one too, then builds the step's statistics from the same gathered slots
+        and leaves the step unmeasured (``failed_ranks``), so that the ranks' next steps still
+        compare alike; the collective keeps its size."""
         self._warn("ddphooks: the statistics of step %d failed on this rank: %r; its slot went out as FAILED, so no rank measures the step (training is unchanged)", step, error)
+        row.zero_()
+        row[status_index] = FAILED
 
     def _warn_no_loss(self, step: int) -> None:
         skipped = self._losses.skipped
