@@ -42,10 +42,16 @@ warm-up, so it scores):
 
 A second table runs the same model under FSDP2 (``fully_shard`` on every decoder layer and the
 root, a W-shard mesh, ``attach`` with the detector and the replica check off: the fake collectives
-leave FSDP2's buffers and the other ranks' slots as they are):
-the statistics pass inside the reduce-scatters per step (training thread), FSDP2's reduce-scatter
-input per step (each parameter padded to a multiple of W rows: it grows with W on a small model)
-and the pass per element of it, and the step (forward and backward, no communication) for scale.
+leave FSDP2's buffers and the other ranks' slots as they are), each W twice like the DDP rows
+(whole slots, ``gather_max_world=None``, and the compact wire, ``gather_max_world=1``):
+the statistics pass inside the reduce-scatters per step (training thread), the end of backward
+(packing this rank's share, the statistics' all-reduce, a no-op here, this rank's own values with
+the compact wire and building the step's statistics), FSDP2's reduce-scatter input per step (each
+parameter padded to a multiple of W rows: it grows with W on a small model) and the pass per
+element of it, what the statistics add to the step's communication (the W rows of slot and
+reduced shard norms, W x (slot + parameters) x 4 B, or the compact wire with its P reduced
+norms), the state's kept memory (as above), and the step (forward and backward, no
+communication) for scale.
 
     python benchmarks/scale.py                  # W = 8, 64, 256, 1024, 4096, a 16 M-parameter tiny Llama (273 tensors)
     python benchmarks/scale.py --quick          # W = 8, 64 and 512, a 2-layer tiny Llama (seconds)
@@ -393,9 +399,10 @@ def _measure(world: int, model_args: dict, steps: int, collectives: FakeCollecti
     return result
 
 
-def measure_fsdp(world: int, model_args: dict, steps: int) -> dict:
-    """The FSDP2 statistics pass at ``world`` shards: ms per step inside ddphooks' reduce-scatter
-    measurement, the reduce-scatter input per step, and the step itself."""
+def measure_fsdp(world: int, model_args: dict, steps: int, gather_max_world: int | None = None) -> dict:
+    """The FSDP2 statistics at ``world`` shards with either wire: ms per step inside ddphooks'
+    reduce-scatter measurement and at the end of backward, the reduce-scatter input per step,
+    the statistics' bytes per step, the state's kept memory and the step itself."""
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
         mesh = init_device_mesh("cpu", (world,))
@@ -403,11 +410,11 @@ def measure_fsdp(world: int, model_args: dict, steps: int) -> dict:
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        # Only the pass is timed here: the other ranks' slots stay empty on the fake group, so
-        # the detector and the replica check (which would compare them) are off.
-        state = ddphooks.attach(model, detect=False, check_replicas_every=0)
-        spent, elements = [], []
-        measure_group = state._measure
+        # Only the statistics' own work is timed here: the other ranks' slots stay empty on the
+        # fake group, so the detector and the replica check (which would compare them) are off.
+        state = ddphooks.attach(model, detect=False, check_replicas_every=0, gather_max_world=gather_max_world)
+        spent, elements, gathered, wire = [], [], [], []
+        measure_group, gather = state._measure, state._gather
 
         def timed_measure(comm, output, flat):
             start = time.perf_counter()
@@ -415,30 +422,64 @@ def measure_fsdp(world: int, model_args: dict, steps: int) -> dict:
             spent[-1] += time.perf_counter() - start
             elements[-1] += flat.numel()
 
-        state._measure = timed_measure
+        def timed_gather(record):
+            start = time.perf_counter()
+            try:
+                return gather(record)
+            finally:
+                gathered[-1] += time.perf_counter() - start
+
+        all_reduce = dist.all_reduce
+
+        def counted_all_reduce(tensor, *args, **kwargs):  # the statistics' all-reduce: on the state's buffer
+            if state._slots is not None and tensor.untyped_storage().data_ptr() == state._slots.untyped_storage().data_ptr():
+                wire[-1] += tensor.numel()
+            return all_reduce(tensor, *args, **kwargs)
+
+        state._measure, state._gather, dist.all_reduce = timed_measure, timed_gather, counted_all_reduce
         generator = torch.Generator().manual_seed(1)
         step_s = []
-        for _ in range(WARMUP + steps):
-            spent.append(0.0)
-            elements.append(0)
-            tokens = torch.randint(0, model_args["vocab_size"], (BATCH, TOKENS), generator=generator)
-            start = time.perf_counter()
-            model(input_ids=tokens, labels=tokens).loss.backward()
-            step_s.append(time.perf_counter() - start)
-            state.flush()
+        try:
+            for _ in range(WARMUP + steps):
+                spent.append(0.0)
+                gathered.append(0.0)
+                elements.append(0)
+                wire.append(0)
+                tokens = torch.randint(0, model_args["vocab_size"], (BATCH, TOKENS), generator=generator)
+                start = time.perf_counter()
+                model(input_ids=tokens, labels=tokens).loss.backward()
+                step_s.append(time.perf_counter() - start)
+                state.flush()
+        finally:
+            dist.all_reduce = all_reduce
+        stats = state.latest
+        kept = retained_bytes(state)
         state.close()
-        spent, step_s = spent[WARMUP:], step_s[WARMUP:]
+        spent, gathered, step_s, wire = spent[WARMUP:], gathered[WARMUP:], step_s[WARMUP:], wire[WARMUP:]
+        slot_bytes = 4 * statistics.median(wire)
         return {
             "world_size": world,
+            "wire": "compact" if isinstance(stats, fleet.FleetStats) else "whole slots",
             "pass_ms": 1e3 * statistics.median(spent),
             "pass_ms_iqr": [1e3 * q for q in quartiles(spent)],
+            "end_of_backward_ms": 1e3 * statistics.median(gathered),
             "input_elements": elements[-1],
             "pass_ns_per_element": 1e9 * statistics.median(spent) / elements[-1],
+            "wire_numel": statistics.median(wire),
+            "slot_bytes_per_step": slot_bytes,
+            "slot_fraction_of_gradient_bytes": slot_bytes / (4 * parameter_count(model)),
+            "kept_bytes": kept,
             "step_ms": 1e3 * statistics.median(step_s),
         }
     finally:
         dist.destroy_process_group()
         gc.collect()
+
+
+def wire_label(wire: str, world: int) -> str:
+    """The table's wire column: the wire, and "(default)" where attach's defaults send it at ``world``."""
+    default = (wire == "compact") == (DEFAULTS.gather_max_world is not None and world > DEFAULTS.gather_max_world)
+    return f"{wire} (default)" if default else wire
 
 
 def main() -> None:
@@ -473,8 +514,7 @@ def main() -> None:
             r = measure(world, model_args, steps, gather_max_world, args.device)
             rows.append(r)
             q1, q3 = r["in_hook_ms_beyond_allreduce_iqr"]
-            default = (r["wire"] == "compact") == (DEFAULTS.gather_max_world is not None and world > DEFAULTS.gather_max_world)
-            print(f"| {world} | {r['wire']}{' (default)' if default else ''} | {r['in_hook_ms_beyond_allreduce']:.1f} [{q1:.1f}, {q3:.1f}] ({r['silent_hook_ms']:.1f} - {r['allreduce_hook_ms']:.1f}; slots {r['slot_parts_ms']:.1f}) "
+            print(f"| {world} | {wire_label(r['wire'], world)} | {r['in_hook_ms_beyond_allreduce']:.1f} [{q1:.1f}, {q3:.1f}] ({r['silent_hook_ms']:.1f} - {r['allreduce_hook_ms']:.1f}; slots {r['slot_parts_ms']:.1f}) "
                   f"| {r['detector_ms']:.2f} | {r['slot_bytes_per_step']:,.0f} ({100 * r['slot_fraction_of_gradient_bytes']:.3f}%) | {r['amortised_bytes_per_step']:,.0f} "
                   f"| {r['compact_record_bytes']:,d} | {r['detail_record_bytes']:,d} | {r['kept_bytes'] / 2**20:.1f} | {r['replica_check_ms']:.1f} |", flush=True)  # fmt: skip
     if rows:
@@ -484,17 +524,21 @@ def main() -> None:
               f"W = {last['world_size']}: " + ", ".join(f"{t['path']} {t['bytes'] / 2**20:.1f} MB" for t in last["kept_largest"][:3]))  # fmt: skip
     if args.only != "ddp":
         print("\nFSDP2 (fully_shard per decoder layer and the root, W shards): the statistics pass inside the reduce-scatters, "
-              "median [IQR] per step\n")
-        print("| W | FSDP2 statistics pass ms/step | reduce-scatter input elements/step | ns per element | step ms (no communication) |")
-        print("|---|---|---|---|---|")
+              "median [IQR] per step; the end of backward (pack, all-reduce, statistics)\n")
+        print("| W | wire | FSDP2 statistics pass ms/step | end of backward ms | reduce-scatter input elements/step | ns per element "
+              "| statistics bytes/step (% of gradient bytes) | kept MB | step ms (no communication) |")
+        print("|---|---|---|---|---|---|---|---|---|")
     fsdp_rows = []
     for world in worlds if args.only != "ddp" else []:
         if world > args.fsdp_max_world or args.device != "cpu":
             continue
-        r = measure_fsdp(world, model_args, steps)
-        fsdp_rows.append(r)
-        q1, q3 = r["pass_ms_iqr"]
-        print(f"| {world} | {r['pass_ms']:.1f} [{q1:.1f}, {q3:.1f}] | {r['input_elements']:,d} | {r['pass_ns_per_element']:.2f} | {r['step_ms']:.0f} |", flush=True)
+        for gather_max_world in (None, 1):  # every rank's whole slot; the compact wire (ddphooks.fleet)
+            r = measure_fsdp(world, model_args, steps, gather_max_world)
+            fsdp_rows.append(r)
+            q1, q3 = r["pass_ms_iqr"]
+            print(f"| {world} | {wire_label(r['wire'], world)} | {r['pass_ms']:.1f} [{q1:.1f}, {q3:.1f}] | {r['end_of_backward_ms']:.1f} "
+                  f"| {r['input_elements']:,d} | {r['pass_ns_per_element']:.2f} | {r['slot_bytes_per_step']:,.0f} ({100 * r['slot_fraction_of_gradient_bytes']:.3f}%) "
+                  f"| {r['kept_bytes'] / 2**20:.1f} | {r['step_ms']:.0f} |", flush=True)  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"date": str(date.today()), "torch": torch.__version__, "model": model_args, "rows": rows, "fsdp_rows": fsdp_rows}, f, indent=1)

@@ -17,7 +17,7 @@ from ddphooks.loss import describe_output, loss_of
 
 #: Settings of ``SilentState`` that only DDP's hook has.
 DDP_ONLY_SETTINGS = {"transport", "piggyback_limit_mb", "comm_hook", "comm_state", "watch_sync"}
-#: Settings of the compact wire (``ddphooks.fleet``), built for DDP's transport only so far.
+#: Settings of the compact wire (``ddphooks.fleet``), built for DDP's and FSDP2's transports (not DeepSpeed's).
 COMPACT_WIRE_SETTINGS = {"gather_max_world", "sampled_ranks"}
 
 #: ``loss_from(module, args, kwargs, output)``: the rank's scalar loss of one forward, or None.
@@ -148,7 +148,7 @@ def _attach_sharded(root: torch.nn.Module, state, loss_from: LossFrom | None, se
     """``attach`` for an FSDP2 root: a ``ShardedSilentState`` measuring its reduce-scatters."""
     from ddphooks.fsdp import ShardedSilentState
 
-    return _attach_per_step(root, state, loss_from, settings, ShardedSilentState, "ddphooks.fsdp", "an FSDP2 model", "FSDP2", "model")
+    return _attach_per_step(root, state, loss_from, settings, ShardedSilentState, "ddphooks.fsdp", "an FSDP2 model", "FSDP2", "model", compact_wire=True)
 
 
 def _attach_deepspeed(engine: torch.nn.Module, state, loss_from: LossFrom | None, settings: dict):
@@ -158,9 +158,10 @@ def _attach_deepspeed(engine: torch.nn.Module, state, loss_from: LossFrom | None
     return _attach_per_step(engine, state, loss_from, settings, DeepSpeedSilentState, "ddphooks.deepspeed", "a DeepSpeed engine", "DeepSpeed", "engine")
 
 
-def _attach_per_step(target: torch.nn.Module, state, loss_from, settings: dict, state_class, module: str, what: str, stack: str, noun: str):
+def _attach_per_step(target: torch.nn.Module, state, loss_from, settings: dict, state_class, module: str, what: str, stack: str, noun: str, compact_wire: bool = False):
     """The shared part of ``attach`` for the transports that gather a step in one all-reduce
-    (FSDP2, DeepSpeed): check the arguments, bind ``state_class``, capture the loss."""
+    (FSDP2, DeepSpeed): check the arguments (the compact wire's settings only where
+    ``compact_wire``), bind ``state_class``, capture the loss."""
     if state is not None and settings:
         raise TypeError(f"attach takes either state= or settings, not both (got state and {sorted(settings)})")
     if state is not None and not isinstance(state, state_class):
@@ -169,9 +170,9 @@ def _attach_per_step(target: torch.nn.Module, state, loss_from, settings: dict, 
     if ddp_only:
         raise TypeError(f"{', '.join(ddp_only)} appl{'ies' if len(ddp_only) == 1 else 'y'} to DDP only; under {stack} the statistics travel in one all-reduce per step: drop {'it' if len(ddp_only) == 1 else 'them'}")
     compact = sorted(set(settings) & COMPACT_WIRE_SETTINGS)
-    if compact:
+    if compact and not compact_wire:
         raise TypeError(
-            f"{', '.join(compact)} (the compact wire, ddphooks.fleet) {'is' if len(compact) == 1 else 'are'} built for DDP only so far; "
+            f"{', '.join(compact)} (the compact wire, ddphooks.fleet) {'is' if len(compact) == 1 else 'are'} built for DDP and FSDP2 only so far; "
             f"under {stack} every rank's whole slot travels at any world size: drop {'it' if len(compact) == 1 else 'them'}"
         )
     if getattr(target, "_ddphooks_state", None) is not None:

@@ -42,9 +42,12 @@ buffer, each part summed over the ranks (a rank writes zeros where it has nothin
    (``FINGERPRINT_BINS`` bins and one for ``NOT_COMPARED``: T x 65 counts, each rank adds a one);
    a rank whose bin is not the tensor's only most common one, in any tensor, differs: it knows
    it after the all-reduce and says so in the next instrumented step's status
-   (``REPLICA_DIFFERS``), where the record's ``replicas`` names it (``replica_verdict``).
+   (``REPLICA_DIFFERS``), where the record's ``replicas`` names it (``replica_verdict``);
+6. under FSDP2 only (``FleetLayout.reduced``), per parameter the squared norm of the rank's shard
+   of the averaged gradient: their sum is ``|gbar_p|^2``, which no rank holds whole (DDP computes
+   it from its own averaged buckets and sends no such part).
 
-Per rank and step: 24 B x W plus 4 (sampled x P + 4P + B + 1 + 2k) B: 122 KB at W = 4096 (P =
+Per rank and step: 24 B x W plus 4 (sampled x P + 4P + B + 1 + 2k) B (FSDP2: 4P B more): 122 KB at W = 4096 (P =
 273, k = 256, 16 sampled ranks; #42's budget 64 KB + 16 B x W holds up to W = 5203), against
 8.6 MB for every rank's whole slot; a replica-check step
 adds 4 x 65 B per tensor (72 KB for 275 tensors) instead of 8 B per tensor and rank (9 MB).
@@ -148,7 +151,13 @@ def sampled_ranks(world: int, sampled: int, index: int) -> list[int]:
 
 @dataclass(frozen=True)
 class FleetLayout:
-    """Where each part sits in the compact wire's flat buffer of one step (see the module docstring)."""
+    """Where each part sits in the compact wire's flat buffer of one step (see the module docstring).
+
+    ``reduced``: numbers of the last part, ``reduced_sq``, a plain sum over the ranks that only a
+    sharded transport fills: under FSDP2 each rank holds its shard of the averaged gradient and
+    adds ``|its shard of gbar_p|^2`` per parameter (``n_params`` numbers), which sum to
+    ``|gbar_p|^2``; DDP computes the reduced norms from its own averaged buckets (0: no part, the
+    wire unchanged)."""
 
     world: int
     n_params: int
@@ -156,6 +165,7 @@ class FleetLayout:
     bins: int
     sampled: int
     fingerprinted: int = 0
+    reduced: int = 0
 
     @property
     def rows(self) -> int:
@@ -176,6 +186,7 @@ class FleetLayout:
             "sketch_sum": self.bins,
             "unit_sum": self.bins,
             "fingerprints": self.fingerprinted * (FINGERPRINT_BINS + 1),
+            "reduced_sq": self.reduced,
         }
         bounds, begin = {}, 0
         for name, size in sizes.items():
@@ -189,7 +200,7 @@ class FleetLayout:
 
     @property
     def size(self) -> int:
-        return self._bounds["fingerprints"][1]
+        return self._bounds["reduced_sq"][1]
 
 
 def pack(

@@ -12,7 +12,9 @@ Why a separate all-reduce rather than riding on the reduce-scatter: a reduce-sca
 rank 1/W of its input, so carrying every rank's slot to every rank would need ``W`` slot copies
 in each row of the last group's ``(W, C)`` buffer (a copy of the buffer, and W^2 slots), and
 under HSDP the reduce-scatter does not reach the other replicas at all. One all-reduce of ``W``
-slots per step (a few KB) costs no copy of any gradient.
+slots per step (a few KB) costs no copy of any gradient. Above ``gather_max_world`` ranks plain
+FSDP2 sends the compact wire (``ddphooks.fleet``) in that all-reduce instead, whose size does not
+grow with W; HSDP keeps the W slots (see ``ShardedSilentState``).
 
 Example::
     >>> fully_shard(layer) for layer in model.layers; fully_shard(model)
@@ -22,7 +24,7 @@ Example::
 """
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -35,8 +37,8 @@ from ddphooks.detect import DetectorConfig
 from ddphooks.replicas import ReplicaTensors
 from ddphooks.sinks import Sink
 from ddphooks.sketch import ACCELERATOR_CHUNK_ELEMS, CPU_CHUNK_ELEMS, BucketPlan, squared_norms
-from ddphooks.state import BaseSilentState, agree_across_ranks, stats_kernel_problem
-from ddphooks.stats import BucketLayout, SilentStats
+from ddphooks.state import BaseSilentState, StepRecord, agree_across_ranks, stats_kernel_problem
+from ddphooks.stats import BucketLayout, SilentStats, slot_size
 
 @dataclass
 class _GroupEntry:
@@ -50,16 +52,14 @@ class _GroupEntry:
     sq_norms: torch.Tensor  # fp32, one per parameter (summed over the rows), rewritten on every instrumented step
 
 
-@dataclass
-class _ShardedStep:
+class _ShardedStep(StepRecord):
     """One synchronised backward: what each reduce-scatter measured, in call order."""
 
-    step: int
-    layouts: list[BucketLayout] = field(default_factory=list)
-    local_sq: list[torch.Tensor] = field(default_factory=list)
-    outputs: list[tuple[torch.Tensor, list[int]]] = field(default_factory=list)  # reduced shard, its lengths
-    streams: list[object] = field(default_factory=list)  # where the measurements ran (accelerators)
-    error: BaseException | None = None
+    def __init__(self, step: int) -> None:
+        super().__init__(step)
+        self.transport = "separate"  # the statistics' own all-reduce, after the reduce-scatters
+        self.outputs: list[tuple[torch.Tensor, list[int]]] = []  # reduced shard, its lengths
+        self.streams: list[object] = []  # where the measurements ran (accelerators)
 
 
 class _MeasuredReduceScatter(ReduceScatter):
@@ -85,7 +85,8 @@ class ShardedSilentState(BaseSilentState):
 
     ``ddphooks.attach(model)`` creates it for a ``fully_shard`` root; the arguments are those of
     :class:`ddphooks.SilentState` without the DDP-only ones (``transport``,
-    ``piggyback_limit_mb``, ``comm_hook``, ``comm_state``, ``watch_sync``).
+    ``piggyback_limit_mb``, ``comm_hook``, ``comm_state``, ``watch_sync``); ``gather_max_world``
+    and ``sampled_ranks`` choose the wire as under DDP (below).
 
     On a synchronised backward (FSDP2 skips the reduce-scatter inside
     ``set_requires_gradient_sync(False)``, which is how it accumulates gradients):
@@ -101,7 +102,15 @@ class ShardedSilentState(BaseSilentState):
        ``[loss_sum, loss_count, status, |g_p|^2, sketch, fingerprints | |gbar_p shard|^2]`` into its row
        of a ``W x slot`` buffer, zeros elsewhere, and one all-reduce (SUM) over the data-parallel
        mesh gathers them. ``|gbar_p|^2`` is the sum of the shards' squares over one replica.
-    4. ``state.latest`` becomes the step's ``SilentStats``, before ``backward()`` returns.
+       Above ``gather_max_world`` ranks (16 by default) plain FSDP2 sends the compact wire
+       instead (``ddphooks.fleet``, as DDP does: its size does not grow with W like W slots do,
+       and each rank's cosines and layer level reach the records one instrumented step late),
+       with one more part: each rank adds its shards' ``|gbar_p shard|^2``, whose sum over the
+       ranks is ``|gbar_p|^2`` (``FleetLayout.reduced``). HSDP keeps every rank's whole slot at
+       any W, and says so once: its replica check compares each parameter shard within its
+       replica group, which the compact wire's one histogram per tensor cannot.
+    4. ``state.latest`` becomes the step's ``SilentStats`` (``FleetStats`` with the compact
+       wire), before ``backward()`` returns.
 
     Gradients are never modified; nothing of the statistics raises into backward. The replica
     check compares fingerprints where two ranks should hold the same bits: under HSDP each
@@ -130,6 +139,8 @@ class ShardedSilentState(BaseSilentState):
         detail_every: int = 100,
         detail_max_world: int = 64,
         per_rank_max_world: int = 256,
+        gather_max_world: int | None = 16,
+        sampled_ranks: int = 16,
         max_pending_records: int = 1024,
         detect: bool | DetectorConfig = True,
         check_replicas_every: int = 100,
@@ -137,9 +148,9 @@ class ShardedSilentState(BaseSilentState):
     ) -> None:
         settings = dict(
             sketch_dim=sketch_dim, every=every, seed=seed, log_rank=log_rank, chunk_elems=chunk_elems, stats_kernel=stats_kernel,
-            detail_every=detail_every, detail_max_world=detail_max_world, per_rank_max_world=per_rank_max_world, max_pending_records=max_pending_records,
+            detail_every=detail_every, detail_max_world=detail_max_world, per_rank_max_world=per_rank_max_world,
+            gather_max_world=gather_max_world, sampled_ranks=sampled_ranks, max_pending_records=max_pending_records,
             detect=detect, check_replicas_every=check_replicas_every, watch_sync=False,
-            gather_max_world=None,  # the compact wire is DDP's transport's: every rank's whole slot at any W
         )  # fmt: skip
         super().__init__(settings, sinks=sinks, on_alert=on_alert)
         self._model = None
@@ -295,6 +306,8 @@ class ShardedSilentState(BaseSilentState):
             self._losses.reset()
 
     def _gather(self, record: _ShardedStep) -> SilentStats | BaseException:
+        if not record.layouts:  # no group's layout could be built (_entry): alike on every rank, so none joins the all-reduce
+            return record.error or RuntimeError(f"no reduce-scatter of step {record.step} was measured")
         device = record.local_sq[0].device
         if record.streams:  # accelerators: the measurements ran on FSDP2's reduce-scatter stream
             current = torch.accelerator.current_stream(device)
@@ -305,29 +318,65 @@ class ShardedSilentState(BaseSilentState):
         if self._losses.first_missing():
             self._warn_no_loss(record.step)
         n_params = sum(len(layout.names) for layout in record.layouts)
-        fingerprinted, fingerprint, slot, slots = self._slots_of_step(record.step, n_params, device)
-        rows = slots.view(self.world_size, slot + n_params)
-        mine = rows[self.rank]
-        try:
-            if record.error is None:
-                self._pack_slot(record.local_sq, fingerprint, mine[:slot])
-                offset = slot
-                for output, lengths in record.outputs:  # this rank's shard of the averaged gradient
-                    squared_norms(output, lengths, mine[offset : offset + len(lengths)], fused=device.type != "cpu")
-                    offset += len(lengths)
-        except Exception as error:
-            record.error = error
-        if record.error is not None:  # still join the all-reduce (every rank waits in it): zeros, FAILED
-            self._send_failed(record.step, record.error, mine)
+        record.fingerprinted, record.fingerprint = self._scheduled_fingerprint(record.step, device)
+        record.fleet = self._wire_layout(record, n_params)
+        if record.fleet is None:  # every rank's whole slot, then its shards' squared norms: a row of `stride`
+            slot, slots = self._whole_slots(n_params, len(record.fingerprinted), device)
+            stride = slot + n_params
+        else:
+            stride = record.fleet.size
+            slots = self._stats_buffer("_slots", stride, torch.float32, device, self._fleet_capacity(record.fleet))
+        self._pack_or_fail(record, slots, stride, 0)  # a failure sends zeros and FAILED: every rank waits in the all-reduce
         dist.all_reduce(slots, group=self.process_group)
         try:
+            if record.fleet is not None:
+                self._keep_fleet(record, slots)
+                return self._fleet_stats(record, record.gathered[record.fleet.part("reduced_sq")])
+            rows = slots.view(self.world_size, stride)
             reduced = rows[:, slot:].sum(dim=0).div_(self._replicas)  # every replica holds the same shards
             return SilentStats(
-                record.step, self.world_size, record.layouts, rows[:, :slot].clone(), reduced, self.bins, "separate",
-                fingerprinted, previous=self._previous_stats, replica_groups=self._replica_groups,
+                record.step, self.world_size, record.layouts, rows[:, :slot].clone(), reduced, self.bins, record.transport,
+                record.fingerprinted, previous=self._previous_stats, replica_groups=self._replica_groups,
             )  # fmt: skip
         except Exception as error:
             return error
+
+    def _wire_layout(self, record: _ShardedStep, n_params: int):
+        """The compact wire's layout of this step (``_fleet_layout``, with the shards' summed
+        reduced norms), or None: every rank's whole slot, up to ``gather_max_world`` ranks and
+        under HSDP at any W (its replica check compares each parameter shard within its replica
+        group; the compact wire's histograms have one bin set per tensor, for the whole mesh)."""
+        layout = self._fleet_layout(record, n_params, reduced=n_params)
+        if layout is None or self._replicas == 1:
+            return layout
+        self._say_once(
+            "hsdp_wire",
+            "ddphooks: HSDP on %d ranks (%d replicas) sends every rank's whole slot although W is above gather_max_world=%d: "
+            "its replica check compares each parameter shard within its replica group, which the compact wire cannot; "
+            "the statistics' share of the all-reduce grows with W (W x %d numbers a step)",
+            self.world_size, self._replicas, self.config.gather_max_world, slot_size(n_params, self.bins) + n_params,
+        )  # fmt: skip
+        return None
+
+    def _pack(self, record: _ShardedStep, slots: torch.Tensor, stride: int, status: int) -> None:
+        """Write this rank's share of the step into the zeroed ``slots`` (``_pack_or_fail``): with
+        the compact wire its parts and its shards' squared norms in the summed ``reduced_sq``,
+        else its row of ``stride`` numbers, its whole slot, then its shards' squared norms."""
+        if record.fleet is not None:
+            self._pack_fleet(record, slots, status)
+            self._shard_norms(record, slots[record.fleet.part("reduced_sq")])
+            return
+        mine = slots[self.rank * stride : (self.rank + 1) * stride]
+        slot = stride - sum(len(layout.names) for layout in record.layouts)
+        self._pack_slot(record.local_sq, record.fingerprint, mine[:slot], status)
+        self._shard_norms(record, mine[slot:])
+
+    def _shard_norms(self, record: _ShardedStep, out: torch.Tensor) -> None:
+        """Per parameter, ``|this rank's shard of gbar_p|^2`` (the reduce-scatters' outputs) into ``out``."""
+        offset = 0
+        for output, lengths in record.outputs:
+            squared_norms(output, lengths, out[offset : offset + len(lengths)], fused=out.device.type != "cpu")
+            offset += len(lengths)
 
     def _say_once(self, key: str, message: str, *args) -> None:
         if key not in self._said:

@@ -16,14 +16,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from ddphooks import fleet
 from ddphooks.config import SilentConfig
 from ddphooks.detect import DetectorConfig
 from ddphooks.devices import match_intra_op_threads
 from ddphooks.replicas import ReplicaTensors
 from ddphooks.sinks import Sink
 from ddphooks.sketch import ACCELERATOR_CHUNK_ELEMS, CPU_CHUNK_ELEMS, BucketPlan, squared_norms
-from ddphooks.state import BaseSilentState, agree_across_ranks, stats_kernel_problem
+from ddphooks.state import BaseSilentState, StepRecord, agree_across_ranks, stats_kernel_problem
 from ddphooks.stats import ABSENT, REPLICA_CHECK_REQUESTED, BucketLayout, SilentStats, slot_size
 from ddphooks.watchdog import SyncWatchdog
 
@@ -67,7 +66,7 @@ class _BucketEntry:
     data_ptr: int = 0  # where the bucket's buffer lives (DDP keeps it from step to step)
 
 
-class _Step:
+class _Step(StepRecord):
     """One instrumented step, shared between the hook calls and the communication callbacks.
 
     Bucket futures complete in any order and gloo runs their callbacks on its own threads, so
@@ -75,28 +74,13 @@ class _Step:
     """
 
     def __init__(self, step: int, device: torch.device) -> None:
-        self.step = step
-        self.layouts: list[BucketLayout] = []
-        self.local_sq: list[torch.Tensor] = []
+        super().__init__(step)
         self.reduced_sq: list[torch.Tensor | None] = []
         self.fused = device.type != "cpu"  # fused multi-tensor norms of the reduced buckets (accelerators)
         self.kernel: object = None  # the statistics kernel; its ``norms`` (the Triton kernel) takes the reduced norms
         self.plans: list[BucketPlan] = []
-        self.fingerprinted: list[str] = []  # names of the tensors fingerprinted on a replica-check step
-        self.fingerprint: torch.Tensor | None = None
-        self.gathered: torch.Tensor | None = None
-        self.fleet: fleet.FleetLayout | None = None  # the compact wire's layout (above gather_max_world), None: whole slots
-        self.sampled: list[int] = []  # with the compact wire: the ranks whose per-parameter norms travel
-        self.cosines_step: int | None = None  # with the compact wire: the step of the values this rank sends
-        self.replica_check: object = None  # with the compact wire, after a replica check: that step's FleetStats
-        self.param_sq: torch.Tensor | None = None  # with the compact wire: this rank's P squared norms, as packed
-        self.transport = ""
-        self.absent = False  # this rank has joined under Join: it contributes zeros and is left out
-        self.divided_by_present = False  # the sum was divided by the ranks present (Join, divide_by_initial_world_size=False)
         self.n_buckets: int | None = None  # set before the last bucket is launched
         self.done = 0
-        self.error: BaseException | None = None
-        self.failed = False  # this rank's pass or packing failed: its slot went out as FAILED
         self.lock = threading.Lock()
 
 
@@ -264,12 +248,6 @@ class SilentState(BaseSilentState):
         self._forward_since_step = False  # a training forward ran on this rank since the last step
         self._joined = False  # this rank has joined under Join: DDP's join hook reduces zeros for it
         self._divisor: torch.Tensor | None = None  # the ranks present this step, where the average is over them
-        # -- the compact wire (above gather_max_world): this rank's values, sent one step late -------
-        self._own_values: torch.Tensor | None = None  # [cos_loo, cos_previous, layer level, layer parameter] of _own_values_step
-        self._own_values_step: int | None = None
-        self._own_previous: tuple[list[BucketLayout], torch.Tensor] | None = None  # layouts and sketch of the last step
-        self._layer_state: tuple[list[BucketLayout], fleet.LayerState] | None = None  # layouts and this rank's layer CUSUM
-        self._replica_differs: tuple[int, torch.Tensor] | None = None  # the last replica check's step and this rank's verdict (1: it differs)
         self._watch_forwards(model)
         self._bound = True
 
@@ -443,89 +421,13 @@ class SilentState(BaseSilentState):
         self._buckets[index] = entry
         return entry
 
-    def _fleet_layout(self, record: _Step, n_params: int) -> "fleet.FleetLayout | None":
-        """The compact wire's layout of this step above ``gather_max_world`` ranks (None: every
-        rank's whole slot). It sets the all-reduce's size, so it depends only on what every rank
-        shares: W, the bucket layouts, the settings and whether this is a replica-check step."""
-        limit = self.config.gather_max_world
-        if limit is None or self.world_size <= limit:
-            return None
-        return fleet.FleetLayout(self.world_size, n_params, len(record.layouts), self.bins, self.config.sampled_ranks, len(record.fingerprinted))
-
-    def _pack_or_fail(self, record: _Step, slots: torch.Tensor, slot: int, status: int) -> None:
-        """Zero ``slots`` and write this rank's share of the step into them, or, where this rank's
-        statistics failed (its pass, or the packing itself: a bug), only the status ``FAILED``.
-
-        A failure must neither raise into backward nor change the collective, which every rank
-        has sized alike: the rank sends zeros and the flag, every rank then leaves the step
-        unmeasured (``SilentStats.failed_ranks``), and the gradients' all-reduce is unchanged."""
-        slots.zero_()
-        if record.error is None:
-            try:
-                self._pack(record, slots, slot, status)
-                return
-            except Exception as error:
-                record.error = error
-                slots.zero_()
-        if record.fleet is None:
-            self._send_failed(record.step, record.error, slots[self.rank * slot : (self.rank + 1) * slot])
-        else:
-            rows = slots[record.fleet.part("per_rank")].view(self.world_size, fleet.PER_RANK)
-            self._send_failed(record.step, record.error, rows[self.rank], fleet.WIRE_STATUS)
-        record.failed, record.error = True, None
-
     def _pack(self, record: _Step, slots: torch.Tensor, slot: int, status: int) -> None:
         """Write this rank's share of the step's statistics into the zeroed ``slots``: its slot at
         its row, or its parts of the compact wire."""
         if record.fleet is None:
             self._pack_slot(record.local_sq, record.fingerprint, slots[self.rank * slot : (self.rank + 1) * slot], status)
             return
-        own = self._own_values
-        if own is None or own.device != slots.device:
-            own = torch.full((fleet.OWN_VALUES,), float("nan"), dtype=torch.float32, device=slots.device)
-        record.cosines_step = self._own_values_step if self._own_values is not None else None
-        # The previous step's layer levels, the same on every rank (its gathered rows): they choose
-        # half the sampled ranks, so a rank whose layer stands out sends its layer view every step.
-        previous = self._previous_stats
-        try:
-            scores = previous.layer_scores if isinstance(previous, fleet.FleetStats) else None
-        except Exception:  # never into backward: the window alone (only which rows, not the size, could differ)
-            scores = None
-        record.sampled = fleet.choose_sampled(self.world_size, self.config.sampled_ranks, record.step // self.config.every, scores)
-        fingerprint = None if record.fingerprint is None else record.fingerprint.to(slots.device)
-        # After a replica check: this rank's verdict in its status, the check's histograms in the
-        # statistics (every rank has the same previous statistics: the same record).
-        differs, self._replica_differs = self._replica_differs, None
-        if differs is not None and isinstance(previous, fleet.FleetStats) and previous.step == differs[0]:
-            record.replica_check, differs = previous, differs[1].to(slots.device)
-        else:
-            differs = None
-        # This rank's rises of its previous step, for the layer CUSUMs' pooled scale.
-        layer = self._layer_state_of(record.layouts)
-        sketch = self._sketch if self.bins else None
-        record.param_sq = fleet.pack(record.fleet, record.sampled, self.rank, self._head(status, slots.device), record.local_sq, sketch, own, fingerprint, record.absent, slots, differs, layer)
-
-    def _layer_state_of(self, layouts: list[BucketLayout]) -> "fleet.LayerState | None":
-        """This rank's layer CUSUM where it is of these bucket layouts; None after DDP's bucket
-        rebuild reordered the parameters (the CUSUM restarts)."""
-        kept = self._layer_state
-        return kept[1] if kept is not None and kept[0] == layouts else None
-
-    def _fleet_stats(self, record: _Step) -> "fleet.FleetStats":
-        layout = record.fleet
-        return fleet.FleetStats(
-            record.step,
-            record.layouts,
-            layout,
-            record.gathered,
-            torch.cat(record.reduced_sq),
-            record.transport,
-            record.sampled,
-            record.cosines_step,
-            record.fingerprinted,
-            divided_by_present=record.divided_by_present,
-            replica_check=record.replica_check,
-        )
+        self._pack_fleet(record, slots, status)
 
     def _open_step(self, device: torch.device) -> _Step:
         self._current = _Step(self.step, device)
@@ -554,7 +456,7 @@ class SilentState(BaseSilentState):
             return
         if record.error is None:
             try:
-                result = self._fleet_stats(record) if record.fleet is not None else SilentStats(
+                result = self._fleet_stats(record, torch.cat(record.reduced_sq)) if record.fleet is not None else SilentStats(
                     record.step,
                     self.world_size,
                     record.layouts,
@@ -705,7 +607,7 @@ def silent_hook(state: SilentState, bucket: dist.GradBucket) -> torch.futures.Fu
         wire, widest = world * slot, world * slot_size(n_params, state.bins, len(state._replica_tensors or ()))
     else:  # the compact wire
         slot = wire = record.fleet.size
-        widest = fleet.FleetLayout(world, n_params, len(record.layouts), state.bins, state.config.sampled_ranks, len(state._replica_tensors or ())).size
+        widest = state._fleet_capacity(record.fleet)
     record.transport = "piggyback" if piggyback else "separate"
     status = state._slot_status(record)
     with record.lock:  # before launching: the last callback may run before this call returns
@@ -765,22 +667,7 @@ def _keep_gathered(state: SilentState, record: _Step, slots: torch.Tensor, slot:
     if record.fleet is None:
         record.gathered = slots.view(state.world_size, slot).clone()
         return
-    record.gathered = slots.clone()
-    if record.failed:  # this rank's statistics failed: its next row says "unknown" for this step, as a rank's
-        # with nothing to compare does (every rank then reads the same step's values; the layer CUSUMs wait)
-        state._own_values = torch.full((fleet.OWN_VALUES,), float("nan"), dtype=torch.float32, device=slots.device)
-        state._own_values_step, state._own_previous = record.step, None
-        return
-    previous = state._own_previous
-    comparable = previous is not None and previous[0] == record.layouts
-    param_sq = record.param_sq  # concatenated once, when packed
-    sketch = state._sketch if state.bins else None
-    state._own_values, layer = fleet.own_values(record.fleet, record.gathered, sketch, previous[1] if comparable else None, param_sq, state._layer_state_of(record.layouts))
-    state._layer_state = (list(record.layouts), layer)
-    state._own_values_step = record.step
-    state._own_previous = (list(record.layouts), state._sketch.clone()) if state.bins else None
-    if record.fingerprint is not None:
-        state._replica_differs = (record.step, fleet.replica_differs(record.fleet, record.gathered, record.fingerprint.to(record.gathered.device)))
+    state._keep_fleet(record, slots)
 
 
 def _reduced_piggyback(

@@ -9,11 +9,13 @@ the same pipeline (detector, alerts, records); only how the slots travel differs
 import logging
 import threading
 import weakref
+from dataclasses import replace
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from ddphooks import fleet
 from ddphooks.config import SilentConfig
 from ddphooks.detect import Detector, DetectorConfig
 from ddphooks.loss import LossTracker
@@ -22,13 +24,38 @@ from ddphooks.records import RecordBuilder
 from ddphooks.sinks import Sink
 from ddphooks.sinks.base import bind_sink
 from ddphooks.sketch import BucketStatsKernel, SignTable, sketch_bins
-from ddphooks.stats import FAILED, STATUS, SilentStats, slot_size
+from ddphooks.stats import FAILED, STATUS, BucketLayout, SilentStats, slot_size
 from ddphooks.writer import RecordWriter
 
 logger = logging.getLogger("ddphooks")
 
 #: Seconds ``flush`` / ``close`` (and the exit handler) wait for the sinks before giving up.
 CLOSE_TIMEOUT_S = 30.0
+
+
+class StepRecord:
+    """What every transport keeps of one instrumented step to pack, gather and publish it; each
+    transport's own step (``ddphooks.hook._Step``, ``ddphooks.fsdp._ShardedStep``) adds how its
+    gradients got there."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.layouts: list[BucketLayout] = []  # the step's bucket (DDP) or group (FSDP2) layouts, in order
+        self.local_sq: list[torch.Tensor] = []  # this rank's squared norms per parameter, one tensor per layout
+        self.fingerprinted: list[str] = []  # names of the tensors fingerprinted on a replica-check step
+        self.fingerprint: torch.Tensor | None = None
+        self.gathered: torch.Tensor | None = None  # the all-reduced statistics (whole slots or the compact wire), a copy
+        self.transport = ""
+        self.absent = False  # this rank has joined under DDP's Join: it contributes zeros and is left out
+        self.divided_by_present = False  # the sum was divided by the ranks present (Join, divide_by_initial_world_size=False)
+        self.error: BaseException | None = None
+        self.failed = False  # this rank's pass or packing failed: its slot went out as FAILED
+        # -- the compact wire (ddphooks.fleet) --
+        self.fleet: fleet.FleetLayout | None = None  # its layout (above gather_max_world), None: whole slots
+        self.sampled: list[int] = []  # the ranks whose per-parameter norms travel
+        self.cosines_step: int | None = None  # the step of the values this rank sends
+        self.replica_check: object = None  # after a replica check: that step's FleetStats
+        self.param_sq: torch.Tensor | None = None  # this rank's P squared norms, as packed
 
 
 class BaseSilentState:
@@ -86,6 +113,12 @@ class BaseSilentState:
         self._latest: SilentStats | BaseException | None = None
         self._latest_lock = threading.Lock()
         self._previous_stats: SilentStats | None = None  # for the next step's cosine_previous
+        # -- the compact wire (above gather_max_world): this rank's values, sent one step late -------
+        self._own_values: torch.Tensor | None = None  # [cos_loo, cos_previous, layer level, layer parameter] of _own_values_step
+        self._own_values_step: int | None = None
+        self._own_previous: tuple[list[BucketLayout], torch.Tensor] | None = None  # layouts and sketch of the last step
+        self._layer_state: tuple[list[BucketLayout], fleet.LayerState] | None = None  # layouts and this rank's layer CUSUM
+        self._replica_differs: tuple[int, torch.Tensor] | None = None  # the last replica check's step and this rank's verdict (1: it differs)
         writer = None
         writes = self.config.log_rank is None or self.config.log_rank == self.rank
         if writes and self.sinks:  # no sinks: no writer thread, no records built
@@ -326,22 +359,152 @@ class BaseSilentState:
             setattr(self, attribute, buffer)
         return buffer[:numel]
 
+    def _scheduled_fingerprint(self, step: int, device: torch.device) -> tuple[list[str], torch.Tensor | None]:
+        """The fingerprinted names and this rank's fingerprint on a scheduled replica-check step
+        of a transport whose statistics travel in one all-reduce of their own (FSDP2, DeepSpeed),
+        else ``[]`` and None."""
+        replicas = self._replica_tensors
+        if replicas and (step // self.config.every) % self.config.check_replicas_every == 0:
+            return replicas.names, replicas.fingerprint(step).to(device)
+        return [], None
+
     def _slots_of_step(self, step: int, n_params: int, device: torch.device) -> tuple[list[str], torch.Tensor | None, int, torch.Tensor]:
         """The zeroed ``W x (slot + n_params)`` buffer of a transport whose slots travel in one
         all-reduce of their own (FSDP2, DeepSpeed): each rank's slot, then its part of the
         reduced squared norms. Returns the fingerprinted names and this rank's fingerprint (on a
         replica-check step, else ``[]`` and None), the slot's size and the buffer (sized once
         for a replica check's wider slot)."""
-        replicas = self._replica_tensors
-        fingerprinted, fingerprint = [], None
-        if replicas and (step // self.config.every) % self.config.check_replicas_every == 0:
-            fingerprinted = replicas.names
-            fingerprint = replicas.fingerprint(step).to(device)
-        slot = slot_size(n_params, self.bins, len(fingerprinted))
-        widest = slot_size(n_params, self.bins, len(replicas or ()))
-        slots = self._stats_buffer("_slots", self.world_size * (slot + n_params), torch.float32, device, self.world_size * (widest + n_params))
+        fingerprinted, fingerprint = self._scheduled_fingerprint(step, device)
+        slot, slots = self._whole_slots(n_params, len(fingerprinted), device)
         slots.zero_()
         return fingerprinted, fingerprint, slot, slots
+
+    def _whole_slots(self, n_params: int, fingerprinted: int, device: torch.device) -> tuple[int, torch.Tensor]:
+        """The slot's size and the ``W x (slot + n_params)`` buffer of ``_slots_of_step``, not zeroed."""
+        replicas = self._replica_tensors
+        slot = slot_size(n_params, self.bins, fingerprinted)
+        widest = slot_size(n_params, self.bins, len(replicas or ()))
+        capacity = self.world_size * (widest + n_params)
+        return slot, self._stats_buffer("_slots", self.world_size * (slot + n_params), torch.float32, device, capacity)
+
+    # -- the compact wire (ddphooks.fleet): one implementation for every transport that sends it ----
+    def _fleet_layout(self, record: StepRecord, n_params: int, reduced: int = 0) -> fleet.FleetLayout | None:
+        """The compact wire's layout of this step above ``gather_max_world`` ranks (None: every
+        rank's whole slot). It sets the all-reduce's size, so it depends only on what every rank
+        shares: W, the layouts, the settings, whether this is a replica-check step, and
+        ``reduced`` (the transport's: ``FleetLayout.reduced``)."""
+        limit = self.config.gather_max_world
+        if limit is None or self.world_size <= limit:
+            return None
+        return fleet.FleetLayout(self.world_size, n_params, len(record.layouts), self.bins, self.config.sampled_ranks, len(record.fingerprinted), reduced)
+
+    def _fleet_capacity(self, layout: fleet.FleetLayout) -> int:
+        """The size of ``layout``'s buffer on a replica-check step: what the persistent buffer is
+        sized for at once, so that a check's wider wire does not reallocate it."""
+        return replace(layout, fingerprinted=len(self._replica_tensors or ())).size
+
+    def _pack_or_fail(self, record: StepRecord, slots: torch.Tensor, slot: int, status: int) -> None:
+        """Zero ``slots`` and write this rank's share of the step into them (the transport's
+        ``_pack``: its whole slot, in row ``rank`` of ``slot`` numbers, or its parts of the compact
+        wire), or, where this rank's statistics failed (its pass, or the packing itself: a bug),
+        only the status ``FAILED``.
+
+        A failure must neither raise into backward nor change the collective, which every rank
+        has sized alike: the rank sends zeros and the flag, every rank then leaves the step
+        unmeasured (``SilentStats.failed_ranks``), and the gradients' reduction is unchanged."""
+        slots.zero_()
+        if record.error is None:
+            try:
+                self._pack(record, slots, slot, status)
+                return
+            except Exception as error:
+                record.error = error
+                slots.zero_()
+        if record.fleet is None:
+            self._send_failed(record.step, record.error, slots[self.rank * slot : (self.rank + 1) * slot])
+        else:
+            rows = slots[record.fleet.part("per_rank")].view(self.world_size, fleet.PER_RANK)
+            self._send_failed(record.step, record.error, rows[self.rank], fleet.WIRE_STATUS)
+        record.failed, record.error = True, None
+
+    def _pack(self, record: StepRecord, slots: torch.Tensor, slot: int, status: int) -> None:
+        """Write this rank's share of the step into the zeroed ``slots`` (see ``_pack_or_fail``)."""
+        raise NotImplementedError
+
+    def _pack_fleet(self, record: StepRecord, out: torch.Tensor, status: int) -> None:
+        """Write this rank's parts of the compact wire into the zeroed ``out`` (``fleet.pack``):
+        its row with its values of the previous instrumented step, the sampled ranks chosen from
+        the previous step's layer levels, its replica verdict after a check, its layer rises."""
+        own = self._own_values
+        if own is None or own.device != out.device:
+            own = torch.full((fleet.OWN_VALUES,), float("nan"), dtype=torch.float32, device=out.device)
+        record.cosines_step = self._own_values_step if self._own_values is not None else None
+        # The previous step's layer levels, the same on every rank (its gathered rows): they choose
+        # half the sampled ranks, so a rank whose layer stands out sends its layer view every step.
+        previous = self._previous_stats
+        try:
+            scores = previous.layer_scores if isinstance(previous, fleet.FleetStats) else None
+        except Exception:  # never into backward: the window alone (only which rows, not the size, could differ)
+            scores = None
+        record.sampled = fleet.choose_sampled(self.world_size, self.config.sampled_ranks, record.step // self.config.every, scores)
+        fingerprint = None if record.fingerprint is None else record.fingerprint.to(out.device)
+        # After a replica check: this rank's verdict in its status, the check's histograms in the
+        # statistics (every rank has the same previous statistics: the same record).
+        differs, self._replica_differs = self._replica_differs, None
+        if differs is not None and isinstance(previous, fleet.FleetStats) and previous.step == differs[0]:
+            record.replica_check, differs = previous, differs[1].to(out.device)
+        else:
+            differs = None
+        # This rank's rises of its previous step, for the layer CUSUMs' pooled scale.
+        layer = self._layer_state_of(record.layouts)
+        sketch = self._sketch if self.bins else None
+        record.param_sq = fleet.pack(record.fleet, record.sampled, self.rank, self._head(status, out.device), record.local_sq, sketch, own, fingerprint, record.absent, out, differs, layer)
+
+    def _keep_fleet(self, record: StepRecord, reduced: torch.Tensor) -> None:
+        """After the compact wire's all-reduce: copy ``reduced`` off the buffer (reused next
+        step) and compute this rank's values of the step (``fleet.own_values``: its cosines and
+        layer CUSUM, sent with its next instrumented step), keep its sketch for the next step's
+        cosine to it, and after a replica check its verdict (``fleet.replica_differs``)."""
+        record.gathered = reduced.clone()
+        if record.failed:  # this rank's statistics failed: its next row says "unknown" for this step, as a rank's
+            # with nothing to compare does (every rank then reads the same step's values; the layer CUSUMs wait)
+            self._own_values = torch.full((fleet.OWN_VALUES,), float("nan"), dtype=torch.float32, device=reduced.device)
+            self._own_values_step, self._own_previous = record.step, None
+            return
+        previous = self._own_previous
+        comparable = previous is not None and previous[0] == record.layouts
+        param_sq = record.param_sq  # concatenated once, when packed
+        sketch = self._sketch if self.bins else None
+        self._own_values, layer = fleet.own_values(record.fleet, record.gathered, sketch, previous[1] if comparable else None, param_sq, self._layer_state_of(record.layouts))
+        self._layer_state = (list(record.layouts), layer)
+        self._own_values_step = record.step
+        self._own_previous = (list(record.layouts), self._sketch.clone()) if self.bins else None
+        if record.fingerprint is not None:
+            self._replica_differs = (record.step, fleet.replica_differs(record.fleet, record.gathered, record.fingerprint.to(record.gathered.device)))
+
+    def _layer_state_of(self, layouts: list[BucketLayout]) -> fleet.LayerState | None:
+        """This rank's layer CUSUM where it is of these layouts; None where they changed (DDP's
+        bucket rebuild reordered the parameters, FSDP2 measured a group as one unit): the CUSUM
+        restarts."""
+        kept = self._layer_state
+        return kept[1] if kept is not None and kept[0] == layouts else None
+
+    def _fleet_stats(self, record: StepRecord, reduced_sq: torch.Tensor) -> fleet.FleetStats:
+        """The step's statistics from the compact wire (``record.gathered``) and ``reduced_sq``,
+        the P squared norms of the averaged gradient."""
+        return fleet.FleetStats(
+            record.step,
+            record.layouts,
+            record.fleet,
+            record.gathered,
+            reduced_sq,
+            record.transport,
+            record.sampled,
+            record.cosines_step,
+            record.fingerprinted,
+            divided_by_present=record.divided_by_present,
+            replica_check=record.replica_check,
+        )
 
     def _publish(self, step: int, result: SilentStats | BaseException) -> None:
         """Make ``result`` the latest statistics (or the error that stopped them) and hand it to

@@ -238,14 +238,22 @@ def test_scale_quick_table_on_the_fake_process_group(tmp_path):
     assert rows[64]["compact_record_bytes"] > rows[8]["compact_record_bytes"]  # O(W) per-rank vectors
     assert rows[512]["compact_record_bytes"] < rows[64]["compact_record_bytes"]  # above per_rank_max_world: over ranks, O(1)
     table = [line for line in stdout.splitlines() if line.startswith("| ")]
-    assert table[0].startswith("| W | wire | DDP in-hook ms beyond allreduce_hook | detector ms") and len(table) == (1 + 6) + (1 + 3)
-    assert table[7].startswith("| W | FSDP2 statistics pass ms/step")
-    sharded = {r["world_size"]: r for r in json.loads(out.read_text())["fsdp_rows"]}
-    assert set(sharded) == {8, 64, 512}
-    for world, r in sharded.items():  # the real FSDP2 path: the pass ran inside every reduce-scatter
-        assert r["pass_ms"] > 0 and r["step_ms"] > r["pass_ms"] and r["input_elements"] > 0, (world, r)
+    assert table[0].startswith("| W | wire | DDP in-hook ms beyond allreduce_hook | detector ms") and len(table) == (1 + 6) + (1 + 6)
+    assert table[7].startswith("| W | wire | FSDP2 statistics pass ms/step")
+    every_sharded = json.loads(out.read_text())["fsdp_rows"]
+    sharded = {r["world_size"]: r for r in every_sharded if r["wire"] == "whole slots"}
+    sharded_compact = {r["world_size"]: r for r in every_sharded if r["wire"] == "compact"}
+    assert set(sharded) == set(sharded_compact) == {8, 64, 512} and len(every_sharded) == 6
+    for world, r in [*sharded.items(), *sharded_compact.items()]:  # the real FSDP2 path: the pass ran inside every reduce-scatter
+        assert r["pass_ms"] > 0 and r["step_ms"] > r["pass_ms"] and r["input_elements"] > 0 and r["end_of_backward_ms"] > 0, (world, r)
         assert r["pass_ns_per_element"] == pytest.approx(1e6 * r["pass_ms"] / r["input_elements"])
+        assert r["slot_bytes_per_step"] == 4 * r["wire_numel"] and r["kept_bytes"] > 0
     assert sharded[8]["input_elements"] == sharded[64]["input_elements"]  # this model's sizes divide by 64: no padding
+    for world, r in sharded.items():  # per rank: loss pair, status, one norm per tensor, the sketch, then its reduced shard norms
+        assert r["wire_numel"] == world * (3 + 21 + 251 + 21)
+    for world, r in sharded_compact.items():  # as DDP's compact wire, 3 groups (2 layers, the root), and the 21 reduced norms
+        assert r["wire_numel"] == 6 * world + min(16, world) * 21 + 4 * 21 + 3 + 1 + 2 * 251 + 21, world
+    assert sharded_compact[512]["kept_bytes"] < sharded[512]["kept_bytes"]
 
 
 def test_compact_detection_small_form_names_the_fault_when_every_rank_is_sampled():

@@ -287,6 +287,22 @@ def test_compact_wire_against_the_fleet_budget():
     assert size(5204) > 64 * 1024 + 16 * 5204
 
 
+def test_the_reduced_part_comes_last_and_only_where_a_transport_asks_for_it():
+    """FSDP2's summed reduced shard norms (``FleetLayout.reduced``) follow every other part, so
+    that DDP's wire (no such part) keeps its size and every offset; ``pack`` leaves the part to
+    the transport (zeros)."""
+    ddp = fleet.FleetLayout(4, N_PARAMS, len(BUCKETS), BINS, sampled=2, fingerprinted=3)
+    sharded = fleet.FleetLayout(4, N_PARAMS, len(BUCKETS), BINS, sampled=2, fingerprinted=3, reduced=N_PARAMS)
+    names = ("per_rank", "sampled", "param_sq", "param_norms", "rise_sum", "rise_count", "bucket_norms", "present", "sketch_sum", "unit_sum", "fingerprints")
+    assert [ddp.part(name) for name in names] == [sharded.part(name) for name in names]
+    assert ddp.part("reduced_sq") == slice(ddp.size, ddp.size) and sharded.part("reduced_sq") == slice(ddp.size, ddp.size + N_PARAMS)
+    assert sharded.size == ddp.size + N_PARAMS == ddp.part("fingerprints").stop + N_PARAMS
+    r = _ranks(4, 3)[1]
+    out = torch.zeros(sharded.size)
+    fleet.pack(sharded, [0, 1], 1, r["head"], r["local_sq"], r["sketch"], torch.zeros(fleet.OWN_VALUES), None, False, out)
+    assert not out[sharded.part("reduced_sq")].any() and out[: ddp.size].any()
+
+
 def _replica_check(fingerprints: torch.Tensor, names: list[str]) -> tuple[list[int], dict]:
     """W ranks' fingerprints (W x T x 2) through the compact replica check: each rank's one in
     the histograms, summed; each rank's own verdict; the record's ``replicas`` of the step after."""
@@ -388,7 +404,8 @@ def test_compact_row_carries_mean_loss_status_and_layer_parameter_exactly():
 
 def test_the_default_wire_is_the_whole_slot_up_to_16_ranks_and_the_compact_wire_above():
     """DDP's default ``gather_max_world`` (16): whole slots on two 8-accelerator nodes, the compact
-    wire above; None keeps the whole slot at any W; FSDP2 and DeepSpeed say whole slots (None)."""
+    wire above; None keeps the whole slot at any W; FSDP2 has DDP's default, DeepSpeed says whole
+    slots (None)."""
     from types import SimpleNamespace
 
     from ddphooks.deepspeed import DeepSpeedSilentState
@@ -405,4 +422,6 @@ def test_the_default_wire_is_the_whole_slot_up_to_16_ranks_and_the_compact_wire_
         assert (layout is not None) == compact, world
         assert layout is None or layout.world == world and layout.sampled == 16
         assert whole._fleet_layout(record, N_PARAMS) is None
-    assert ShardedSilentState().config.gather_max_world is None and DeepSpeedSilentState().config.gather_max_world is None
+    sharded = ShardedSilentState()
+    assert (sharded.config.gather_max_world, sharded.config.sampled_ranks) == (16, 16)
+    assert DeepSpeedSilentState().config.gather_max_world is None

@@ -7,7 +7,9 @@ gradients are all-gathered and every statistic is computed from them in float64.
 
 import copy
 import json
+import logging
 
+import numpy as np
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
@@ -16,7 +18,19 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 import ddphooks
 import ddphooks.sketch
 from ddphooks.launch import spawn
-from test_hook import TIMEOUT, _assert_step_1_unmeasured, _batch, _compare, _loss, _Messages, _Net, _reference, _steps_with_a_bug
+from test_hook import (
+    TIMEOUT,
+    _assert_same_step_statistics,
+    _assert_step_1_unmeasured,
+    _batch,
+    _compare,
+    _loss,
+    _Messages,
+    _Net,
+    _reference,
+    _step_both,
+    _steps_with_a_bug,
+)
 
 
 def _sharded(mesh_shape: tuple, seed: int = 0, **fsdp_kwargs) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -39,11 +53,11 @@ def _sync_reference(model: torch.nn.Module, reference: torch.nn.Module) -> None:
             ref.copy_(param.full_tensor())
 
 
-def _check_reference(rank: int, world: int, mesh_shape: tuple, micro: int, mixed: bool) -> list[dict]:
+def _check_reference(rank: int, world: int, mesh_shape: tuple, micro: int, mixed: bool, **settings) -> list[dict]:
     """Every step's record matches the reference; a replica check runs on the last step."""
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
     model, reference = _sharded(mesh_shape, mp_policy=policy)
-    state = ddphooks.attach(model, sketch_dim=256, check_replicas_every=2)
+    state = ddphooks.attach(model, sketch_dim=256, check_replicas_every=2, **settings)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     records = []
     for step in range(3):
@@ -100,11 +114,7 @@ def _check_errors(rank: int, world: int) -> dict:
         ddphooks.attach(model, transport="separate")
     except TypeError as error:
         errors["ddp_only"] = str(error)
-    try:
-        ddphooks.attach(model, gather_max_world=64)
-    except TypeError as error:
-        errors["compact_wire"] = str(error)
-    ddphooks.attach(model).close()
+    ddphooks.attach(model, gather_max_world=64, sampled_ranks=4).close()  # the compact wire's settings: accepted under FSDP2
     try:
         ddphooks.attach(model)
     except RuntimeError as error:
@@ -173,18 +183,51 @@ def _check_two_ranks(rank: int, world: int) -> dict:
         "unused": _check_unused_parameters(rank, world),
         "by_column": _check_by_column(rank, world),
         "failure": _check_statistics_failure(rank, world),
+        "layout_failure": _check_layout_failure(rank, world),
     }
 
 
-def _check_statistics_failure(rank: int, world: int) -> dict:
-    """Rank 1's statistics pass fails on step 1 of 4: what each rank's ``latest`` says per step,
-    whether training stayed bitwise plain FSDP2's, and the alerts."""
+def _check_statistics_failure(rank: int, world: int, where: str = "kernel", **settings) -> dict:
+    """Rank 1's statistics fail on step 1 of 4 (``_broken(where)``: its pass, or its packing):
+    what each rank's ``latest`` says per step, whether training stayed bitwise plain FSDP2's, the
+    alerts and the wire of the last step."""
+    expected = _train(rank, world, False, True)
+    model, _ = _sharded((world,))
+    state = ddphooks.attach(model, check_replicas_every=0, **settings)
+    run = _steps_with_a_bug(rank, model, state, torch.optim.AdamW(model.parameters(), lr=1e-2), where)
+    unchanged = all(torch.equal(a, p.full_tensor()) for a, p in zip(expected, model.parameters()))
+    return {**run, "unchanged": unchanged, "alerts": len(state.alerts), "wire": type(state.latest).__name__}
+
+
+def _check_layout_failure(rank: int, world: int) -> dict:
+    """Every rank's layout of step 1 fails (``_entry``: it depends only on what the ranks share,
+    so it fails alike everywhere): no rank raises into backward or joins the statistics'
+    all-reduce, step 1 is reported as not measured, steps 2-3 are measured and training stays
+    bitwise plain FSDP2's."""
+    from ddphooks.fsdp import ShardedSilentState
+
     expected = _train(rank, world, False, True)
     model, _ = _sharded((world,))
     state = ddphooks.attach(model, check_replicas_every=0)
-    run = _steps_with_a_bug(rank, model, state, torch.optim.AdamW(model.parameters(), lr=1e-2), "kernel")
-    unchanged = all(torch.equal(a, p.full_tensor()) for a, p in zip(expected, model.parameters()))
-    return {**run, "unchanged": unchanged, "alerts": len(state.alerts)}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    entry, steps = ShardedSilentState._entry, []
+    for step in range(4):
+        loss = _loss(model, *_batch(rank, step))
+        state.observe_loss(loss)
+        if step == 1:
+            ShardedSilentState._entry = lambda *args: (_ for _ in ()).throw(RuntimeError("injected bug in _entry"))
+        try:
+            loss.backward()  # must not raise
+        finally:
+            ShardedSilentState._entry = entry
+        try:
+            steps.append(state.latest.step)
+        except RuntimeError as error:
+            steps.append(str(error))
+        optimizer.step()
+        optimizer.zero_grad()
+    state.close()
+    return {"steps": steps, "unchanged": all(torch.equal(a, p.full_tensor()) for a, p in zip(expected, model.parameters()))}
 
 
 def _check_by_column(rank: int, world: int) -> list[dict]:
@@ -223,13 +266,77 @@ def _check_partial_all_reduce(rank: int, world: int) -> dict:
     return {"step": state.step, "latest": state.latest, "warnings": [m for m in log.messages if "set_requires_all_reduce(False)" in m]}
 
 
+def _check_hsdp_above_gather_max_world(rank: int, world: int) -> dict:
+    """HSDP on 4 ranks above ``gather_max_world=2``: every rank's whole slot all the same (the
+    reference, the cosine matrix and the parameter shards' replica check pass as at the default),
+    and the log says so once."""
+    log = _Messages()
+    records = _check_reference(rank, world, (2, 2), 1, False, gather_max_world=2)
+    logging.getLogger("ddphooks").removeHandler(log)
+    said = [m for m in log.messages if "sends every rank's whole slot although W is above gather_max_world=2" in m]
+    return {"records": records, "said": said}
+
+
 def _check_hsdp(rank: int, world: int) -> dict:
     """HSDP on a 2 x 2 mesh: the reference with two accumulated micro-batches, the replica check,
-    accumulation without the all-reduce."""
+    accumulation without the all-reduce, whole slots above gather_max_world."""
     return {
         "accumulation": _check_reference(rank, world, (2, 2), 2, False),
         "drifted": _check_replica_divergence(rank, world),
         "partial": _check_partial_all_reduce(rank, world),
+        "above_gather_max_world": _check_hsdp_above_gather_max_world(rank, world),
+    }
+
+
+def _check_compact_wire(rank: int, world: int) -> dict:
+    """Plain FSDP2 forced to the compact wire (``gather_max_world`` = W - 1, 2 sampled ranks)
+    against the same model with every rank's whole slot, on the same data for four AdamW steps:
+    the same losses, norms, reduced norms and summary on the same step, the sampled ranks'
+    per-parameter norms, each rank's cosines and layer level one step late (the whole slots'
+    previous step); returns the wire's sizes, its bins and whether the compact run's parameters
+    are bitwise plain FSDP2's."""
+    expected = _train(rank, world, False, True)
+    models = [_sharded((world,))[0] for _ in range(2)]
+    settings = dict(sketch_dim=256, check_replicas_every=0)
+    states = [
+        ddphooks.attach(models[0], gather_max_world=None, **settings),
+        ddphooks.attach(models[1], gather_max_world=world - 1, sampled_ranks=2, **settings),
+    ]
+    optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-2) for model in models]
+    previous, sizes = None, []
+    for step in range(4):
+        full, compact = _step_both(models, states, *_batch(rank, step))
+        _assert_same_step_statistics(compact, full, step)  # losses, per-rank norms, summary (reduced norm, mean cosine, dispersion)
+        np.testing.assert_allclose(compact.reduced_param_sq, full.reduced_param_sq, rtol=1e-5)  # the shards' sums
+        assert len(compact.sampled) == 2
+        np.testing.assert_allclose(compact.param_sq[compact.sampled], full.param_sq[compact.sampled], rtol=1e-5)
+        if previous is None:
+            assert compact.cosines_step is None and compact.cosine_loo is None and compact.layer_scores is None
+        else:  # this rank's values of the previous step, computed on each rank
+            assert compact.cosines_step == step - 1 and compact.cosine_to_others is None and compact.cosine is None
+            np.testing.assert_allclose(compact.cosine_loo, previous.cosine_loo, rtol=1e-4, atol=1e-5)
+            assert np.isfinite(compact.layer_scores).all()
+            if previous.cosine_previous is not None:
+                np.testing.assert_allclose(compact.cosine_previous, previous.cosine_previous, rtol=1e-4, atol=1e-5)
+        json.dumps(compact.to_dict(), allow_nan=False)
+        sizes.append(compact.layout.size)
+        previous = full
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    for state in states:
+        state.close()
+    unchanged = all(torch.equal(a, p.full_tensor()) for a, p in zip(expected, models[1].parameters()))
+    return {"sizes": sizes, "bins": states[1].bins, "transport": compact.transport, "unchanged": unchanged}
+
+
+def _check_three_ranks(rank: int, world: int) -> dict:
+    """Plain FSDP2 on 3 ranks with the compact wire: against whole slots, and a statistics bug
+    (rank 1's pass, or its packing) on step 1."""
+    return {
+        "compact": _check_compact_wire(rank, world),
+        "failure_kernel": _check_statistics_failure(rank, world, "kernel", gather_max_world=1),
+        "failure_pack": _check_statistics_failure(rank, world, "sharded_pack", gather_max_world=1),
     }
 
 
@@ -242,6 +349,11 @@ def two_ranks() -> list[dict]:
 @pytest.fixture(scope="module")
 def hsdp() -> list[dict]:
     return spawn(_check_hsdp, 4, timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def three_ranks() -> list[dict]:
+    return spawn(_check_three_ranks, 3, timeout=TIMEOUT)
 
 
 def _same_on_every_rank_and_linked(records: list[list[dict]], hsdp: bool) -> None:
@@ -276,23 +388,33 @@ def test_norms_by_column_match_the_unsharded_reference(two_ranks):
     assert [v for p in by_column for v in p["grad_norms"]] == pytest.approx([v for p in by_segment for v in p["grad_norms"]], rel=1e-5)
 
 
+def _on_fake_group(world: int) -> torch.nn.Module:
+    """Rank 0 of ``world`` on PyTorch's fake process group (its collectives leave the buffers as
+    this rank wrote them), and _Net fully_shard-ed per layer and at the root over it; the caller
+    destroys the group."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    torch.manual_seed(0)
+    model = _Net()
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in (model.inp, model.hidden):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 def test_many_shards_skip_the_padding_rows_and_keep_the_norms():
     # One rank of 256 on the fake process group: the real fully_shard copy-in, with more shards than
     # any of _Net's parameters has rows along dim 0. The rows past a group's last parameter row are
     # FSDP2's zero padding, left out of the pass; the per-parameter norms equal the float64 sums
     # over the whole input, padding included.
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     shards = 256
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=shards)
+    model = _on_fake_group(shards)
     try:
-        torch.manual_seed(0)
-        model = _Net()
-        mesh = init_device_mesh("cpu", (shards,))
-        for layer in (model.inp, model.hidden):
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
         state = ddphooks.attach(model, detect=False)
         inputs, measure = {}, state._measure
         state._measure = lambda comm, output, flat: (inputs.__setitem__(id(comm), flat.clone()), measure(comm, output, flat))
@@ -319,6 +441,12 @@ def test_a_statistics_bug_leaves_the_step_unmeasured_and_training_unchanged(two_
     mine, other = two_ranks[1]["failure"], two_ranks[0]["failure"]
     assert mine["unchanged"] and other["unchanged"] and mine["alerts"] == other["alerts"] == 0
     _assert_step_1_unmeasured(mine, other)
+
+
+def test_a_layout_bug_on_every_rank_leaves_the_step_unmeasured_without_a_collective(two_ranks):
+    for run in (r["layout_failure"] for r in two_ranks):
+        assert run["unchanged"] and run["steps"][0] == 0 and run["steps"][2:] == [2, 3]
+        assert "could not compute the statistics" in run["steps"][1] and "injected bug in _entry" in run["steps"][1]
 
 
 def test_training_is_bitwise_unchanged(two_ranks):
@@ -353,8 +481,77 @@ def test_hsdp_accumulation_without_all_reduce_is_not_measured_and_said_once(hsdp
 def test_errors_name_the_setting_and_the_fix(two_ranks):
     errors = two_ranks[0]["errors"]
     assert "transport applies to DDP only" in errors["ddp_only"]
-    assert "gather_max_world (the compact wire, ddphooks.fleet) is built for DDP only so far; under FSDP2" in errors["compact_wire"]
-    assert "already attached" in errors["twice"]
+    assert "already attached" in errors["twice"]  # after attach(model, gather_max_world=64, sampled_ranks=4) was accepted
+
+
+def test_deepspeed_still_refuses_the_compact_wire_settings():
+    class DeepSpeedEngine(torch.nn.Module):  # what attach recognises a DeepSpeed engine by (its class name)
+        pass
+
+    refused = r"gather_max_world, sampled_ranks \(the compact wire, ddphooks.fleet\) are built for DDP and FSDP2 only so far; under DeepSpeed"
+    with pytest.raises(TypeError, match=refused):
+        ddphooks.attach(DeepSpeedEngine(), gather_max_world=64, sampled_ranks=4)
+
+
+def test_fsdp2_compact_wire_gives_the_whole_slots_statistics_and_unchanged_training(three_ranks):
+    # _check_compact_wire compared every step with the whole slots' on every rank
+    compact = [r["compact"] for r in three_ranks]
+    bins, params, groups = compact[0]["bins"], 6, 3  # _Net: inp, hidden (their own groups), out with the root
+    # rows of 6, 2 sampled ranks' norms, 4 sums per parameter, the groups, the count, 2 sketch sums, the reduced part
+    size = 6 * 3 + 2 * params + 4 * params + groups + 1 + 2 * bins + params
+    assert [r["sizes"] for r in compact] == [[size] * 4] * 3 and bins > 0
+    assert [(r["transport"], r["unchanged"]) for r in compact] == [("separate", True)] * 3  # bitwise plain FSDP2
+
+
+@pytest.mark.parametrize("where", ["kernel", "pack"])
+def test_a_statistics_bug_leaves_the_step_unmeasured_with_the_compact_wire(three_ranks, where):
+    mine, other = three_ranks[1][f"failure_{where}"], three_ranks[0][f"failure_{where}"]
+    assert all(r[f"failure_{where}"]["unchanged"] and r[f"failure_{where}"]["alerts"] == 0 for r in three_ranks)
+    assert mine["wire"] == other["wire"] == "FleetStats"
+    _assert_step_1_unmeasured(mine, other)
+
+
+def test_hsdp_above_gather_max_world_keeps_whole_slots_and_says_so_once(hsdp):
+    # _check_reference compared every record with the reference (cosine matrix, every rank's norms)
+    records = [r["above_gather_max_world"]["records"] for r in hsdp]
+    _same_on_every_rank_and_linked(records, hsdp=True)
+    assert all("wire" not in record and record["cosine"] is not None for record in records[0])
+    assert [len(r["above_gather_max_world"]["said"]) for r in hsdp] == [1, 1, 1, 1]  # three steps, once on each rank
+
+
+def test_fsdp2_at_64_ranks_sends_the_compact_wire_by_default():
+    # One rank of 64 on the fake process group (its all-reduce leaves the buffer as this rank
+    # wrote it): attach's defaults send the compact wire above 16 ranks, one all-reduce a step
+    # whose size does not depend on W but for its 6 numbers per rank, and the step's FleetStats
+    # hold this rank's loss and norms.
+    import torch.distributed as dist
+
+    world = 64
+    model = _on_fake_group(world)
+    all_reduce, sizes = dist.all_reduce, []
+    try:
+        state = ddphooks.attach(model, detect=False)
+        dist.all_reduce = lambda tensor, *args, **kwargs: (sizes.append(tensor.numel()), all_reduce(tensor, *args, **kwargs))[1]
+        losses = []
+        for _ in range(2):
+            loss = model(torch.randn(4, 16)).square().mean()
+            state.observe_loss(loss)
+            loss.backward()
+            losses.append(loss.item())
+        stats = state.latest
+        record = stats.to_dict()
+        json.dumps(record, allow_nan=False)
+        local = sum(float(entry.sq_norms.double().sum()) for entry in state._entries.values())
+        state.close()
+    finally:
+        dist.all_reduce = all_reduce
+        dist.destroy_process_group()
+    assert type(stats).__name__ == "FleetStats" and record["wire"] == "compact" and stats.layout.world == world
+    assert record["cosines_step"] == 0 and len(record["sampled_ranks"]) == 16
+    size = 6 * world + 16 * 6 + 4 * 6 + 3 + 1 + 2 * state.bins + 6  # as on 3 ranks, 16 sampled
+    assert sizes == [size, size] and size < world * (3 + 6 + state.bins)  # less than the whole slots without their reduced part
+    assert record["losses"][0] == pytest.approx(losses[-1], rel=1e-6)
+    assert record["grad_norms"][0] == pytest.approx(local**0.5, rel=1e-5)
 
 
 def test_unsupported_wrappers_are_named():

@@ -629,10 +629,12 @@ def test_non_finite_gradients_and_losses_are_reported_not_raised(two_rank_steps)
 
 @contextlib.contextmanager
 def _broken(where: str):
-    """A bug in this rank's statistics: its pass over a bucket, or the packing of its slot, raises."""
+    """A bug in this rank's statistics: its pass over a bucket ("kernel"), or the packing of its
+    slot under DDP ("pack") or FSDP2 ("sharded_pack"), raises."""
+    from ddphooks.fsdp import ShardedSilentState
     from ddphooks.sketch import BucketStatsKernel
 
-    owner, name = (BucketStatsKernel, "run") if where == "kernel" else (SilentState, "_pack")
+    owner, name = {"kernel": (BucketStatsKernel, "run"), "pack": (SilentState, "_pack"), "sharded_pack": (ShardedSilentState, "_pack")}[where]
     original = getattr(owner, name)
 
     def broken(*args, **kwargs):
