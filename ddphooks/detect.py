@@ -90,7 +90,7 @@ itself:
 
 Baselines are the median and a standard deviation of the last ``window`` steps: the larger of
 the scaled median absolute deviation (``1.4826 * MAD``) and the shoulders of the noise, the median
-rank's ``scale_quantile`` (0.8) of its absolute deviations over a normal's (``_shoulders``; the
+rank's ``scale_quantile`` (0.9) of its absolute deviations over a normal's (``_shoulders``; the
 smaller of the two ranks' at W = 2). The two agree for normal noise; for noise with a second mode
 (ranks whose batches come from different domains) or heavy shoulders (a loss with outlier batches)
 the quantile's is the larger, so what is routine in the run scores as routine. Both are learned
@@ -344,22 +344,28 @@ class DetectorConfig:
     at W = 4 0.7 of that); on 17,770 healthy steps held out from the choice the per-parameter
     CUSUMs stayed under 10.1 (W = 2) and 6.3 (W = 4)."""
 
-    scale_quantile: float = 0.8
+    scale_quantile: float = 0.9
     """Every baseline's scale (own history and across ranks; not the per-parameter ones) is the
     larger of two estimates of the standard deviation: ``1.4826 * MAD``, and this quantile of the
-    absolute deviations from the median over a normal's (1.2816 at 0.8). For normal noise they
+    absolute deviations from the median over a normal's (1.6449 at 0.9). For normal noise they
     agree. Where a signal's healthy noise has shoulders or a second mode, the quantile's is the
     larger, and what is routine scores as routine: ranks whose batches come from different
     domains (losses, gradient norms and cosines several MADs apart on a third of the steps), a
-    rank whose batch often draws an outlier. 0.5: the MAD alone (before). Chosen on the workload
-    zoo's development seeds (benchmarks/README.md "Workload zoo"): with the MAD alone and the
-    loss on a log scale, a domain mixture raised 37 false alarms in 5,900 healthy steps at
-    W = 2, 4 and 8; 0 at 0.8 (the highest CUSUM 1.10 times its level-1 threshold at W = 4, where
-    an alert needs 1.25). Not 0.9: a stuck loader on a LoRA run (a weak repeat: its cosine to its
-    previous step 0.3, the healthy ranks' up to 0.27) was named in 48 steps (24 at 0.8, 10 with
-    the MAD alone). Each rank's quantile, then the median rank's: a quantile pooled over ranks
-    would take in the one rank that is off (a quarter of the values at W = 4), and a lasting shift
-    of 5 standard deviations in one rank's loss raised its scale until it scored nothing."""
+    rank whose batch often draws an outlier. 0.5: the MAD alone. Chosen on the workload zoo's
+    development seeds (benchmarks/README.md "Workload zoo"): with the MAD alone and the loss on a
+    log scale, a domain mixture raised 37 false alarms in 5,900 healthy steps at W = 2, 4 and 8;
+    0 at 0.8, which was the default until the twenty-fifth session. 0.9 since then: on fresh zoo
+    sets 0.8 raised 3, 3, 1 and 8 false alarms at W = 2, 4, 8 and 20 (22,400 healthy steps each
+    at W <= 8, 5,600 at 20; the `heavy` and `mixture` families), 0.9 raised 1, 0, 0 and 0, with
+    the same faults named about as fast; on fresh experiment runs (seeds 150-151) neither raised
+    one in 6,600 healthy steps, and 0.9 named shuffled labels at W = 4 and a stuck loader at
+    W = 2 half a step to a step later (benchmarks/README.md, "The compact wire at the default").
+    Its known cost, a stuck loader on LoRA (a weak repeat): on the development seeds once 48
+    steps against 24 at 0.8; on all ten fixed fault seeds at W = 2 and 4 since, 20 of 20 named
+    (median 7.5 steps, worst 57) against 19 of 20 (median 8, worst 38). Each rank's quantile,
+    then the median rank's: a quantile pooled over ranks would take in the one rank that is off
+    (a quarter of the values at W = 4), and a lasting shift of 5 standard deviations in one
+    rank's loss raised its scale until it scored nothing."""
 
     loss_scale: str = "log"
     """How the loss signal reads each rank's loss: ``"log"``, its log (relative changes, as the

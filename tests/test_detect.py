@@ -1111,7 +1111,7 @@ def test_at_two_ranks_the_level_names_the_rank_whose_gradient_shrank():
 
 def test_the_level_scores_match_a_slow_reference():
     # Per step: the log norm minus the median rank's, against the median and scale (the larger of
-    # 1.4826 MAD and the median rank's 80th percentile over a normal's) of the rank's earlier steps
+    # 1.4826 MAD and the median rank's scale_quantile over a normal's) of the rank's earlier steps
     # kept while its level CUSUM was at zero (and the rank not suspect), over the last `window`
     # steps; at least 8 of them, else no score. recent = window: no growth of the spread (a ratio 1).
     config = DetectorConfig(alert_level=LEVEL_ONE, recent=32)
@@ -1131,7 +1131,8 @@ def test_the_level_scores_match_a_slow_reference():
                 median = np.nanmedian(window, axis=0)
                 distance = np.abs(window - median)
                 mad = 1.4826 * np.nanmedian(distance, axis=0)
-                shoulder = np.nanmedian(np.nanquantile(distance, 0.8, axis=0)) / NormalDist().inv_cdf(0.9)
+                q = config.scale_quantile
+                shoulder = np.nanmedian(np.nanquantile(distance, q, axis=0)) / NormalDist().inv_cdf(0.5 + q / 2)
             z = (logs - np.median(logs) - median) / np.maximum(np.maximum(mad, shoulder), 1e-3)
             z[np.sum(~np.isnan(window), axis=0) < 8] = 0.0
             np.testing.assert_allclose(detector.step_scores[detect.LEVEL], np.maximum(np.stack([z, -z], axis=1), 0), rtol=1e-9, atol=1e-12)
