@@ -330,11 +330,27 @@ def _check_compact_wire(rank: int, world: int) -> dict:
     return {"sizes": sizes, "bins": states[1].bins, "transport": compact.transport, "unchanged": unchanged}
 
 
+def _check_compact_replica_check(rank: int, world: int) -> list:
+    """Plain FSDP2 with the compact wire and a constant buffer that rank 2 holds with other values
+    (a rank that built another mask): the replica check of steps 0 and 2 (plain FSDP2 compares
+    buffers only), each verdict in the next step's record; per step, ``replicas`` of the record."""
+    model, _ = _sharded((world,))
+    model.register_buffer("mask", torch.full((8,), 2.0 if rank == 2 else 1.0))
+    state = ddphooks.attach(model, gather_max_world=1, check_replicas_every=2)
+    replicas = []
+    for step in range(4):
+        _loss(model, *_batch(rank, step)).backward()
+        replicas.append(state.latest.to_dict()["replicas"])
+    state.close()
+    return replicas
+
+
 def _check_three_ranks(rank: int, world: int) -> dict:
-    """Plain FSDP2 on 3 ranks with the compact wire: against whole slots, and a statistics bug
-    (rank 1's pass, or its packing) on step 1."""
+    """Plain FSDP2 on 3 ranks with the compact wire: against whole slots, a buffer that differs
+    on one rank, and a statistics bug (rank 1's pass, or its packing) on step 1."""
     return {
         "compact": _check_compact_wire(rank, world),
+        "replica": _check_compact_replica_check(rank, world),
         "failure_kernel": _check_statistics_failure(rank, world, "kernel", gather_max_world=1),
         "failure_pack": _check_statistics_failure(rank, world, "sharded_pack", gather_max_world=1),
     }
@@ -501,6 +517,16 @@ def test_fsdp2_compact_wire_gives_the_whole_slots_statistics_and_unchanged_train
     size = 6 * 3 + 2 * params + 4 * params + groups + 1 + 2 * bins + params
     assert [r["sizes"] for r in compact] == [[size] * 4] * 3 and bins > 0
     assert [(r["transport"], r["unchanged"]) for r in compact] == [("separate", True)] * 3  # bitwise plain FSDP2
+
+
+def test_fsdp2_compact_replica_check_names_the_rank_whose_buffer_differs(three_ranks):
+    replicas = [r["replica"] for r in three_ranks]
+    assert replicas[0] == replicas[1] == replicas[2]  # the same records on every rank
+    first, after_check, second, after_second = replicas[0]
+    assert first is None and second is None  # a check step's verdict travels with the next step
+    for verdict, checked in ((after_check, 0), (after_second, 2)):
+        assert verdict["checked_step"] == checked and verdict["ranks"] == [2], verdict
+        assert [p["name"] for p in verdict["parameters"]] == ["mask"] and verdict["parameters"][0]["ranks_differing"] == 1
 
 
 @pytest.mark.parametrize("where", ["kernel", "pack"])
