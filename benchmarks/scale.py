@@ -57,6 +57,8 @@ communication) for scale.
     python benchmarks/scale.py --quick          # W = 8, 64 and 512, a 2-layer tiny Llama (seconds)
     python benchmarks/scale.py --worlds 8 1024 --steps 5 --json scale.json
     python benchmarks/scale.py --only fsdp2 --worlds 2 8 64 256 1024   # the FSDP2 table alone
+    python benchmarks/scale.py --only fsdp2 --worlds 8 1024 --model hidden=1024 --model layers=2
+                                                # a 42 M-parameter model whose parameters have >= 1024 rows: no padding
     python benchmarks/scale.py --device cuda --worlds 8 1024 4096   # the hook's host time on a GPU (DDP only)
 """
 
@@ -491,13 +493,20 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="where the model and the statistics live (cuda: the hook's host time on a GPU; "
                         "the FSDP2 table runs on the CPU only)")
     parser.add_argument("--only", choices=("ddp", "fsdp2"), default=None, help="run one of the two tables")
+    parser.add_argument("--model", action="append", default=[], metavar="NAME=INT",
+                        help="a field of the tiny Llama (vocab_size, hidden, layers, heads), repeatable, e.g. --model hidden=1024")
     parser.add_argument("--fsdp-max-world", type=int, default=1024,
                         help="largest W of the FSDP2 table (at 4096 shards every 192-row parameter is padded to 4096 rows)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)  # FSDP2's unfilled all-gather buffers on the fake group: no denormal slow paths
     worlds = args.worlds or (QUICK_WORLDS if args.quick else WORLDS)
-    model_args = QUICK_MODEL if args.quick else MODEL
+    model_args = dict(QUICK_MODEL if args.quick else MODEL)
+    for override in args.model:
+        name, _, value = override.partition("=")
+        if name not in model_args or not value.isdigit():
+            parser.error(f"--model {override!r}: expected NAME=INT with NAME one of {', '.join(model_args)}")
+        model_args[name] = int(value)
     steps = args.steps or (QUICK_STEPS if args.quick else STEPS)
     print(f"\nddphooks at scale, {date.today()}, torch {torch.__version__}, {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} cores, 1 thread, {args.device}{' ' + torch.cuda.get_device_name() if args.device.startswith('cuda') else ''}; one process on the fake process group (rank 0 of W), tiny Llama {model_args}, "

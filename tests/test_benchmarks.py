@@ -256,6 +256,15 @@ def test_scale_quick_table_on_the_fake_process_group(tmp_path):
     assert sharded_compact[512]["kept_bytes"] < sharded[512]["kept_bytes"]
 
 
+def test_scale_model_overrides_reach_the_fsdp2_table(tmp_path):
+    out = tmp_path / "scale.json"
+    _run("scale.py", "--quick", "--only", "fsdp2", "--worlds", "8", "--steps", "1", "--model", "hidden=128", "--json", str(out))
+    written = json.loads(out.read_text())
+    assert written["model"]["hidden"] == 128 and written["model"]["layers"] == 2 and len(written["fsdp_rows"]) == 2
+    refused = subprocess.run([sys.executable, str(BENCHMARKS / "scale.py"), "--model", "hiden=3"], capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "--model 'hiden=3': expected NAME=INT with NAME one of vocab_size, hidden" in refused.stderr
+
+
 def test_compact_detection_small_form_names_the_fault_when_every_rank_is_sampled():
     """W = 16 with 16 sampled ranks: the compact wire sees every rank's norms, so it names the
     corrupted layer as the whole slots do; no alert on the healthy run."""
