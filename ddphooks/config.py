@@ -89,7 +89,7 @@ class SilentConfig:
     arrive one instrumented step late, there is no W x W cosine matrix, and a rank's layer view
     travels on the steps it is sampled. 16 (the default) keeps the whole slot on up to two
     8-accelerator nodes, where it is at most 34 KB a step with 273 parameters; None: the whole
-    slot at any W. DDP's transport only: FSDP2 and DeepSpeed send the whole slot at any W."""
+    slot at any W. DDP, FSDP2 and HSDP (``ddphooks.fsdp``); DeepSpeed sends the whole slot at any W."""
 
     sampled_ranks: int = 16
     """With the compact wire, the ranks per instrumented step whose per-parameter norms travel

@@ -42,15 +42,29 @@ buffer, each part summed over the ranks (a rank writes zeros where it has nothin
    (``FINGERPRINT_BINS`` bins and one for ``NOT_COMPARED``: T x 65 counts, each rank adds a one);
    a rank whose bin is not the tensor's only most common one, in any tensor, differs: it knows
    it after the all-reduce and says so in the next instrumented step's status
-   (``REPLICA_DIFFERS``), where the record's ``replicas`` names it (``replica_verdict``);
-6. under FSDP2 only (``FleetLayout.reduced``), per parameter the squared norm of the rank's shard
-   of the averaged gradient: their sum is ``|gbar_p|^2``, which no rank holds whole (DDP computes
-   it from its own averaged buckets and sends no such part).
+   (``REPLICA_DIFFERS``), where the record's ``replicas`` names it (``replica_verdict``). Under
+   HSDP (R replicas x S shards, rank i holds shard ``i % S``) a parameter's shards differ from
+   each other by design and only each shard's R replicas must agree: each parameter has one
+   histogram per shard, where the ranks holding that shard add their ones, and each buffer one
+   for the whole mesh (``FleetLayout.shards``: T_p x S + T_b histograms);
+6. under FSDP2 and HSDP only (``FleetLayout.reduced``), per parameter the squared norm of the
+   rank's shard of the averaged gradient: their sum is ``|gbar_p|^2`` (R times it under HSDP,
+   whose R replicas hold the same shards: the transport divides by R), which no rank holds
+   whole (DDP computes it from its own averaged buckets and sends no such part).
 
 Per rank and step: 24 B x W plus 4 (sampled x P + 4P + B + 1 + 2k) B (FSDP2: 4P B more): 122 KB at W = 4096 (P =
 273, k = 256, 16 sampled ranks; #42's budget 64 KB + 16 B x W holds up to W = 5203), against
 8.6 MB for every rank's whole slot; a replica-check step
 adds 4 x 65 B per tensor (72 KB for 275 tensors) instead of 8 B per tensor and rank (9 MB).
+Under HSDP a replica-check step adds 4 x 65 B x (T_p S + T_b) for T_p parameters over S shards
+and T_b buffers, against the whole slots' 8 B x W (T_p + T_b): per parameter S x 260 B against
+W x 8 B, larger where there are fewer than 32.5 replicas (S > W / 32.5). At W = 4096 with 273
+parameters and 2 buffers: 4.5 MB on 64 replicas of 64 shards (the whole slots' fingerprints:
+9 MB), 145 MB on 2 replicas of 2048 shards. The transport keeps every rank's whole slot where a
+check step's compact wire would be larger than the whole slots' check step (``W x (3 + 2P + k +
+2T)`` numbers, 22 MB at W = 4096; from about 13 replicas down at that size), and says so once:
+the compact wire never costs more than the whole slots on any step, and its persistent buffer
+(sized for a check step, ``BaseSilentState._fleet_capacity``) never holds more.
 
 What it leaves out: the W x W cosine matrix and each rank's mean cosine to the others (no rank
 holds every sketch; the step's mean cosine ``(|U|^2 - n) / (n (n - 1))`` is exact), and each
@@ -157,7 +171,12 @@ class FleetLayout:
     sharded transport fills: under FSDP2 each rank holds its shard of the averaged gradient and
     adds ``|its shard of gbar_p|^2`` per parameter (``n_params`` numbers), which sum to
     ``|gbar_p|^2``; DDP computes the reduced norms from its own averaged buckets (0: no part, the
-    wire unchanged)."""
+    wire unchanged).
+
+    ``shards`` and ``sharded``: under HSDP the first ``sharded`` of the ``fingerprinted`` tensors
+    are parameter shards, which only the ranks holding the same shard must agree on (rank i holds
+    shard ``i % shards``): each has one histogram per shard (``histogram_rows``), the other
+    tensors (buffers) one for the whole mesh. 1 and 0 (one histogram per tensor) elsewhere."""
 
     world: int
     n_params: int
@@ -166,11 +185,25 @@ class FleetLayout:
     sampled: int
     fingerprinted: int = 0
     reduced: int = 0
+    shards: int = 1
+    sharded: int = 0
 
     @property
     def rows(self) -> int:
         """Sampled rows of per-parameter norms."""
         return min(self.sampled, self.world)
+
+    @property
+    def histogram_rows(self) -> int:
+        """Histograms of the replica check: one per sharded tensor and shard, one per other tensor."""
+        return self.sharded * self.shards + self.fingerprinted - self.sharded
+
+    def histogram_index(self, rank: int, device: torch.device) -> torch.Tensor:
+        """Per fingerprinted tensor, the histogram ``rank`` adds its one to (int64 on ``device``):
+        ``t shards + rank % shards`` for a sharded tensor ``t``, ``sharded (shards - 1) + t`` for
+        the others (every rank the same). Device ops only."""
+        tensors = torch.arange(self.fingerprinted, device=device)
+        return tensors + (self.shards - 1) * tensors.clamp(max=self.sharded) + (rank % self.shards) * (tensors < self.sharded)
 
     @cached_property
     def _bounds(self) -> dict[str, tuple[int, int]]:
@@ -185,7 +218,7 @@ class FleetLayout:
             "present": 1,
             "sketch_sum": self.bins,
             "unit_sum": self.bins,
-            "fingerprints": self.fingerprinted * (FINGERPRINT_BINS + 1),
+            "fingerprints": self.histogram_rows * (FINGERPRINT_BINS + 1),
             "reduced_sq": self.reduced,
         }
         bounds, begin = {}, 0
@@ -258,8 +291,8 @@ def pack(
         # A zero sketch (no gradient on this rank) adds nothing to U, not 0/0.
         torch.div(sketch, torch.where(norm > 0, norm, torch.ones_like(norm)), out=out[layout.part("unit_sum")])
     if fingerprint is not None:
-        histogram = out[layout.part("fingerprints")].view(layout.fingerprinted, FINGERPRINT_BINS + 1)
-        histogram.scatter_(1, fingerprint_bins(fingerprint).unsqueeze(1), 1.0)
+        index = layout.histogram_index(rank, out.device) * (FINGERPRINT_BINS + 1) + fingerprint_bins(fingerprint)
+        out[layout.part("fingerprints")].index_fill_(0, index, 1.0)
     return param_sq
 
 
@@ -276,12 +309,16 @@ def fingerprint_bins(fingerprint: torch.Tensor) -> torch.Tensor:
     return torch.where((pairs == NOT_COMPARED).any(dim=1), torch.full_like(bins, FINGERPRINT_BINS), bins)
 
 
-def replica_differs(layout: FleetLayout, reduced: torch.Tensor, fingerprint: torch.Tensor) -> torch.Tensor:
+def replica_differs(layout: FleetLayout, reduced: torch.Tensor, fingerprint: torch.Tensor, rank: int = 0) -> torch.Tensor:
     """1 where this rank's fingerprint, in some tensor that every rank compared, is not in that
     tensor's only most common bin of the all-reduced histograms (a tie: every rank of it), else
     0 (fp32, a device op: nothing synchronises). The same verdict as ``replica_differences`` on
-    every rank's fingerprints, but for two fingerprints that share a bin."""
-    counts = reduced[layout.part("fingerprints")].view(layout.fingerprinted, FINGERPRINT_BINS + 1)
+    every rank's fingerprints, but for two fingerprints that share a bin. Under HSDP
+    (``layout.shards``) a parameter shard's histogram is that of ``rank``'s shard: the verdict of
+    ``replica_differences`` within each replica group, the buffers' over the whole mesh."""
+    counts = reduced[layout.part("fingerprints")].view(layout.histogram_rows, FINGERPRINT_BINS + 1)
+    if layout.shards > 1:  # this rank's rows: its shard's histogram of each parameter, the buffers'
+        counts = counts.index_select(0, layout.histogram_index(rank, counts.device))
     compared = counts[:, FINGERPRINT_BINS] == 0
     hashed = counts[:, :FINGERPRINT_BINS]
     top = hashed.max(dim=1).values
@@ -448,7 +485,10 @@ class FleetStats(SilentStats):
         self._rest_host = PendingHost([reduced_wire[layout.part("per_rank").stop :]])
         # The check's histograms, names and absent ranks, not the step itself (which would chain
         # every step to the one before where every step checks).
-        self._replica_check = None if replica_check is None else (replica_check.step, replica_check._histograms, replica_check.fingerprinted, replica_check.absent_ranks)
+        self._replica_check = None
+        if replica_check is not None:
+            check = replica_check
+            self._replica_check = (check.step, check._histograms, check.fingerprinted, check.absent_ranks, check.layout.shards, check.layout.sharded)
 
     @cached_property
     def _arrays(self) -> tuple[np.ndarray, np.ndarray]:
@@ -576,17 +616,18 @@ class FleetStats(SilentStats):
 
     @property
     def _histograms(self) -> np.ndarray:
-        """T x (FINGERPRINT_BINS + 1): per fingerprinted tensor, how many ranks' fingerprints fell in each bin."""
-        return self._part("fingerprints").reshape(len(self.fingerprinted), FINGERPRINT_BINS + 1)
+        """``layout.histogram_rows`` x (FINGERPRINT_BINS + 1): per fingerprinted tensor (and shard,
+        under HSDP), how many ranks' fingerprints fell in each bin."""
+        return self._part("fingerprints").reshape(self.layout.histogram_rows, FINGERPRINT_BINS + 1)
 
     @cached_property
     def replicas(self) -> dict | None:
         """On the instrumented step after a replica check, its verdict (``replica_verdict``)."""
         if self._replica_check is None:
             return None
-        step, histograms, names, absent = self._replica_check
+        step, histograms, names, absent, shards, sharded = self._replica_check
         flagged = np.flatnonzero((self.status & REPLICA_DIFFERS) != 0).tolist()
-        return replica_verdict(histograms, names, flagged, sorted(set(absent) | set(self.absent_ranks)), step)
+        return replica_verdict(histograms, names, flagged, sorted(set(absent) | set(self.absent_ranks)), step, shards=shards, sharded=sharded)
 
     def _layer_cosines(self) -> tuple[np.ndarray, np.ndarray]:
         n = self.present_count
@@ -742,16 +783,28 @@ def _compact_layer_entry(entry: dict, rows: list[int]) -> dict:
     return compact
 
 
-def replica_verdict(histograms: np.ndarray, names: list[str], flagged: list[int], absent: list[int], checked_step: int) -> dict:
+def replica_verdict(
+    histograms: np.ndarray, names: list[str], flagged: list[int], absent: list[int], checked_step: int, shards: int = 1, sharded: int = 0
+) -> dict:
     """The record's ``replicas`` of a compact replica check: ``ranks`` the ranks that flagged
     themselves (``replica_differs``), ``tensors`` how many tensors' histograms hold more than one
     bin, ``parameters`` those tensors (``name``, ``ranks``: the flagged ranks, which of them differ
     in which tensor is not sent; ``ranks_differing``: how many ranks are outside the most common
     bin, or every rank of a tie; ``relative_difference``: None, hashes have no size), largest
     first, ``not_compared`` and ``checked_step``. No comparison where a rank was absent (under
-    ``Join`` a joined rank's weights are stale by design), as ``SilentStats.replicas``."""
+    ``Join`` a joined rank's weights are stale by design), as ``SilentStats.replicas``.
+
+    Under HSDP (``shards`` > 1: the first ``sharded`` tensors have one histogram per shard, see
+    ``FleetLayout``) a parameter is one entry whatever the number of its shards that differ:
+    ``shards`` lists them, ``ranks`` are the flagged ranks holding those shards (rank i holds
+    shard ``i % shards``), ``ranks_differing`` is summed over them; ``tensors`` counts tensors, not
+    shards. A buffer's histogram spans the whole mesh, as without shards."""
+    rows = len(histograms)
+    # Each histogram's tensor (and shard, -1 for a tensor compared over the whole mesh).
+    tensor = np.concatenate([np.repeat(np.arange(sharded), shards), np.arange(sharded, sharded + rows - sharded * shards)]).astype(int)
+    shard = np.concatenate([np.tile(np.arange(shards), sharded), np.full(rows - sharded * shards, -1)]).astype(int)
     compared = histograms[:, FINGERPRINT_BINS] == 0
-    base = {"checked_step": checked_step, "not_compared": int((~compared).sum())}
+    base = {"checked_step": checked_step, "not_compared": len(set(tensor[~compared].tolist()))}
     if absent:
         return {"ranks": [], "tensors": 0, "parameters": [], **base, "not_compared": len(names), "absent": absent}
     hashed = histograms[:, :FINGERPRINT_BINS]
@@ -759,7 +812,15 @@ def replica_verdict(histograms: np.ndarray, names: list[str], flagged: list[int]
     unique = (hashed == top[:, None]).sum(axis=1) == 1
     total = hashed.sum(axis=1)
     differing = np.flatnonzero(compared & ((hashed > 0).sum(axis=1) > 1))
-    outside = np.where(unique, total - top, total)
-    order = differing[np.argsort(-outside[differing], kind="stable")][:MAX_REPLICA_DIFFERENCES]
-    parameters = [{"name": names[t], "ranks": list(flagged), "ranks_differing": int(round(outside[t])), "relative_difference": None} for t in order]
-    return {"ranks": list(flagged), "tensors": int(len(differing)), "parameters": parameters, **base}
+    outside = np.bincount(tensor[differing], weights=np.where(unique, total - top, total)[differing], minlength=len(names))
+    tensors = np.unique(tensor[differing])
+    order = tensors[np.argsort(-outside[tensors], kind="stable")][:MAX_REPLICA_DIFFERENCES]
+    parameters = []
+    for t in order:
+        if t < sharded:  # a parameter: the shards whose replicas differ, and the flagged ranks holding them
+            held = sorted(int(s) for s in shard[differing[tensor[differing] == t]])
+            entry = {"name": names[t], "shards": held, "ranks": [r for r in flagged if r % shards in held]}
+        else:
+            entry = {"name": names[t], "ranks": list(flagged)}
+        parameters.append({**entry, "ranks_differing": int(round(outside[t])), "relative_difference": None})
+    return {"ranks": list(flagged), "tensors": int(len(tensors)), "parameters": parameters, **base}

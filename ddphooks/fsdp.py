@@ -12,9 +12,9 @@ Why a separate all-reduce rather than riding on the reduce-scatter: a reduce-sca
 rank 1/W of its input, so carrying every rank's slot to every rank would need ``W`` slot copies
 in each row of the last group's ``(W, C)`` buffer (a copy of the buffer, and W^2 slots), and
 under HSDP the reduce-scatter does not reach the other replicas at all. One all-reduce of ``W``
-slots per step (a few KB) costs no copy of any gradient. Above ``gather_max_world`` ranks plain
-FSDP2 sends the compact wire (``ddphooks.fleet``) in that all-reduce instead, whose size does not
-grow with W; HSDP keeps the W slots (see ``ShardedSilentState``).
+slots per step (a few KB) costs no copy of any gradient. Above ``gather_max_world`` ranks FSDP2
+and HSDP send the compact wire (``ddphooks.fleet``) in that all-reduce instead, whose size does not
+grow with W (see ``ShardedSilentState``).
 
 Example::
     >>> fully_shard(layer) for layer in model.layers; fully_shard(model)
@@ -102,13 +102,16 @@ class ShardedSilentState(BaseSilentState):
        ``[loss_sum, loss_count, status, |g_p|^2, sketch, fingerprints | |gbar_p shard|^2]`` into its row
        of a ``W x slot`` buffer, zeros elsewhere, and one all-reduce (SUM) over the data-parallel
        mesh gathers them. ``|gbar_p|^2`` is the sum of the shards' squares over one replica.
-       Above ``gather_max_world`` ranks (16 by default) plain FSDP2 sends the compact wire
+       Above ``gather_max_world`` ranks (16 by default) FSDP2 and HSDP send the compact wire
        instead (``ddphooks.fleet``, as DDP does: its size does not grow with W like W slots do,
        and each rank's cosines and layer level reach the records one instrumented step late),
        with one more part: each rank adds its shards' ``|gbar_p shard|^2``, whose sum over the
-       ranks is ``|gbar_p|^2`` (``FleetLayout.reduced``). HSDP keeps every rank's whole slot at
-       any W, and says so once: its replica check compares each parameter shard within its
-       replica group, which the compact wire's one histogram per tensor cannot.
+       ranks is ``|gbar_p|^2`` (``FleetLayout.reduced``; R times it under HSDP, whose R
+       replicas hold the same shards: divided by R). Under HSDP the compact replica check keeps
+       one histogram per parameter and shard, so each shard is compared within its replica
+       group (``FleetLayout.shards``), and one per buffer over the whole mesh; where those
+       histograms would make a check step larger than the whole slots' (few replicas of many
+       shards), HSDP keeps the whole slots and says so once.
     4. ``state.latest`` becomes the step's ``SilentStats`` (``FleetStats`` with the compact
        wire), before ``backward()`` returns.
 
@@ -331,7 +334,10 @@ class ShardedSilentState(BaseSilentState):
         try:
             if record.fleet is not None:
                 self._keep_fleet(record, slots)
-                return self._fleet_stats(record, record.gathered[record.fleet.part("reduced_sq")])
+                reduced = record.gathered[record.fleet.part("reduced_sq")]
+                if self._replicas > 1:  # every replica holds the same shards: R |gbar_p|^2, as in the whole slots
+                    reduced = reduced / self._replicas
+                return self._fleet_stats(record, reduced)
             rows = slots.view(self.world_size, stride)
             reduced = rows[:, slot:].sum(dim=0).div_(self._replicas)  # every replica holds the same shards
             return SilentStats(
@@ -343,20 +349,33 @@ class ShardedSilentState(BaseSilentState):
 
     def _wire_layout(self, record: _ShardedStep, n_params: int):
         """The compact wire's layout of this step (``_fleet_layout``, with the shards' summed
-        reduced norms), or None: every rank's whole slot, up to ``gather_max_world`` ranks and
-        under HSDP at any W (its replica check compares each parameter shard within its replica
-        group; the compact wire's histograms have one bin set per tensor, for the whole mesh)."""
+        reduced norms), or None: every rank's whole slot, up to ``gather_max_world`` ranks, and
+        under HSDP where a replica check's histograms (65 counts per parameter and shard) would
+        make the compact wire larger than the whole slots on that step (few replicas of many
+        shards: 2 x 2048 ranks would need 145 MB, held for the run, against 22 MB): the compact
+        wire must never cost more than the whole slots on any step, nor keep more memory."""
         layout = self._fleet_layout(record, n_params, reduced=n_params)
         if layout is None or self._replicas == 1:
             return layout
+        compact = self._fleet_capacity(layout)
+        whole = self.world_size * (slot_size(n_params, self.bins, len(self._replica_tensors or ())) + n_params)
+        if compact <= whole:
+            return layout
         self._say_once(
             "hsdp_wire",
-            "ddphooks: HSDP on %d ranks (%d replicas) sends every rank's whole slot although W is above gather_max_world=%d: "
-            "its replica check compares each parameter shard within its replica group, which the compact wire cannot; "
-            "the statistics' share of the all-reduce grows with W (W x %d numbers a step)",
-            self.world_size, self._replicas, self.config.gather_max_world, slot_size(n_params, self.bins) + n_params,
+            "ddphooks: HSDP on %d ranks (%d replicas of %d shards) sends every rank's whole slot although W is above "
+            "gather_max_world=%d: the compact wire's replica check (a histogram per parameter and shard) would take %.1f MB "
+            "against the whole slots' %.1f MB on a check step; with more replicas per shard it is the smaller",
+            self.world_size, self._replicas, self._shards, self.config.gather_max_world, 4 * compact / 2**20, 4 * whole / 2**20,
         )  # fmt: skip
         return None
+
+    def _replica_shards(self) -> tuple[int, int]:
+        """Under HSDP each fingerprinted parameter is this rank's shard, compared only within its
+        replica group (``_replica_groups``): one histogram per shard in the compact wire."""
+        if self._replicas > 1 and self._replica_tensors is not None:
+            return self._shards, len(self._replica_tensors.parameters)
+        return 1, 0
 
     def _pack(self, record: _ShardedStep, slots: torch.Tensor, stride: int, status: int) -> None:
         """Write this rank's share of the step into the zeroed ``slots`` (``_pack_or_fail``): with

@@ -391,17 +391,30 @@ class BaseSilentState:
     def _fleet_layout(self, record: StepRecord, n_params: int, reduced: int = 0) -> fleet.FleetLayout | None:
         """The compact wire's layout of this step above ``gather_max_world`` ranks (None: every
         rank's whole slot). It sets the all-reduce's size, so it depends only on what every rank
-        shares: W, the layouts, the settings, whether this is a replica-check step, and
-        ``reduced`` (the transport's: ``FleetLayout.reduced``)."""
+        shares: W, the layouts, the settings, whether this is a replica-check step, ``reduced``
+        (the transport's: ``FleetLayout.reduced``) and under HSDP the shards (``_replica_shards``)."""
         limit = self.config.gather_max_world
         if limit is None or self.world_size <= limit:
             return None
-        return fleet.FleetLayout(self.world_size, n_params, len(record.layouts), self.bins, self.config.sampled_ranks, len(record.fingerprinted), reduced)
+        shards, sharded = self._replica_shards()
+        fingerprinted = len(record.fingerprinted)
+        return fleet.FleetLayout(
+            self.world_size, n_params, len(record.layouts), self.bins, self.config.sampled_ranks, fingerprinted, reduced,
+            shards=shards, sharded=sharded if fingerprinted else 0,
+        )  # fmt: skip
+
+    def _replica_shards(self) -> tuple[int, int]:
+        """``FleetLayout``'s ``shards`` and ``sharded``: how many shards the fingerprinted
+        parameters are split in, and how many of the fingerprinted tensors (the first ones) are
+        such shards, compared only within their replica group. (1, 0): every tensor over every
+        rank (DDP, plain FSDP2)."""
+        return 1, 0
 
     def _fleet_capacity(self, layout: fleet.FleetLayout) -> int:
-        """The size of ``layout``'s buffer on a replica-check step: what the persistent buffer is
-        sized for at once, so that a check's wider wire does not reallocate it."""
-        return replace(layout, fingerprinted=len(self._replica_tensors or ())).size
+        """The size of ``layout``'s buffer on a replica-check step (under HSDP with one histogram
+        per parameter shard): what the persistent buffer is sized for at once, so that a check's
+        wider wire does not reallocate it."""
+        return replace(layout, fingerprinted=len(self._replica_tensors or ()), sharded=self._replica_shards()[1]).size
 
     def _pack_or_fail(self, record: StepRecord, slots: torch.Tensor, slot: int, status: int) -> None:
         """Zero ``slots`` and write this rank's share of the step into them (the transport's
@@ -480,7 +493,8 @@ class BaseSilentState:
         self._own_values_step = record.step
         self._own_previous = (list(record.layouts), self._sketch.clone()) if self.bins else None
         if record.fingerprint is not None:
-            self._replica_differs = (record.step, fleet.replica_differs(record.fleet, record.gathered, record.fingerprint.to(record.gathered.device)))
+            differs = fleet.replica_differs(record.fleet, record.gathered, record.fingerprint.to(record.gathered.device), self.rank)
+            self._replica_differs = (record.step, differs)
 
     def _layer_state_of(self, layouts: list[BucketLayout]) -> fleet.LayerState | None:
         """This rank's layer CUSUM where it is of these layouts; None where they changed (DDP's

@@ -303,20 +303,22 @@ def test_the_reduced_part_comes_last_and_only_where_a_transport_asks_for_it():
     assert not out[sharded.part("reduced_sq")].any() and out[: ddp.size].any()
 
 
-def _replica_check(fingerprints: torch.Tensor, names: list[str]) -> tuple[list[int], dict]:
+def _replica_check(fingerprints: torch.Tensor, names: list[str], shards: int = 1, sharded: int = 0) -> tuple[list[int], dict]:
     """W ranks' fingerprints (W x T x 2) through the compact replica check: each rank's one in
-    the histograms, summed; each rank's own verdict; the record's ``replicas`` of the step after."""
+    the histograms, summed; each rank's own verdict; the record's ``replicas`` of the step after.
+    Under HSDP (``shards``) the first ``sharded`` tensors are parameter shards (rank i holds
+    shard i % shards)."""
     world, tensors = fingerprints.shape[:2]
-    layout = fleet.FleetLayout(world, N_PARAMS, len(BUCKETS), 0, sampled=2, fingerprinted=tensors)
+    layout = fleet.FleetLayout(world, N_PARAMS, len(BUCKETS), 0, sampled=2, fingerprinted=tensors, shards=shards, sharded=sharded)
     ranks = _ranks(world, 11)
     total = torch.zeros(layout.size)
     for rank, r in enumerate(ranks):
         out = torch.zeros(layout.size)
         fleet.pack(layout, [0, 1], rank, r["head"], r["local_sq"], None, torch.zeros(fleet.OWN_VALUES), fingerprints[rank].reshape(-1), False, out)
         total += out
-    flagged = [rank for rank in range(world) if fleet.replica_differs(layout, total, fingerprints[rank].reshape(-1)).item() == 1.0]
-    histograms = total[layout.part("fingerprints")].view(tensors, fleet.FINGERPRINT_BINS + 1).double().numpy()
-    return flagged, fleet.replica_verdict(histograms, names, flagged, [], checked_step=7)
+    flagged = [rank for rank in range(world) if fleet.replica_differs(layout, total, fingerprints[rank].reshape(-1), rank).item() == 1.0]
+    histograms = total[layout.part("fingerprints")].view(layout.histogram_rows, fleet.FINGERPRINT_BINS + 1).double().numpy()
+    return flagged, fleet.replica_verdict(histograms, names, flagged, [], checked_step=7, shards=shards, sharded=sharded)
 
 
 @pytest.mark.parametrize(
@@ -349,6 +351,51 @@ def test_compact_replica_check_names_the_ranks_replica_differences_names(world, 
     assert verdict["tensors"] == len(seen) and {p["name"] for p in verdict["parameters"]} == seen
     assert len(seen) >= expected["tensors"] - 1 and verdict["not_compared"] == expected["not_compared"]
     assert verdict["checked_step"] == 7 and all(p["relative_difference"] is None for p in verdict["parameters"])
+
+
+@pytest.mark.parametrize(
+    ("world", "shards", "changes"),
+    [
+        (8, 2, {5: [1], 2: [5]}),  # 4 replicas a shard: rank 5's shard of t1 against 3; a buffer on rank 2
+        (6, 3, {4: [0]}),  # 2 replicas a shard: a tie, both holders of shard 1 (ranks 1 and 4) named
+        (6, 3, {}),  # every shard's replicas equal (the shards differ from each other)
+    ],
+)
+def test_hsdp_compact_replica_check_compares_each_shard_within_its_replicas(world, shards, changes):
+    """Against ``replica_differences`` within each replica group for the parameter shards (what
+    ``SilentStats.replicas`` does with ``replica_groups``) and over every rank for the buffers."""
+    from ddphooks.stats import NOT_COMPARED, replica_differences
+
+    generator = torch.Generator().manual_seed(world + shards)
+    sharded, buffers = 4, 3
+    names = [f"p{i}" for i in range(sharded)] + [f"b{i}" for i in range(buffers)]
+    per_shard = torch.rand(shards, sharded, 2, generator=generator) + 1.0  # each shard its own values
+    fingerprints = torch.cat([per_shard[torch.arange(world) % shards], (torch.rand(buffers, 2, generator=generator) + 1.0).expand(world, buffers, 2)], dim=1)
+    fingerprints[:, sharded + 2] = NOT_COMPARED  # a buffer that moved (running statistics)
+    for rank, which in changes.items():
+        fingerprints[rank, which, 1] = torch.nextafter(fingerprints[rank, which, 1], torch.tensor(9.0))
+    flagged, verdict = _replica_check(fingerprints, names, shards, sharded)
+    groups = [list(range(s, world, shards)) for s in range(shards)]
+    # The slow reference: each shard's replicas (ranked globally), then the buffers over the mesh.
+    expected = {}
+    for group in groups:
+        for found in replica_differences(fingerprints[group, :sharded].double().numpy(), names[:sharded])["parameters"]:
+            expected.setdefault(found["name"], set()).update(group[r] for r in found["ranks"])
+    everyone = replica_differences(fingerprints[:, sharded:].double().numpy(), names[sharded:])
+    buffer_ranks = {found["name"]: set(found["ranks"]) for found in everyone["parameters"]}
+    ranks = sorted(set().union(*expected.values(), *buffer_ranks.values()))
+    # (These seeds put every differing fingerprint in another bin than its replicas': nothing unseen.)
+    assert flagged == verdict["ranks"] == ranks
+    assert verdict["tensors"] == len(expected) + len(buffer_ranks) and verdict["not_compared"] == everyone["not_compared"] == 1
+    got = {p["name"]: p for p in verdict["parameters"]}
+    assert set(got) == set(expected) | set(buffer_ranks)
+    for name, holders in expected.items():  # a parameter once, with the shards whose replicas differ
+        assert got[name]["ranks"] == sorted(holders) and got[name]["shards"] == sorted({r % shards for r in holders})
+        assert got[name]["ranks_differing"] == len(holders)
+    for name, holders in buffer_ranks.items():  # a buffer: every flagged rank (which one differs is not sent)
+        assert "shards" not in got[name] and got[name]["ranks"] == ranks and got[name]["ranks_differing"] == len(holders)
+    layout = fleet.FleetLayout(world, N_PARAMS, len(BUCKETS), 0, sampled=2, fingerprinted=len(names), shards=shards, sharded=sharded)
+    assert layout.part("fingerprints").stop - layout.part("fingerprints").start == (sharded * shards + buffers) * (fleet.FINGERPRINT_BINS + 1)
 
 
 def test_fingerprint_bins_are_equal_for_equal_fingerprints_and_spread_over_the_bins():
@@ -425,3 +472,51 @@ def test_the_default_wire_is_the_whole_slot_up_to_16_ranks_and_the_compact_wire_
     sharded = ShardedSilentState()
     assert (sharded.config.gather_max_world, sharded.config.sampled_ranks) == (16, 16)
     assert DeepSpeedSilentState().config.gather_max_world is None
+
+
+def test_hsdp_layout_has_a_histogram_per_parameter_shard_on_check_steps_and_the_buffer_is_sized_for_them():
+    """HSDP (4 replicas x 2 shards): a check step's layout has one histogram per parameter and
+    shard and one per buffer, a step without a check none, and the persistent buffer's capacity
+    is the check step's size (so a check does not reallocate it); plain FSDP2 one per tensor."""
+    from types import SimpleNamespace
+
+    from ddphooks.fsdp import ShardedSilentState
+    from ddphooks.replicas import ReplicaTensors
+
+    module = torch.nn.Linear(3, 2)
+    module.register_buffer("mask", torch.ones(3))
+    state = ShardedSilentState(gather_max_world=4)
+    state.world_size, state.bins, state._shards, state._replicas = 8, BINS, 2, 4  # set when binding
+    state._replica_tensors = ReplicaTensors(list(module.named_parameters()), module, broadcast_buffers=False)
+    plain = state._fleet_layout(SimpleNamespace(layouts=BUCKETS, fingerprinted=[]), N_PARAMS, reduced=N_PARAMS)
+    check = state._fleet_layout(SimpleNamespace(layouts=BUCKETS, fingerprinted=state._replica_tensors.names), N_PARAMS, reduced=N_PARAMS)
+    assert (plain.shards, plain.sharded, plain.histogram_rows) == (2, 0, 0)
+    assert (check.shards, check.sharded, check.histogram_rows) == (2, 2, 2 * 2 + 1)  # weight and bias per shard, the mask
+    assert check.size == plain.size + 5 * (fleet.FINGERPRINT_BINS + 1) == state._fleet_capacity(plain)
+    state._replicas = 1  # plain FSDP2: the same tensors, one histogram each
+    assert state._fleet_layout(SimpleNamespace(layouts=BUCKETS, fingerprinted=state._replica_tensors.names), N_PARAMS).histogram_rows == 3
+
+
+def test_hsdp_with_few_replicas_of_many_shards_keeps_whole_slots_and_says_why_once():
+    """HSDP whose compact replica check (65 counts per parameter and shard) would outgrow the
+    whole slots on a check step (few replicas of many shards): whole slots, and one message with
+    both sizes; with many replicas per shard the compact wire."""
+    from types import SimpleNamespace
+
+    from ddphooks.fsdp import ShardedSilentState
+    from ddphooks.replicas import ReplicaTensors
+
+    module = torch.nn.Sequential(*[torch.nn.Linear(1, 1) for _ in range(20)])  # 40 tensors: 2,600 counts a shard
+    state = ShardedSilentState(gather_max_world=16)
+    state._replica_tensors = ReplicaTensors(list(module.named_parameters()), module, broadcast_buffers=False)
+    state.bins, state._said, said = BINS, set(), []
+    state._warn = lambda message, *args: said.append(message % args)
+    record = SimpleNamespace(layouts=BUCKETS, fingerprinted=[])
+    for replicas, shards, compact in ((32, 2, True), (2, 32, False), (2, 32, False)):
+        state.world_size, state._replicas, state._shards = replicas * shards, replicas, shards
+        assert (state._wire_layout(record, N_PARAMS) is not None) == compact, (replicas, shards)
+        assert (state._wire_layout(SimpleNamespace(layouts=BUCKETS, fingerprinted=state._replica_tensors.names), N_PARAMS) is not None) == compact
+    # a check step: 32 replicas x 2 shards 2 x 2,600 counts against 64 slots of 157 numbers (10,048);
+    # 2 x 32: 32 x 2,600 against 10,048 again
+    assert len(said) == 1 and "HSDP on 64 ranks (2 replicas of 32 shards) sends every rank's whole slot" in said[0]
+    assert "MB against the whole slots'" in said[0]

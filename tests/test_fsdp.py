@@ -7,7 +7,6 @@ gradients are all-gathered and every statistic is computed from them in float64.
 
 import copy
 import json
-import logging
 
 import numpy as np
 import pytest
@@ -90,10 +89,11 @@ def _check_reference(rank: int, world: int, mesh_shape: tuple, micro: int, mixed
     return records
 
 
-def _train(rank: int, world: int, attach: bool, reshard: bool, mixed: bool = False) -> list[torch.Tensor]:
-    """Four AdamW steps; with ``mixed``, bf16 parameters, fp32 reduction and two micro-batches a step."""
+def _train(rank: int, world: int, attach: bool, reshard: bool, mixed: bool = False, mesh_shape: tuple | None = None) -> list[torch.Tensor]:
+    """Four AdamW steps (on ``mesh_shape``, plain FSDP2 over every rank by default); with
+    ``mixed``, bf16 parameters, fp32 reduction and two micro-batches a step."""
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
-    model, _ = _sharded((world,), reshard_after_forward=reshard, mp_policy=policy)
+    model, _ = _sharded(mesh_shape or (world,), reshard_after_forward=reshard, mp_policy=policy)
     if attach:
         ddphooks.attach(model).close()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -240,14 +240,17 @@ def _check_by_column(rank: int, world: int) -> list[dict]:
         ddphooks.sketch.COLUMN_SEGMENTS = segments
 
 
-def _check_replica_divergence(rank: int, world: int) -> dict:
-    """HSDP: a replica whose parameter shard drifted is named."""
+def _check_replica_divergence(rank: int, world: int, steps: int = 1, **settings) -> dict:
+    """HSDP: a replica whose parameter shard drifted is named; ``replicas`` of the last of
+    ``steps`` records, each step a replica check (``settings``: the wire; the compact wire's
+    verdict of step 0 comes with step 1)."""
     model, _ = _sharded((2, 2))
-    state = ddphooks.attach(model, check_replicas_every=1)
+    state = ddphooks.attach(model, check_replicas_every=1, **settings)
     if rank == 3:  # replica 1 of shard 1
         with torch.no_grad():
             model.hidden.weight.to_local().add_(1e-3)
-    _loss(model, *_batch(rank, 0)).backward()
+    for step in range(steps):
+        _loss(model, *_batch(rank, step)).backward()
     state.close()
     return state.latest.to_dict()["replicas"]
 
@@ -266,38 +269,38 @@ def _check_partial_all_reduce(rank: int, world: int) -> dict:
     return {"step": state.step, "latest": state.latest, "warnings": [m for m in log.messages if "set_requires_all_reduce(False)" in m]}
 
 
-def _check_hsdp_above_gather_max_world(rank: int, world: int) -> dict:
-    """HSDP on 4 ranks above ``gather_max_world=2``: every rank's whole slot all the same (the
-    reference, the cosine matrix and the parameter shards' replica check pass as at the default),
-    and the log says so once."""
-    log = _Messages()
-    records = _check_reference(rank, world, (2, 2), 1, False, gather_max_world=2)
-    logging.getLogger("ddphooks").removeHandler(log)
-    said = [m for m in log.messages if "sends every rank's whole slot although W is above gather_max_world=2" in m]
-    return {"records": records, "said": said}
-
-
 def _check_hsdp(rank: int, world: int) -> dict:
-    """HSDP on a 2 x 2 mesh: the reference with two accumulated micro-batches, the replica check,
-    accumulation without the all-reduce, whole slots above gather_max_world."""
+    """HSDP on a 2 x 2 mesh: the reference with two accumulated micro-batches, the replica check
+    (with the whole slots and the compact wire), accumulation without the all-reduce, the compact
+    wire above gather_max_world against the whole slots."""
     return {
         "accumulation": _check_reference(rank, world, (2, 2), 2, False),
         "drifted": _check_replica_divergence(rank, world),
+        # HSDP_SKETCH: on this 6-tensor model at 2 x 2 a check step's histograms (6 x 2 x 65 counts)
+        # outgrow four whole slots with a 256 sketch, and HSDP would keep the whole slots
+        "drifted_compact": _check_replica_divergence(rank, world, steps=2, gather_max_world=2, sketch_dim=HSDP_SKETCH),
         "partial": _check_partial_all_reduce(rank, world),
-        "above_gather_max_world": _check_hsdp_above_gather_max_world(rank, world),
+        "compact": _check_compact_wire(rank, world, (2, 2), check_replicas_every=1, sketch_dim=HSDP_SKETCH),
     }
 
 
-def _check_compact_wire(rank: int, world: int) -> dict:
-    """Plain FSDP2 forced to the compact wire (``gather_max_world`` = W - 1, 2 sampled ranks)
-    against the same model with every rank's whole slot, on the same data for four AdamW steps:
-    the same losses, norms, reduced norms and summary on the same step, the sampled ranks'
-    per-parameter norms, each rank's cosines and layer level one step late (the whole slots'
-    previous step); returns the wire's sizes, its bins and whether the compact run's parameters
-    are bitwise plain FSDP2's."""
-    expected = _train(rank, world, False, True)
-    models = [_sharded((world,))[0] for _ in range(2)]
-    settings = dict(sketch_dim=256, check_replicas_every=0)
+#: The sketch of the HSDP compact-wire checks: large enough that four whole slots outgrow a check
+#: step's compact wire on this small model (ShardedSilentState._wire_layout).
+HSDP_SKETCH = 1024
+
+
+def _check_compact_wire(rank: int, world: int, mesh_shape: tuple | None = None, check_replicas_every: int = 0, sketch_dim: int = 256) -> dict:
+    """Plain FSDP2 (or HSDP on ``mesh_shape``) forced to the compact wire (``gather_max_world`` =
+    W - 1, 2 sampled ranks) against the same model with every rank's whole slot, on the same data
+    for four AdamW steps: the same losses, norms, reduced norms (per parameter too) and summary on
+    the same step, the sampled ranks' per-parameter norms, each rank's cosines and layer level one
+    step late (the whole slots' previous step), and with ``check_replicas_every`` each check's
+    verdict in the next step's record, the whole slots' (no replica differs here); returns the
+    wire's sizes, its bins and whether the compact run's parameters are bitwise those of the same
+    training without ddphooks."""
+    expected = _train(rank, world, False, True, mesh_shape=mesh_shape)
+    models = [_sharded(mesh_shape or (world,))[0] for _ in range(2)]
+    settings = dict(sketch_dim=sketch_dim, check_replicas_every=check_replicas_every)
     states = [
         ddphooks.attach(models[0], gather_max_world=None, **settings),
         ddphooks.attach(models[1], gather_max_world=world - 1, sampled_ranks=2, **settings),
@@ -318,6 +321,8 @@ def _check_compact_wire(rank: int, world: int) -> dict:
             assert np.isfinite(compact.layer_scores).all()
             if previous.cosine_previous is not None:
                 np.testing.assert_allclose(compact.cosine_previous, previous.cosine_previous, rtol=1e-4, atol=1e-5)
+        if check_replicas_every:  # every step checks: the verdict of the step before, the whole slots'
+            assert compact.replicas == (None if previous is None else dict(previous.replicas, checked_step=step - 1)), step
         json.dumps(compact.to_dict(), allow_nan=False)
         sizes.append(compact.layout.size)
         previous = full
@@ -537,12 +542,25 @@ def test_a_statistics_bug_leaves_the_step_unmeasured_with_the_compact_wire(three
     _assert_step_1_unmeasured(mine, other)
 
 
-def test_hsdp_above_gather_max_world_keeps_whole_slots_and_says_so_once(hsdp):
-    # _check_reference compared every record with the reference (cosine matrix, every rank's norms)
-    records = [r["above_gather_max_world"]["records"] for r in hsdp]
-    _same_on_every_rank_and_linked(records, hsdp=True)
-    assert all("wire" not in record and record["cosine"] is not None for record in records[0])
-    assert [len(r["above_gather_max_world"]["said"]) for r in hsdp] == [1, 1, 1, 1]  # three steps, once on each rank
+def test_hsdp_compact_wire_gives_the_whole_slots_statistics_and_unchanged_training(hsdp):
+    # _check_compact_wire compared every step with the whole slots' on every rank, the reduced
+    # norms divided by the 2 replicas, and each replica check's empty verdict: the shards differ
+    # from each other, only each shard's replicas are compared
+    compact = [r["compact"] for r in hsdp]
+    bins, params, groups, shards = compact[0]["bins"], 6, 3, 2
+    # as plain FSDP2's on 4 ranks, and on every (check) step one histogram per parameter and shard
+    size = 6 * 4 + 2 * params + 4 * params + groups + 1 + 2 * bins + params + params * shards * 65
+    assert [r["sizes"] for r in compact] == [[size] * 4] * 4 and bins > 0
+    assert [(r["transport"], r["unchanged"]) for r in compact] == [("separate", True)] * 4  # bitwise plain HSDP
+
+
+def test_hsdp_compact_replica_check_names_the_drifted_replica_as_the_whole_slots_do(hsdp):
+    whole, compact = hsdp[0]["drifted"], hsdp[0]["drifted_compact"]
+    assert all(r["drifted_compact"] == compact for r in hsdp)  # the same record on every rank
+    assert compact["checked_step"] == 0 and compact["ranks"] == whole["ranks"] == [1, 3]  # a tie of two replicas: both named
+    assert [p["name"] for p in compact["parameters"]] == [p["name"] for p in whole["parameters"]] == ["hidden.weight"]
+    assert compact["parameters"][0]["shards"] == [1] and compact["parameters"][0]["ranks"] == [1, 3]
+    assert compact["tensors"] == whole["tensors"] == 1 and compact["not_compared"] == whole["not_compared"] == 0
 
 
 def test_fsdp2_at_64_ranks_sends_the_compact_wire_by_default():
