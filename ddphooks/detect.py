@@ -98,7 +98,8 @@ never including the steps of a rank with a CUSUM past half its threshold or
 that is under alert (a lasting fault does not become the new normal before it is reported), with
 floors so that a constant signal does not divide by zero; a baseline of fewer than
 ``MIN_BASELINE_STEPS`` (8) steps scores nothing (a rank kept out of its own for a whole window is
-not scored until it has learned 8 steps again). A scale grows with the spread of the
+not scored until it has learned 8 steps again; the level's baseline, read against the median
+rank, is held instead: see ``DetectorConfig.level_drift``). A scale grows with the spread of the
 last ``recent`` steps: in the first steps of training the ranks' losses are close together and
 then spread out, and a baseline that still remembers the calm steps would take the new normal for
 a fault. The growth is measured on each step's MAD across ranks, which the one rank that is off
@@ -389,8 +390,12 @@ class DetectorConfig:
     of single steps. Its baseline learns a rank's step only while the rank's level CUSUM is at
     zero (a healthy step is independent of the steps before it, so this leaves a fair sample; a
     lasting shift is not learned as the new normal within the 6 steps the shoulders' scale
-    would take). At W = 2 a rise of one rank is the other's fall: it counts for the rank whose
-    own log norm moved the more against its trailing median (as the loss)."""
+    would take), and while it is left out its baseline is held, not aged out of the window:
+    otherwise a shift too small to alert within a window (x1.5 on a rank whose healthy gap is
+    wide, d' about 2) outlived its baseline, scored nothing, and was learned once the CUSUM had
+    drained (twenty-fifth session, benchmarks/README.md "Gradient-scale faults"). At W = 2 a
+    rise of one rank is the other's fall: it counts for the rank whose own log norm moved the
+    more against its trailing median (as the loss)."""
 
     level_cap: float = 3.0
     """Cap on one step's score in the gradient-norm level CUSUM: a step adds at most ``level_cap -
@@ -713,17 +718,22 @@ class _History:
         self.spread = np.full((signals, window), np.nan) if spreads else None
         self.next = 0
 
-    def push(self, rows: np.ndarray, keep: np.ndarray) -> None:
-        """One step: ``rows`` signals x W (W for one signal), ranks not in ``keep`` as NaN."""
-        kept = np.where(keep, rows, np.nan).reshape(len(self.data), self.world)
+    def push(self, rows: np.ndarray, keep: np.ndarray, hold: np.ndarray | None = None) -> None:
+        """One step: ``rows`` signals x W (W for one signal), ranks not in ``keep`` as NaN, or,
+        where ``hold`` (signals x W) too, as the value their slot already holds: that rank's
+        window stays as it was, so its baseline neither learns the step nor ages out; its
+        ``steps_first`` (each step's ranks, for the spread across them) gets the step's value, so
+        that a spread that grows on every rank is seen even while every rank is held."""
         leaving = self.data[:, :, self.next]
+        kept = np.where(keep, rows, np.nan if hold is None else np.where(hold, leaving, np.nan)).reshape(len(self.data), self.world)
+        across = kept if hold is None else np.where(keep | hold, rows, np.nan).reshape(len(self.data), self.world)
         self.known += np.isnan(leaving)  # minus the leaving step's known values, plus the new one's
         self.known -= np.isnan(kept)
         self.finite -= np.isfinite(leaving)
         self.finite += np.isfinite(kept)
         self.data[:, :, self.next] = kept
         if self.steps_first is not None:
-            self.steps_first[:, self.next] = kept
+            self.steps_first[:, self.next] = across
         if self.spread is not None:
             self.spread[:, self.next] = _spreads(kept)
         self.next = (self.next + 1) % self.window
@@ -1120,7 +1130,16 @@ class Detector:
             self.pair_history.push(np.stack([losses, log_norms]), ~suspect)
         keep = np.repeat(~suspect[None], len(SIGNALS) + 1, axis=0)
         keep[LEVEL_ROW] &= level_quiet
-        self.own_history.push(np.stack([values[name] for name in SIGNALS] + [relative_norms]), keep)
+        # The level's baseline is held while the rank is left out of it, not aged out, as long
+        # as fewer than half the ranks' level CUSUMs are past half their limit: read against the
+        # median rank, a trend cancels, so an old baseline stays valid for a rank that is off
+        # alone, and a shift too small to alert within a window would otherwise outlive its
+        # baseline, score nothing and be learned as the new normal once the CUSUM drained. Where
+        # half the ranks rise at once, their spread changed (early training): their baselines age
+        # out and learn it, as every other one.
+        hold = np.zeros_like(keep)
+        hold[LEVEL_ROW] = True
+        self.own_history.push(np.stack([values[name] for name in SIGNALS] + [relative_norms]), keep, hold)
         unknown = np.full(self.world, np.nan)  # a signal not compared across ranks (W = 2)
         self.cross_history.push(np.stack([deviations.get(name, unknown) for name in SIGNALS]), ~suspect)
         self.seen += 1

@@ -1,6 +1,7 @@
 """The detector on synthetic record streams: planted faults are named, healthy streams stay silent."""
 
 import dataclasses
+from collections import deque
 import math
 import re
 import warnings
@@ -350,16 +351,23 @@ def test_a_rank_a_little_off_in_every_signal_is_named_by_the_combined_score():
     assert "loss, gradient norm and cosines together depart from the other ranks" in alerts[0]["message"]
     assert "log gradient norm minus the median rank's: now" in alerts[0]["message"]
     assert "typical of wrong or different data (mislabelled or shuffled examples" in alerts[0]["message"]
-    # Without the combined CUSUM (an allowance no sum reaches) the same fault goes unreported.
-    assert detect_run(records, DetectorConfig(combined_drift=1e6)) == []
+    # Without the combined CUSUM (an allowance no sum reaches) no signal names the rank as early: at
+    # most the gradient-norm level, a lasting 2-sigma shift of its norm against the median rank's,
+    # later; without both the fault goes unreported.
+    late = detect_run(records, DetectorConfig(combined_drift=1e6))
+    assert all((a["rank"], a["kind"]) == (3, "grad_norm") and a["step"] >= alerts[0]["step"] + 10 for a in late), late[:1]
+    assert detect_run(records, DetectorConfig(combined_drift=1e6, level_threshold=1e9)) == []
     # Each signal counts in the combined sum in one direction only (a rank training on wrong data:
-    # loss and gradient norm up): the same shifts with the loss and gradient norm falling add nothing.
+    # loss and gradient norm up): the same shifts with the loss and gradient norm falling add nothing
+    # to it (the level, both ways, may name the lasting fall of the rank's gradient norm, later).
     mirrored = _stream(4, 160, seed=8)
     for record in mirrored[100:]:
         record["losses"][3] -= 2 * 0.08
         record["grad_norms"][3] *= math.exp(-2 * 0.1)
         record["cosine_loo"][3] -= 2 * 0.08
-    assert detect_run(mirrored) == []
+    fallen = detect_run(mirrored)
+    assert all((a["rank"], a["kind"]) == (3, "grad_norm") and a["step"] >= alerts[0]["step"] + 10 for a in fallen), fallen[:1]
+    assert detect_run(mirrored, DetectorConfig(level_threshold=1e9)) == []
 
 
 def test_a_rank_of_two_a_little_off_in_several_signals_is_named_by_its_own_combined_score():
@@ -506,8 +514,11 @@ def test_a_spread_that_grows_on_every_rank_is_not_taken_for_a_fault():
             record["grad_norms"] = (np.array(record["grad_norms"]) * np.exp(4 * 0.1 * rng.standard_normal(4))).tolist()
         assert detect_run(records) == [], seed
         # With the MAD's scales (the shoulders' also follow a spread that grows, in part), scales that
-        # do not grow with the recent spread (recent = the whole window) raise alerts.
-        assert detect_run(records, ARITHMETIC) == [], seed
+        # do not grow with the recent spread (recent = the whole window) raise alerts. (With the
+        # MAD's alone the level CUSUM, whose baseline a rank keeps while it is off instead of
+        # relearning it, rises past its limit on some seeds: the shoulders' scale is what keeps it
+        # quiet here, at the defaults.)
+        assert detect_run(records, dataclasses.replace(ARITHMETIC, level_threshold=1e9)) == [], seed
         alerted_without_growth += detect_run(records, dataclasses.replace(ARITHMETIC, recent=32)) != []
         # So does the combined CUSUM alone when its terms ignore the growth: two signals spread at once.
         combined_without_growth += any(a["kind"] == "combined" for a in detect_run(records, dataclasses.replace(ARITHMETIC, combined_growth=0)))
@@ -1112,20 +1123,23 @@ def test_at_two_ranks_the_level_names_the_rank_whose_gradient_shrank():
 def test_the_level_scores_match_a_slow_reference():
     # Per step: the log norm minus the median rank's, against the median and scale (the larger of
     # 1.4826 MAD and the median rank's scale_quantile over a normal's) of the rank's earlier steps
-    # kept while its level CUSUM was at zero (and the rank not suspect), over the last `window`
-    # steps; at least 8 of them, else no score. recent = window: no growth of the spread (a ratio 1).
+    # kept while its level CUSUM was at zero (and the rank not suspect), over its last `window`
+    # slots: a step it was left out of keeps the slot's old value (its window held, not aged
+    # out: the oldest slot comes round again); at least 8 known, else no score. recent = window:
+    # no growth of the spread (a ratio 1).
     config = DetectorConfig(alert_level=LEVEL_ONE, recent=32)
     records = _scaled(5, 4, 1.5)
     detector = Detector(config, keep_scores=True)
-    kept = []
+    slots = [deque([np.nan] * config.window, maxlen=config.window) for _ in range(4)]  # per rank, oldest first
     compared = 0
+    out, longest = np.zeros(4, int), 0  # steps each rank has been left out in a row, the most
     for record in records:
         before = detector.parts.get(detect.LEVEL) if detector.world else None
         quiet = np.ones(4, bool) if before is None else ~(before > 0).any(axis=1)
         logs = np.log(record["grad_norms"])
         detector.update(Observation.from_record(record))
         if detect.LEVEL in detector.step_scores:
-            window = np.array(kept[-config.window :])  # steps x W, NaN where not kept
+            window = np.array([list(ring) for ring in slots]).T  # steps x W
             with warnings.catch_warnings():  # a rank with no kept step in the window: NaN, no score
                 warnings.simplefilter("ignore", RuntimeWarning)
                 median = np.nanmedian(window, axis=0)
@@ -1139,5 +1153,9 @@ def test_the_level_scores_match_a_slow_reference():
             compared += 1
         suspect = detector.evidence() > 0.5
         suspect[list(detector.episodes)] = True
-        kept.append(np.where(quiet & ~suspect, logs - np.median(logs), np.nan))
+        for rank, ring in enumerate(slots):
+            ring.append(logs[rank] - np.median(logs) if quiet[rank] and not suspect[rank] else ring[0])
+        out = np.where(quiet & ~suspect, 0, out + 1)
+        longest = max(longest, int(out.max()))
     assert compared > 100
+    assert longest > config.window - 8  # a rank left out long enough that an aged-out window would score nothing

@@ -31,9 +31,11 @@ def test_a_healthy_stream_of_1024_ranks_stays_silent():
     assert detect_run(_stream(WORLD, 48, seed=43)) == []
 
 
-def _reference_baselines(detector: Detector, deviations: dict) -> tuple:
+def _reference_baselines(detector: Detector, deviations: dict, levels: np.ndarray) -> tuple:
     """The detector's baselines as first written: every window stacked as steps x W and each
-    statistic of its definition computed apart (``_robust``, ``_shoulders``, ``_growth``)."""
+    statistic of its definition computed apart (``_robust``, ``_shoulders``, ``_growth``).
+    ``levels``: every rank's log gradient norm less the median rank's on the window's steps
+    (steps x W, oldest first), which the level's spread across ranks reads, its held ranks too."""
     config = detector.config
     recent, quantile = config.recent, config.scale_quantile
     own = np.stack([detector.raw[name].values for name in SIGNALS] + [detector.level.values])  # signals and the level x steps x W
@@ -42,7 +44,9 @@ def _reference_baselines(detector: Detector, deviations: dict) -> tuple:
     own_scale = np.maximum(own_scale, detect._shoulders(own, own_median, quantile)[:, None])
     own_median[np.sum(np.isfinite(own), axis=1) < detect.MIN_BASELINE_STEPS] = np.nan
     if detector.world >= 3:
-        own_scale = own_scale * detect._growth(own - own_median[:, None, :], recent)[:, None]
+        across = own.copy()
+        across[-1] = levels
+        own_scale = own_scale * detect._growth(across - own_median[:, None, :], recent)[:, None]
     crossed = [name for name in SIGNALS if name in deviations]
     cross = np.stack([detector.cross[name].values for name in crossed])
     cross_median, cross_scale = detect._robust(cross.reshape(len(crossed), -1).T)
@@ -77,7 +81,7 @@ def _messy(world: int, steps: int, seed: int) -> list[dict]:
 def test_the_baselines_equal_their_definitions_step_by_step(world, quantile):
     config = DetectorConfig(scale_quantile=quantile, alert_level=1.0)
     detector = Detector(config)
-    compared = 0
+    compared, levels = 0, [np.full(world, np.nan)] * config.window
     for record in _messy(world, 70, seed=world):
         obs = Observation.from_record(record)
         if detector.world is not None and detector.seen >= config.warmup:
@@ -86,12 +90,14 @@ def test_the_baselines_equal_their_definitions_step_by_step(world, quantile):
             deviations = detector._deviations(detector._values(obs, losses, np.log(obs.grad_norms)))
             crossed = [SIGNALS.index(name) for name in SIGNALS if name in deviations]
             fast = (*detector._own_baselines(), *detector._cross_baselines(crossed))
-            for index, (got, expected) in enumerate(zip(fast, _reference_baselines(detector, deviations))):
+            for index, (got, expected) in enumerate(zip(fast, _reference_baselines(detector, deviations, np.array(levels[-config.window :])))):
                 # the own scale's growth at W >= 3 is taken in float32 (see _own_baselines)
                 rtol = 1e-5 if index == 1 and world >= 3 else 1e-12
                 np.testing.assert_allclose(got, expected, rtol=rtol, atol=0, equal_nan=True)
             compared += 1
         detector.update(obs)
+        with np.errstate(divide="ignore"):  # a zero norm: -inf, as the detector reads it
+            levels.append(detect._relative_to_median(np.log(np.where(np.isfinite(obs.grad_norms), obs.grad_norms, np.nan))))
     assert compared >= 40
 
 
