@@ -409,17 +409,18 @@ def test_norms_by_column_match_the_unsharded_reference(two_ranks):
     assert [v for p in by_column for v in p["grad_norms"]] == pytest.approx([v for p in by_segment for v in p["grad_norms"]], rel=1e-5)
 
 
-def _on_fake_group(world: int) -> torch.nn.Module:
+def _on_fake_group(world: int, mesh_shape: tuple | None = None) -> torch.nn.Module:
     """Rank 0 of ``world`` on PyTorch's fake process group (its collectives leave the buffers as
-    this rank wrote them), and _Net fully_shard-ed per layer and at the root over it; the caller
-    destroys the group."""
+    this rank wrote them), and _Net fully_shard-ed per layer and at the root over it (a
+    ``mesh_shape`` of two: HSDP, replicas x shards); the caller destroys the group."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     torch.manual_seed(0)
     model = _Net()
-    mesh = init_device_mesh("cpu", (world,))
+    shape = mesh_shape or (world,)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard") if len(shape) == 2 else None)
     for layer in (model.inp, model.hidden):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -563,19 +564,26 @@ def test_hsdp_compact_replica_check_names_the_drifted_replica_as_the_whole_slots
     assert compact["tensors"] == whole["tensors"] == 1 and compact["not_compared"] == whole["not_compared"] == 0
 
 
-def test_fsdp2_at_64_ranks_sends_the_compact_wire_by_default():
+@pytest.mark.parametrize("mesh_shape", [(64,), (8, 8)], ids=["fsdp2", "hsdp"])
+def test_fsdp2_at_64_ranks_sends_the_compact_wire_by_default(mesh_shape):
     # One rank of 64 on the fake process group (its all-reduce leaves the buffer as this rank
     # wrote it): attach's defaults send the compact wire above 16 ranks, one all-reduce a step
-    # whose size does not depend on W but for its 6 numbers per rank, and the step's FleetStats
+    # whose size does not depend on W but for its 6 numbers per rank (and, under HSDP, on the
+    # replica check of step 0, one histogram per parameter and shard), and the step's FleetStats
     # hold this rank's loss and norms.
     import torch.distributed as dist
 
-    world = 64
-    model = _on_fake_group(world)
+    world, shards = 64, mesh_shape[-1]
+    model = _on_fake_group(world, mesh_shape)
     all_reduce, sizes = dist.all_reduce, []
     try:
         state = ddphooks.attach(model, detect=False)
-        dist.all_reduce = lambda tensor, *args, **kwargs: (sizes.append(tensor.numel()), all_reduce(tensor, *args, **kwargs))[1]
+        def counted(tensor, *args, **kwargs):  # the statistics' all-reduce (HSDP also all-reduces gradients)
+            if state._slots is not None and tensor.untyped_storage().data_ptr() == state._slots.untyped_storage().data_ptr():
+                sizes.append(tensor.numel())
+            return all_reduce(tensor, *args, **kwargs)
+
+        dist.all_reduce = counted
         losses = []
         for _ in range(2):
             loss = model(torch.randn(4, 16)).square().mean()
@@ -593,7 +601,10 @@ def test_fsdp2_at_64_ranks_sends_the_compact_wire_by_default():
     assert type(stats).__name__ == "FleetStats" and record["wire"] == "compact" and stats.layout.world == world
     assert record["cosines_step"] == 0 and len(record["sampled_ranks"]) == 16
     size = 6 * world + 16 * 6 + 4 * 6 + 3 + 1 + 2 * state.bins + 6  # as on 3 ranks, 16 sampled
-    assert sizes == [size, size] and size < world * (3 + 6 + state.bins)  # less than the whole slots without their reduced part
+    check = 6 * shards * 65 if len(mesh_shape) == 2 else 0  # plain FSDP2: no tensor two ranks hold (_Net has no buffers)
+    assert sizes == [size + check, size] and size + check < world * (3 + 6 + state.bins)  # less than the whole slots without their reduced part
+    if check:  # this rank alone in every histogram: the most common bin of each shard, nobody differs
+        assert record["replicas"]["checked_step"] == 0 and record["replicas"]["ranks"] == [] and record["replicas"]["not_compared"] == 0
     assert record["losses"][0] == pytest.approx(losses[-1], rel=1e-6)
     assert record["grad_norms"][0] == pytest.approx(local**0.5, rel=1e-5)
 
