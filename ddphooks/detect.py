@@ -1130,13 +1130,13 @@ class Detector:
             self.pair_history.push(np.stack([losses, log_norms]), ~suspect)
         keep = np.repeat(~suspect[None], len(SIGNALS) + 1, axis=0)
         keep[LEVEL_ROW] &= level_quiet
-        # The level's baseline is held while the rank is left out of it, not aged out, as long
-        # as fewer than half the ranks' level CUSUMs are past half their limit: read against the
-        # median rank, a trend cancels, so an old baseline stays valid for a rank that is off
-        # alone, and a shift too small to alert within a window would otherwise outlive its
-        # baseline, score nothing and be learned as the new normal once the CUSUM drained. Where
-        # half the ranks rise at once, their spread changed (early training): their baselines age
-        # out and learn it, as every other one.
+        # The level's baseline is held while the rank is left out of it, not aged out: read
+        # against the median rank, a trend cancels, so an old baseline stays valid, and a shift
+        # too small to alert within a window would otherwise outlive its baseline, score nothing
+        # and be learned as the new normal once the CUSUM drained. A spread that grows on every
+        # rank (early training) still grows the level's scale: the spread across ranks reads
+        # every rank's step, held ones too (_History.push). The other signals' trends do not
+        # cancel: their baselines age out as before.
         hold = np.zeros_like(keep)
         hold[LEVEL_ROW] = True
         self.own_history.push(np.stack([values[name] for name in SIGNALS] + [relative_norms]), keep, hold)
