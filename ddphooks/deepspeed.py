@@ -195,7 +195,7 @@ class DeepSpeedSilentState(BaseSilentState):
             sketch_dim=sketch_dim, every=every, seed=seed, log_rank=log_rank, chunk_elems=chunk_elems, stats_kernel=stats_kernel,
             detail_every=detail_every, detail_max_world=detail_max_world, per_rank_max_world=per_rank_max_world, max_pending_records=max_pending_records,
             detect=detect, check_replicas_every=check_replicas_every, watch_sync=False,
-            gather_max_world=None,  # the compact wire is DDP's transport's: every rank's whole slot at any W
+            gather_max_world=None,  # no compact wire for DeepSpeed's reduction yet: every rank's whole slot at any W
         )  # fmt: skip
         super().__init__(settings, sinks=sinks, on_alert=on_alert)
         self._engine = None
