@@ -48,7 +48,7 @@ from ddphooks.detect import DetectorConfig
 from ddphooks.replicas import ReplicaTensors
 from ddphooks.sinks import Sink
 from ddphooks.sketch import ACCELERATOR_CHUNK_ELEMS, CPU_CHUNK_ELEMS, BucketPlan
-from ddphooks.state import BaseSilentState, agree_across_ranks, stats_kernel_problem
+from ddphooks.state import BaseSilentState, StepRecord, agree_across_ranks, stats_kernel_problem
 from ddphooks.stats import BucketLayout, SilentStats
 
 #: What this transport measures, for the one-line refusals.
@@ -112,15 +112,14 @@ def unsupported_configuration(engine: torch.nn.Module) -> str | None:
     return None
 
 
-class _Step:
+class _Step(StepRecord):
     """One optimizer step (all its micro-batches, up to the accumulation boundary)."""
 
     def __init__(self, step: int, instrumented: bool) -> None:
-        self.step = step
+        super().__init__(step)
         self.instrumented = instrumented
         self.seen: list[bool] | None = None  # per parameter: measured once already this step
         self.accumulation = EXACT
-        self.error: BaseException | None = None
 
 
 class DeepSpeedSilentState(BaseSilentState):
@@ -383,6 +382,21 @@ class DeepSpeedSilentState(BaseSilentState):
                 parts.append(fragment)
         return indices, parts
 
+    def _pack(self, record: _Step, slots: torch.Tensor, stride: int, status: int) -> None:
+        """Write this rank's row of ``stride`` numbers into the zeroed ``slots`` (``_pack_or_fail``):
+        its whole slot, then the squared norms of the reduced partitions it holds."""
+        mine = slots[self.rank * stride : (self.rank + 1) * stride]
+        n_params = len(self._params)
+        slot = stride - n_params
+        self._pack_slot([self._local_sq], record.fingerprint, mine[:slot], status)
+        indices, parts = self._reduced_partitions()
+        if parts:  # one multi-tensor norm over every partition, accumulated in fp32
+            norms = torch._foreach_norm(parts, 2, dtype=torch.float32)
+            if len(indices) == n_params and norms[0].device == mine.device:  # a part of every parameter, in order (ZeRO-3)
+                torch.stack(norms, out=mine[slot:]).square_()
+            else:
+                mine[slot:].index_copy_(0, self._index_tensor(indices, mine.device), torch.stack(norms).square_().to(mine.device))
+
     def _index_tensor(self, indices: list[int], device: torch.device) -> torch.Tensor:
         """``indices`` as a tensor on ``device``, made again only when they change (the parameters
         whose partition lies on this rank are the same at every step)."""
@@ -396,23 +410,10 @@ class DeepSpeedSilentState(BaseSilentState):
         n_params = len(self._params)
         if self._losses.first_missing():
             self._warn_no_loss(record.step)
-        fingerprinted, fingerprint, slot, slots = self._slots_of_step(record.step, n_params, device)
+        record.fingerprinted, record.fingerprint = self._scheduled_fingerprint(record.step, device)
+        slot, slots = self._whole_slots(n_params, len(record.fingerprinted), device)
         rows = slots.view(self.world_size, slot + n_params)
-        mine = rows[self.rank]
-        try:
-            if record.error is None:
-                self._pack_slot([self._local_sq], fingerprint, mine[:slot])
-                indices, parts = self._reduced_partitions()
-                if parts:  # one multi-tensor norm over every partition, accumulated in fp32
-                    norms = torch._foreach_norm(parts, 2, dtype=torch.float32)
-                    if len(indices) == n_params and norms[0].device == device:  # a part of every parameter, in order (ZeRO-3)
-                        torch.stack(norms, out=mine[slot:]).square_()
-                    else:
-                        mine[slot:].index_copy_(0, self._index_tensor(indices, device), torch.stack(norms).square_().to(device))
-        except Exception as error:  # still join the all-reduce: every rank waits in it
-            record.error = error
-        if record.error is not None:  # every rank reads it (this one too): no rank measures the step
-            self._send_failed(record.step, record.error, mine)
+        self._pack_or_fail(record, slots, slot + n_params, 0)  # a failure sends zeros and FAILED: every rank waits in the all-reduce
         dist.all_reduce(slots, group=self.process_group)
         accumulation = record.accumulation
         if accumulation == MICRO_BATCH_NORMS and accumulation not in self._said:
@@ -426,7 +427,7 @@ class DeepSpeedSilentState(BaseSilentState):
         try:
             return DeepSpeedStats(
                 record.step, self.world_size, [self._layout], rows[:, :slot].clone(), rows[:, slot:].sum(dim=0), self.bins,
-                f"deepspeed-zero{self._stage}", fingerprinted, previous=self._previous_stats, accumulation=accumulation,
+                f"deepspeed-zero{self._stage}", record.fingerprinted, previous=self._previous_stats, accumulation=accumulation,
             )  # fmt: skip
         except Exception as error:
             return error

@@ -368,19 +368,11 @@ class BaseSilentState:
             return replicas.names, replicas.fingerprint(step).to(device)
         return [], None
 
-    def _slots_of_step(self, step: int, n_params: int, device: torch.device) -> tuple[list[str], torch.Tensor | None, int, torch.Tensor]:
-        """The zeroed ``W x (slot + n_params)`` buffer of a transport whose slots travel in one
-        all-reduce of their own (FSDP2, DeepSpeed): each rank's slot, then its part of the
-        reduced squared norms. Returns the fingerprinted names and this rank's fingerprint (on a
-        replica-check step, else ``[]`` and None), the slot's size and the buffer (sized once
-        for a replica check's wider slot)."""
-        fingerprinted, fingerprint = self._scheduled_fingerprint(step, device)
-        slot, slots = self._whole_slots(n_params, len(fingerprinted), device)
-        slots.zero_()
-        return fingerprinted, fingerprint, slot, slots
-
     def _whole_slots(self, n_params: int, fingerprinted: int, device: torch.device) -> tuple[int, torch.Tensor]:
-        """The slot's size and the ``W x (slot + n_params)`` buffer of ``_slots_of_step``, not zeroed."""
+        """The slot's size and the ``W x (slot + n_params)`` buffer of a transport whose slots travel
+        in one all-reduce of their own (FSDP2, DeepSpeed): each rank's slot, then its part of the
+        reduced squared norms; sized once for a replica check's wider slot, not zeroed
+        (``_pack_or_fail`` zeroes it)."""
         replicas = self._replica_tensors
         slot = slot_size(n_params, self.bins, fingerprinted)
         widest = slot_size(n_params, self.bins, len(replicas or ()))
