@@ -68,7 +68,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # -- config ----------------------------------------------------------------------------------------
 PARTS = ("correctness", "fsdp", "sync", "stats", "cost")
 #: Seconds each part may take on the GPU (the worker processes are killed past it): 520 s in all.
-BUDGET_S = {"correctness": 140, "fsdp": 60, "sync": 90, "stats": 80, "cost": 150}
+BUDGET_S = {"correctness": 140, "fsdp": 90, "sync": 90, "stats": 80, "cost": 150}
 STEPS = 4  # training steps of the correctness runs (a replica check on steps 0 and 2)
 #: The compact wire's configuration (``ddphooks.fleet``): the torch path with gather_max_world=1.
 COMPACT = "torch+compact"
@@ -252,10 +252,9 @@ def correctness_runs(configs: list[str]) -> list[tuple[str, str, str | None]]:
 
 
 def part_configs(part: str, kernels: list[str]) -> list[str]:
-    """The configurations a correctness part checks: the kernels, and for DDP the default
-    ("auto": the Triton kernel on CUDA once it passes its check, else the torch path) and the
-    compact wire (FSDP2 refuses it)."""
-    return kernels if part == "fsdp" else [*kernels, "auto", COMPACT]
+    """The configurations a correctness part checks: the kernels, the compact wire, and for DDP
+    the default ("auto": the Triton kernel on CUDA once it passes its check, else the torch path)."""
+    return [*kernels, COMPACT] if part == "fsdp" else [*kernels, "auto", COMPACT]
 
 
 def expected_kernel(config: str, device_name: str, kernels: list[str]) -> str:

@@ -33,9 +33,9 @@ def test_small_form_passes_its_correctness_rows_and_writes_every_part(tmp_path):
         assert set(r) == {"part", "name", "kind", "status", "reason", "figures"}, r
         assert r["status"] in ("pass", "skipped") and r["kind"] in ("correctness", "goal"), (r["name"], r["status"], r["reason"])
     parts = {part: [r for r in rows if r["part"] == part] for part in report["parts"]}
-    # correctness and fsdp: per kernel (and DDP's compact wire), the records against the CPU run
-    # (the compact wire's against the CPU's compact run) and training against the plain run
-    for part, transport, configs in (("correctness", "ddp", [*KERNELS, "auto", "torch+compact"]), ("fsdp", "fsdp2", KERNELS)):
+    # correctness and fsdp: per kernel and the compact wire, the records against the CPU run (the
+    # compact wire's against the CPU's compact run) and training against the plain run
+    for part, transport, configs in (("correctness", "ddp", [*KERNELS, "auto", "torch+compact"]), ("fsdp", "fsdp2", [*KERNELS, "torch+compact"])):
         assert len(parts[part]) == 2 * len(configs)
         for r in parts[part]:
             assert r["status"] == "pass" and r["kind"] == "correctness", r
