@@ -55,6 +55,10 @@ def _worker(fn: Callable, rank: int, world: int, init_file: str, threads: int, t
         )
         try:
             value = fn(rank, world, *args)
+            # No rank closes its connections before every rank is through: gloo connects the
+            # ranks pair by pair, and a rank that finished a short fn and left while a peer was
+            # still connecting made that peer fail with "Connection closed by peer".
+            dist.barrier()
         finally:
             dist.destroy_process_group()
         results.put((rank, True, value))
