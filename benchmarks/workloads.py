@@ -1,6 +1,6 @@
 """Workload zoo: false alarms and detection delays of ddphooks' defaults on models the detector was never tuned on.
 
-Eight small training setups outside the project's experiment, each trained as people train it, on
+Nine small training setups outside the project's experiment, each trained as people train it, on
 gloo CPU processes (``ddphooks.launch.spawn``) with ``ddphooks.attach(ddp)`` at its defaults
 (detector on, replica check every 100 steps). Healthy runs must raise no alert; fault runs inject
 one fault on one rank from FAULT_STEP and measure the steps until an alert names that rank.
@@ -16,7 +16,9 @@ Families (FAMILIES): cnn (BatchNorm, SGD momentum, step LR), gpt2 (transformers 
 + cosine, dropout, clipping), bert (transformers BERT masked LM, linear warmup/decay), lora (peft LoRA
 on a frozen tiny Llama), bf16 (MLP under bf16 autocast), moe (top-1 experts + a task head chosen per
 batch, find_unused_parameters=True), heavy (regression with Student-t noise, df 1.5), mixture (Llama
-LM on three domains drawn per rank per step). Faults (FAULTS), on FAULT_RANK from FAULT_STEP:
+LM on three domains drawn per rank per step), nanogpt (``ddphooks.models.tiny_gpt`` as nanoGPT's
+character-level config trains it: AdamW, 20 warm-up steps then cosine decay to a tenth, clipping,
+gradient accumulation over two micro-batches by ``require_backward_grad_sync``; issue 41's GPT). Faults (FAULTS), on FAULT_RANK from FAULT_STEP:
 bitflip (an exponent bit flipped in 1e-3 of the largest trainable tensor's local gradient (moe: the trunk's), through
 ``param.register_hook``), labels (labels misaligned: shifted by one position or class, regression
 targets permuted), stuck (the loader repeats the fault step's batch), precision (the rank trains
@@ -53,7 +55,7 @@ from ddphooks.fleet import as_compact_records
 from ddphooks.launch import spawn
 
 # -- configuration (chosen before any result) -------------------------------------------------------
-FAMILIES = ("cnn", "gpt2", "bert", "lora", "bf16", "moe", "heavy", "mixture")
+FAMILIES = ("cnn", "gpt2", "bert", "lora", "bf16", "moe", "heavy", "mixture", "nanogpt")
 FAULTS = ("bitflip", "labels", "stuck", "precision", "eval", "stale", "scale1.25", "scale1.5", "scale2")
 DROPOUT_FAMILIES = ("cnn", "gpt2", "bert", "lora", "mixture")  # where the eval fault changes anything
 WORLDS = (2, 4, 8)
@@ -69,9 +71,10 @@ BITFLIP_FRACTION = 1e-3
 BITFLIP_TARGETS = {"moe": "trunk.weight"}
 # Held-out seeds, fixed before the campaign ran: healthy run r of a family uses HEALTHY_SEEDS[r];
 # fault run r of fault kind k uses FAULT_SEEDS[r] + 10 * k (each fault run is a different run before
-# its fault, so every pre-fault step is a distinct healthy step).
-HEALTHY_SEEDS = tuple(range(300, 310))
-FAULT_SEEDS = tuple(range(400, 410))
+# its fault, so every pre-fault step is a distinct healthy step). r = 10-19 (added in the twenty-sixth
+# session, when every earlier seed had been run) start at 500, clear of 400 + 9 + 10 * 8.
+HEALTHY_SEEDS = tuple(range(300, 320))
+FAULT_SEEDS = tuple(range(400, 410)) + tuple(range(500, 510))
 OUT = "/work/runs/zoo"
 VOCAB = 64
 SEQ = 16
@@ -189,6 +192,10 @@ def build_model(family: str, seed: int) -> nn.Module:
         return TaskMoE()
     if family == "heavy":
         return MLP(8, 64, 1)
+    if family == "nanogpt":
+        from ddphooks.models import tiny_gpt
+
+        return tiny_gpt(vocab_size=VOCAB, hidden=64, layers=2, heads=4, block_size=SEQ, seed=seed)
     raise ValueError(family)
 
 
@@ -197,6 +204,17 @@ def optimizer_for(family: str, model: nn.Module, steps: int):
 
     params = [p for p in model.parameters() if p.requires_grad]
     warmup = max(1, steps // 10)
+    if family == "nanogpt":  # nanoGPT's shakespeare_char: lr 1e-3, betas (0.9, 0.99), decay to lr / 10
+        opt = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
+        warmup = min(NANOGPT_WARMUP, steps)
+
+        def rate(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, rate)
     if family == "cnn":
         opt = torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=5e-4)
         return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=max(1, steps // 3), gamma=0.1)
@@ -210,7 +228,10 @@ def optimizer_for(family: str, model: nn.Module, steps: int):
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
 
 
-CLIP = {"gpt2": 1.0, "bert": 1.0, "lora": 1.0, "mixture": 1.0, "heavy": 1.0}
+CLIP = {"gpt2": 1.0, "bert": 1.0, "lora": 1.0, "mixture": 1.0, "heavy": 1.0, "nanogpt": 1.0}
+#: Micro-batches per step (gradient accumulation, DDP's sync only on the last, as nanoGPT's train.py does it).
+MICRO_BATCHES = {"nanogpt": 2}
+NANOGPT_WARMUP = 20
 
 
 # -- batches ----------------------------------------------------------------------------------------
@@ -222,7 +243,7 @@ class World:
         self.family = family
         if family == "cnn":
             self.templates = rng.normal(size=(10, 3, 12, 12)).astype(np.float32)
-        elif family in ("gpt2", "bert", "lora"):
+        elif family in ("gpt2", "bert", "lora", "nanogpt"):
             self.chain = markov_chain(seed, 3)
         elif family == "mixture":
             self.chains = [markov_chain(seed, 2), markov_chain(seed + 1, 8)]
@@ -242,7 +263,7 @@ def make_batch(world: World, rng: np.random.Generator) -> dict:
         images = np.stack([np.roll(world.templates[y], tuple(s), axis=(1, 2)) for y, s in zip(labels, shifts)]) + rng.normal(scale=1.5, size=(16, 3, 12, 12))
         images = (images - images.mean(axis=(0, 2, 3), keepdims=True)) / images.std(axis=(0, 2, 3), keepdims=True)
         return {"x": torch.tensor(images, dtype=torch.float32), "y": torch.tensor(labels)}
-    if family in ("gpt2", "lora"):
+    if family in ("gpt2", "lora", "nanogpt"):
         ids = torch.tensor(sample_chain(world.chain, rng, 8, SEQ))
         return {"input_ids": ids, "labels": ids.clone()}
     if family == "bert":
@@ -296,6 +317,9 @@ def forward_loss(family: str, model: nn.Module, batch: dict) -> torch.Tensor:
         return F.cross_entropy(model(batch["x"], batch["task"]).float(), batch["y"])
     if family == "heavy":
         return F.mse_loss(model(batch["x"]).float(), batch["y"])
+    if family == "nanogpt":  # next-character prediction: the targets are the inputs shifted by one
+        ids, labels = batch["input_ids"], batch["labels"]
+        return model(ids[:, :-1], labels[:, 1:])
     return model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
 
 
@@ -384,9 +408,6 @@ def train(rank: int, world: int, spec: Spec, records: str | None = None) -> dict
         step_box[0] = step
         active = faulty and step >= spec.fault_step
         data_step = spec.fault_step if active and spec.kind == "stuck" else step
-        batch = make_batch(data, np.random.default_rng([spec.seed, rank, data_step]))
-        if active and spec.kind == "labels":
-            batch = misalign(family, batch)
         if faulty and spec.kind == "stale":
             if step == max(0, spec.fault_step - STALE_BACK):
                 snapshot = [p.detach().clone() for p in ddp.module.parameters()]
@@ -397,10 +418,16 @@ def train(rank: int, world: int, spec: Spec, records: str | None = None) -> dict
         if active and spec.kind == "eval" and step == spec.fault_step:
             ddp.eval()
         bf16 = (family == "bf16") != (active and spec.kind == "precision")
-        with torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
-            loss = forward_loss(family, ddp, batch)
-        state.observe_loss(loss)
-        loss.backward()
+        micro = MICRO_BATCHES.get(family, 1)
+        for index in range(micro):
+            ddp.require_backward_grad_sync = index == micro - 1  # DDP's allreduce on the last micro-batch only
+            batch = make_batch(data, np.random.default_rng([spec.seed, rank, data_step] + ([index] if micro > 1 else [])))
+            if active and spec.kind == "labels":
+                batch = misalign(family, batch)
+            with torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
+                loss = forward_loss(family, ddp, batch)
+            state.observe_loss(loss)  # unscaled: the step's loss is the mean over its micro-batches
+            (loss / micro).backward()
         if family in CLIP:
             torch.nn.utils.clip_grad_norm_(ddp.parameters(), CLIP[family])
         optimizer.step()

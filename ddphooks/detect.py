@@ -22,8 +22,10 @@ repeat                 rank                     cosine to the previous step risi
 layer                  rank, parameter          the parameter's share of the gradient norm    2.25       5      12
                                                 rising against its own average
 level                  rank, direction          the log gradient norm minus the median        1          3      20
-                                                rank's, against its own median (learned
-                                                only while this CUSUM is at zero)
+                                                rank's, against its own median (learned       (signed)
+                                                only while this CUSUM is at zero); a fall
+                                                counts against a rise (W = 2: one split,
+                                                given to a rank as it alerts)
 =====================  =======================  ============================================  =========  =====  =========
 
 What follows is how each score is made; ``benchmarks/detection.py --ablations`` measures what each
@@ -132,7 +134,10 @@ in healthy runs (Fisher's scale, a scale pooled over ranks), while a stuck rank'
 previous step rises a few standard deviations on most steps but falls back on some (it overshoots
 on the batch it keeps seeing), so a small allowance lets the raised steps add up; the caps keep
 one wild step from alerting alone (6 at most a step at W >= 3: the 3rd raised step at the
-earliest, the 5th with the cosine alone; the 6th at the default level). An alert names the rank,
+earliest, the 5th with the cosine alone; the 6th at the default level). The level CUSUM adds a
+step's score signed, ``S <- max(0, S + clip(z, -cap, cap) - allowance)``, the textbook CUSUM of
+a shift in the mean: with its allowance of 1, counting only the rises (each step's z floored at
+0) took a spread that widened around the same level for a shift. An alert names the rank,
 its strongest signal (the CUSUM furthest up its own threshold), every signal over half its threshold, since
 which step the CUSUM has been rising, and the parameters that deviate most on that rank: per
 parameter, the evidence of its CUSUM, and where there is none, how far the rank's gradient
@@ -265,6 +270,9 @@ PARAMETER_DTYPE = np.float32
 #: and a rank kept out of its own baseline for a whole window (while it is suspect, see
 #: ``Detector.update``) would otherwise score its next steps against the scale's floor.
 MIN_BASELINE_STEPS = 8
+#: At W = 2, the pair's mean log gradient norm is kept over this many windows of steps (see
+#: Detector._pair_owner): a level alert comes 13 steps or more after its CUSUM began rising.
+PAIR_STEPS = 4
 #: Lone non-finite steps of one rank within ``quiet_steps`` that name it (see ``_nonfinite_alerts``):
 #: a workload-zoo rank with a failing unit (exponent bits flipped in its gradient) went Inf alone on
 #: steps 151, 153, 156 and 163 and was named at 164 by the next-step rule alone.
@@ -393,9 +401,16 @@ class DetectorConfig:
     would take), and while it is left out its baseline is held, not aged out of the window:
     otherwise a shift too small to alert within a window (x1.5 on a rank whose healthy gap is
     wide, d' about 2) outlived its baseline, scored nothing, and was learned once the CUSUM had
-    drained (twenty-fifth session, benchmarks/README.md "Gradient-scale faults"). At W = 2 a
-    rise of one rank is the other's fall: it counts for the rank whose own log norm moved the
-    more against its trailing median (as the loss)."""
+    drained (twenty-fifth session, benchmarks/README.md "Gradient-scale faults"). A step's score
+    is signed: a fall of the gap takes from the CUSUM of its rises, and the other way round (a
+    spread that widens around the same level is no shift). At W = 2 a rise of one rank is the
+    other's fall, the same split in two mirrored CUSUMs: it accumulates on both and, as it
+    alerts, is given to the rank the pair's mean log norm moved with (``Detector._pair_owner``;
+    the message says the owner is the likelier, not the certain one; to a rank already under
+    alert, when one is, as the same fault; until then the split makes neither rank suspect, so
+    the healthy rank's other baselines keep learning). Giving each step to the
+    rank whose own norm moved the more, as the loss does, stalled under a steep schedule,
+    whose shared moves are larger than a lasting x1.5 (twenty-sixth session)."""
 
     level_cap: float = 3.0
     """Cap on one step's score in the gradient-norm level CUSUM: a step adds at most ``level_cap -
@@ -1046,9 +1061,13 @@ class Detector:
         self.raw = {name: _Signal(self.own_history, index) for index, name in enumerate(SIGNALS)}
         self.level = _Signal(self.own_history, LEVEL_ROW)
         self.cross = {name: _Signal(self.cross_history, index) for index, name in enumerate(SIGNALS)}
-        # The losses and log gradient norms themselves, at W = 2 only: which of the two ranks' moved
-        # (see _scores).
-        self.pair_history = _History(window, world, 2) if world == 2 else None
+        # At W = 2 only: the losses themselves (which of the two ranks' loss moved, see _scores), and
+        # the last steps' mean log gradient norm of the pair with their step numbers (which rank a
+        # split of the pair's norms belongs to, see _pair_owner); the rank the level's evidence was
+        # given to, while its episode lasts.
+        self.pair_history = _History(window, world) if world == 2 else None
+        self.pair_means: deque = deque(maxlen=PAIR_STEPS * window)
+        self.level_owner: int | None = None
         self.log_losses = self.config.loss_scale == "log"  # until a loss <= 0 (see _loss_scale)
         self.cusum = {(kind, name): np.zeros(world) for kind in ("own", "cross") for name in SIGNALS}
         if world >= 3:
@@ -1111,6 +1130,8 @@ class Detector:
             log_norms = np.log(np.where(np.isfinite(obs.grad_norms), obs.grad_norms, np.nan))
         values = self._values(obs, losses, log_norms)
         relative_norms = _relative_to_median(log_norms)
+        if self.world == 2:
+            self.pair_means.append((obs.step, float(np.mean(log_norms))))  # NaN where either is unknown
         deviations = self._deviations(values)
         self._parameter_changes(obs)
         # No scores before the baselines hold `warmup` steps: a median of three steps is no baseline.
@@ -1124,10 +1145,14 @@ class Detector:
         alerts += self._score_alerts(obs, scores, values)
         # A rank with half the evidence of an alert (or under alert) does not teach the baselines:
         # otherwise a lasting fault becomes the new normal before it is reported.
-        suspect = self.evidence() > 0.5
+        # At W = 2 the level's evidence is the pair's split, as much the other rank's as this one's
+        # until it alerts (_pair_owner): it does not make either rank suspect, or the healthy rank's
+        # baselines would age out under it and score its next steps against a few (its own
+        # level baseline is held by level_quiet either way).
+        suspect = self.evidence(without=LEVEL if self.world == 2 else None) > 0.5
         suspect[list(self.episodes)] = True
         if self.pair_history is not None:
-            self.pair_history.push(np.stack([losses, log_norms]), ~suspect)
+            self.pair_history.push(losses, ~suspect)
         keep = np.repeat(~suspect[None], len(SIGNALS) + 1, axis=0)
         keep[LEVEL_ROW] &= level_quiet
         # The level's baseline is held while the rank is left out of it, not aged out: read
@@ -1245,16 +1270,21 @@ class Detector:
         # The level: the rank's log gradient norm relative to the median rank's, against its own
         # median, both ways (the second part, a fall); learned while the level CUSUM is at zero.
         z = _nan_to_zero((relative_norms - own_median[LEVEL_ROW]) / np.maximum(own_scale[LEVEL_ROW], floors["grad_norm"]))
-        scores[LEVEL] = np.maximum(np.stack([z, -z], axis=1), 0.0)
+        scores[LEVEL] = np.maximum(np.stack([z, -z], axis=1), -self.config.level_cap)
         if self.world == 2:
-            # With two ranks a loss relative to the step's mean, or a log gradient norm relative to the
-            # median rank's, rises on one rank exactly as much as it falls on the other: it counts only
-            # for the rank whose own loss (log norm) moved the more against its trailing median (a rank
-            # given easier data, or memorising a batch it keeps seeing, does not get the other rank
-            # named; a rank whose gradient shrank is named, not the other for a gradient that grew).
-            for key, signal in ((("own", "loss"), losses), (LEVEL, log_norms)):
-                moved = np.abs(_nan_to_zero(signal - _column_medians(self.pair_history.steps(int(key == LEVEL)))))
-                scores[key] = np.where((moved >= moved[::-1])[:, None], scores[key], 0.0)
+            # With two ranks a loss relative to the step's mean rises on one rank exactly as much as
+            # it falls on the other: it counts only for the rank whose own loss moved the more
+            # against its trailing median (a rank given easier data, or memorising a batch it keeps
+            # seeing, does not get the other rank named).
+            moved = np.abs(_nan_to_zero(losses - _column_medians(self.pair_history.steps())))
+            scores[("own", "loss")] = np.where((moved >= moved[::-1])[:, None], scores[("own", "loss")], 0.0)
+            # So does the level, but a step's own moves are no guide to which rank's norm split
+            # from the other's: a shared trend moves both more than a lasting x1.5 does. The
+            # pair's split accumulates on both (a rise of one is the fall of the other, one CUSUM
+            # in two mirrors) and is given to one rank when it alerts (_pair_owner), the mirror's
+            # then left out while that rank's episode lasts.
+            if self.level_owner is not None:
+                scores[LEVEL][1 - self.level_owner] = 0.0
             # Several signals at once against the rank's own history: each own score's first part is
             # its change in COMBINED_DIRECTION (a rise; a drop for the cosine), capped one by one.
             scores[("own", "combined")] = sum(np.minimum(scores[("own", name)][:, :1], self.config.combined_cap) for name in SIGNALS)
@@ -1333,7 +1363,28 @@ class Detector:
             strength = {key: level / self.limit[key] for key, level in levels.items()}
             strongest = max(strength, key=strength.get)
             episode = self.episodes.get(rank)
-            if strength[strongest] > 1:
+            if strength[strongest] > 1 and strongest == LEVEL and self.world == 2 and self.level_owner is None:
+                since = int(self.rising_since[LEVEL][rank])
+                flagged = [r for r in range(2) if r in self.episodes]
+                if len(flagged) == 1:  # a split while one rank is under alert: the same fault, most likely
+                    owner, reading = flagged[0], ""
+                else:
+                    owner, reading = self._pair_owner(rank, since)
+                self.level_owner, mirror = owner, 1 - owner
+                self.parts[LEVEL][mirror] = 0.0
+                self.cusum[LEVEL][mirror], self.rising_since[LEVEL][mirror] = 0.0, -1
+                if owner != rank:  # the mirror's evidence is the owner's: alert on it, in its episode
+                    if owner not in self.episodes:
+                        levels = {key: self.cusum[key][owner] for key in self.cusum}
+                        self.episodes[owner] = _Episode(since)
+                        alerts.append(self._alert(obs, owner, LEVEL, levels, since, values, reading))
+                    continue
+                if episode is None:
+                    self.episodes[rank] = _Episode(since)
+                    alerts.append(self._alert(obs, rank, LEVEL, levels, since, values, reading))
+                else:
+                    episode.quiet = 0
+            elif strength[strongest] > 1:
                 if episode is None:
                     since = int(self.rising_since[strongest][rank])
                     self.episodes[rank] = _Episode(since)
@@ -1344,16 +1395,55 @@ class Detector:
                 episode.quiet += 1
                 if episode.quiet >= config.quiet_steps:
                     del self.episodes[rank]
+                    if rank == self.level_owner:
+                        self.level_owner = None
         return alerts
 
-    def evidence(self) -> np.ndarray:
+    def _pair_owner(self, rank: int, since: int) -> tuple[int, str]:
+        """At W = 2, which rank the pair's split in gradient norm belongs to, as ``rank``'s level
+        CUSUM (rising since ``since``) alerts, and the reading for the message. The split itself
+        is certain, its owner is not: rank a's norm rising by a factor and rank b's falling by it
+        make the same split. What tells them apart is the pair's mean log norm, which moves with
+        the changed rank's, by half the split: its steps from ``since`` on, against the straight
+        line through its steps before (the shared trend, extrapolated), rose for a rank that rose.
+
+        1. ``m_t``: the mean of the two ranks' log gradient norms at step t.
+        2. Fit ``m_t = a + b t`` to the up to ``window`` steps before ``since`` among the last
+           ``PAIR_STEPS x window`` steps (a constant where fewer than ``MIN_BASELINE_STEPS``; none:
+           the owner is then the rank that alerted).
+        3. ``shift``: the median of ``m_t - (a + b t)`` over the steps from ``since``.
+        4. The owner is the rank whose norm rose against the other's if ``shift > 0``, else
+           the one whose norm fell."""
+        steps, means = (np.array(column, dtype=float) for column in zip(*self.pair_means))
+        known = np.isfinite(means)
+        before = known & (steps < since)
+        before &= np.cumsum(before[::-1])[::-1] <= self.config.window  # the last `window` of them
+        after = known & (steps >= since)
+        rose = rank if int(self.parts[LEVEL][rank].argmax()) == 0 else 1 - rank  # part 0: a rise against the other
+        if not before.any() or not after.any():
+            return rank, "which of the two changed could not be read (too few steps before the split)"
+        if before.sum() >= MIN_BASELINE_STEPS:
+            slope, intercept = np.polyfit(steps[before], means[before], 1)
+        else:
+            slope, intercept = 0.0, float(np.median(means[before]))
+        shift = float(np.median(means[after] - (intercept + slope * steps[after])))
+        owner = rose if shift > 0 else 1 - rose
+        fell = 1 - rose
+        reading = (
+            f"with two ranks the split is certain but not which rank changed: the pair's mean log gradient norm, which moves with "
+            f"the rank that changed, moved {shift:+.3g} against its trend before step {since}, as rank {rose}'s norm rose against "
+            f"rank {fell}'s: rank {owner} is the likelier; check both"
+        )
+        return owner, reading
+
+    def evidence(self, without: tuple[str, str] | None = None) -> np.ndarray:
         """Per rank, its highest statistical CUSUM as a fraction of that CUSUM's alert level (an
         alert above 1; empty before the first multi-rank step). Times ``alert_level``, the CUSUM
         over its level-1 threshold: ``benchmarks/detection.py`` reports the highest on healthy
-        steps, the margin left before a false alarm."""
+        steps, the margin left before a false alarm. ``without``: that CUSUM left out."""
         if self.world is None:
             return np.zeros(0)
-        return np.max(np.stack([self.cusum[key] / self.limit[key] for key in self.cusum]), axis=0)
+        return np.max(np.stack([self.cusum[key] / self.limit[key] for key in self.cusum if key != without]), axis=0)
 
     def _accumulate(self, key: tuple[str, str], z: np.ndarray, step: int, rows: np.ndarray | None = None) -> None:
         """One CUSUM per rank and part of ``z`` (W x parts, see ``_scores``), ``S <- max(0, S +
@@ -1436,7 +1526,7 @@ class Detector:
         """W x P: the per-parameter CUSUMs (None before the first scored step with parameters)."""
         return self.parts.get(("own", "layer"))
 
-    def _alert(self, obs: Observation, rank: int, strongest: tuple[str, str], levels: dict, since: int, values: dict) -> dict:
+    def _alert(self, obs: Observation, rank: int, strongest: tuple[str, str], levels: dict, since: int, values: dict, reading: str = "") -> dict:
         if self.step_scores is not None:
             self.fired.append((obs.step, rank, strongest, int(self.parts[strongest][rank].argmax())))
         kind, name = strongest
@@ -1461,6 +1551,8 @@ class Detector:
             f"rank {rank} has diverged since step {since}: its {label} depart{'' if name in ('layer', 'combined') else 's'} from {against} "
             f"({detail}; CUSUM {levels[strongest]:.1f} > {self.limit[strongest]:g})"
         )
+        if reading:
+            message += f"; {reading}"
         if parameters:
             message += f", mostly in {', '.join(parameters[:3])}"
         message += f"; typical of {LIKELY_CAUSES[name]}; {reference(name)}"

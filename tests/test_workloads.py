@@ -20,7 +20,7 @@ SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "workloads.py"
 #: One fault per family, every fault kind at least once (the three gradient scales by one of them).
 PAIRS = {
     "cnn": "eval", "gpt2": "bitflip", "bert": "labels", "lora": "stale",
-    "bf16": "precision", "moe": "stuck", "heavy": "labels", "mixture": "scale1.5",
+    "bf16": "precision", "moe": "stuck", "heavy": "labels", "mixture": "scale1.5", "nanogpt": "stuck",
 }  # fmt: skip
 STEPS, FAULT_STEP = 6, 3
 
@@ -112,7 +112,21 @@ def test_norm_gap_dprime_against_the_plain_computation():
 
 
 def test_more_runs_than_fixed_seeds_is_a_one_line_error():
-    # Fault run r of kind k uses seed 400 + r + 10 k: an 11th run would repeat the next kind's first.
+    # Fault run r of kind k uses seed FAULT_SEEDS[r] + 10 k: past the fixed seeds a run would repeat another's.
     for option in ("--healthy-runs", "--fault-runs"):
-        result = subprocess.run([sys.executable, str(SCRIPT), option, "11"], capture_output=True, text=True, timeout=120)
-        assert result.returncode == 2 and f"{option} 11: at most 10" in result.stderr, result.stderr
+        result = subprocess.run([sys.executable, str(SCRIPT), option, "21"], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2 and f"{option} 21: at most 20" in result.stderr, result.stderr
+
+
+def test_every_run_of_a_campaign_has_its_own_seed():
+    # Every (family, W) cell: no two runs share a seed, across kinds and repetitions, so every
+    # pre-fault step is a distinct healthy step.
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import workloads
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    specs = workloads.plan([2], len(workloads.HEALTHY_SEEDS), len(workloads.FAULT_SEEDS))
+    for family in workloads.FAMILIES:
+        seeds = [spec.seed for spec in specs if spec.family == family]
+        assert len(seeds) == len(set(seeds)) == 20 + 20 * len(workloads.fault_kinds(family)), family
