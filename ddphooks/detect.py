@@ -1363,33 +1363,18 @@ class Detector:
             strength = {key: level / self.limit[key] for key, level in levels.items()}
             strongest = max(strength, key=strength.get)
             episode = self.episodes.get(rank)
-            if strength[strongest] > 1 and strongest == LEVEL and self.world == 2 and self.level_owner is None:
-                since = int(self.rising_since[LEVEL][rank])
-                flagged = [r for r in range(2) if r in self.episodes]
-                if len(flagged) == 1:  # a split while one rank is under alert: the same fault, most likely
-                    owner, reading = flagged[0], ""
-                else:
-                    owner, reading = self._pair_owner(rank, since)
-                self.level_owner, mirror = owner, 1 - owner
-                self.parts[LEVEL][mirror] = 0.0
-                self.cusum[LEVEL][mirror], self.rising_since[LEVEL][mirror] = 0.0, -1
-                if owner != rank:  # the mirror's evidence is the owner's: alert on it, in its episode
-                    if owner not in self.episodes:
-                        levels = {key: self.cusum[key][owner] for key in self.cusum}
-                        self.episodes[owner] = _Episode(since)
-                        alerts.append(self._alert(obs, owner, LEVEL, levels, since, values, reading))
-                    continue
+            if strength[strongest] > 1:
+                since, reading = int(self.rising_since[strongest][rank]), ""
+                if strongest == LEVEL and self.world == 2 and self.level_owner is None:
+                    owner, reading = self._give_split(rank, since)
+                    if owner != rank:  # the mirror's evidence is the owner's: alert on it, in its episode
+                        if owner in self.episodes:
+                            continue
+                        rank, episode, levels = owner, None, {key: self.cusum[key][owner] for key in self.cusum}
                 if episode is None:
                     self.episodes[rank] = _Episode(since)
-                    alerts.append(self._alert(obs, rank, LEVEL, levels, since, values, reading))
+                    alerts.append(self._alert(obs, rank, strongest, levels, since, values, reading))
                 else:
-                    episode.quiet = 0
-            elif strength[strongest] > 1:
-                if episode is None:
-                    since = int(self.rising_since[strongest][rank])
-                    self.episodes[rank] = _Episode(since)
-                    alerts.append(self._alert(obs, rank, strongest, levels, since, values))
-                elif episode is not None:
                     episode.quiet = 0
             elif episode is not None:
                 episode.quiet += 1
@@ -1398,6 +1383,18 @@ class Detector:
                     if rank == self.level_owner:
                         self.level_owner = None
         return alerts
+
+    def _give_split(self, rank: int, since: int) -> tuple[int, str]:
+        """At W = 2, the rank the pair's split in gradient norm is given to as ``rank``'s level
+        CUSUM alerts, and the reading for its message: the rank already under alert if one is (the
+        same fault, most likely), else ``_pair_owner``'s. The mirror's level CUSUM is emptied and
+        left out (``_scores``) while the owner's episode lasts."""
+        flagged = [r for r in range(2) if r in self.episodes]
+        owner, reading = (flagged[0], "") if len(flagged) == 1 else self._pair_owner(rank, since)
+        self.level_owner, mirror = owner, 1 - owner
+        self.parts[LEVEL][mirror] = 0.0
+        self.cusum[LEVEL][mirror], self.rising_since[LEVEL][mirror] = 0.0, -1
+        return owner, reading
 
     def _pair_owner(self, rank: int, since: int) -> tuple[int, str]:
         """At W = 2, which rank the pair's split in gradient norm belongs to, as ``rank``'s level
