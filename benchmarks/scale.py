@@ -47,8 +47,9 @@ leave FSDP2's buffers and the other ranks' slots as they are), each W twice like
 the statistics pass inside the reduce-scatters per step (training thread), the end of backward
 (packing this rank's share, the statistics' all-reduce, a no-op here, this rank's own values with
 the compact wire and building the step's statistics), FSDP2's reduce-scatter input per step (each
-parameter padded to a multiple of W rows: it grows with W on a small model) and the pass per
-element of it, what the statistics add to the step's communication (the W rows of slot and
+parameter padded to a multiple of W rows: it grows with W on a small model), the elements the
+pass reads (the bands of rows and columns that hold gradient, FSDP2's padding left out) and its
+time per element read, what the statistics add to the step's communication (the W rows of slot and
 reduced shard norms, W x (slot + parameters) x 4 B, or the compact wire with its P reduced
 norms), the state's kept memory (as above), and the step (forward and backward, no
 communication) for scale.
@@ -401,20 +402,23 @@ def _measure(world: int, model_args: dict, steps: int, collectives: FakeCollecti
     return result
 
 
-def measure_fsdp(world: int, model_args: dict, steps: int, gather_max_world: int | None = None) -> dict:
-    """The FSDP2 statistics at ``world`` shards with either wire: ms per step inside ddphooks'
-    reduce-scatter measurement and at the end of backward, the reduce-scatter input per step,
-    the statistics' bytes per step, the state's kept memory and the step itself."""
+def measure_fsdp(world: int, model_args: dict, steps: int, gather_max_world: int | None = None, replicas: int = 1) -> dict:
+    """The FSDP2 statistics at ``world`` ranks (HSDP: ``replicas`` x ``world / replicas`` shards)
+    with either wire: ms per step inside ddphooks' reduce-scatter measurement and at the end of
+    backward, the reduce-scatter input per step, the statistics' bytes per step (and on step 0,
+    a replica-check step), the state's kept memory and the step itself."""
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
-        mesh = init_device_mesh("cpu", (world,))
+        shape, names = ((world,), None) if replicas == 1 else ((replicas, world // replicas), ("replicate", "shard"))
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
         model = tiny_llama(**model_args)
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         # Only the statistics' own work is timed here: the other ranks' slots stay empty on the
-        # fake group, so the detector and the replica check (which would compare them) are off.
-        state = ddphooks.attach(model, detect=False, check_replicas_every=0, gather_max_world=gather_max_world)
+        # fake group, so the detector (which would score them) is off; the replica check runs at
+        # its default steps (step 0 here, its bytes counted) and finds the empty slots different.
+        state = ddphooks.attach(model, detect=False, gather_max_world=gather_max_world)
         spent, elements, gathered, wire = [], [], [], []
         measure_group, gather = state._measure, state._gather
 
@@ -456,19 +460,25 @@ def measure_fsdp(world: int, model_args: dict, steps: int, gather_max_world: int
             dist.all_reduce = all_reduce
         stats = state.latest
         kept = retained_bytes(state)
+        read = sum(band.plan.numel for entry in state._entries.values() for band in entry.bands)  # FSDP2's padding left out
         state.close()
+        replica_step_bytes = 4 * wire[0]  # step 0 checks the replicas
         spent, gathered, step_s, wire = spent[WARMUP:], gathered[WARMUP:], step_s[WARMUP:], wire[WARMUP:]
         slot_bytes = 4 * statistics.median(wire)
         return {
             "world_size": world,
+            "replicas": replicas,
             "wire": "compact" if isinstance(stats, fleet.FleetStats) else "whole slots",
             "pass_ms": 1e3 * statistics.median(spent),
             "pass_ms_iqr": [1e3 * q for q in quartiles(spent)],
             "end_of_backward_ms": 1e3 * statistics.median(gathered),
             "input_elements": elements[-1],
-            "pass_ns_per_element": 1e9 * statistics.median(spent) / elements[-1],
+            "read_elements": read,
+            "pass_ns_per_element": 1e9 * statistics.median(spent) / read,
             "wire_numel": statistics.median(wire),
             "slot_bytes_per_step": slot_bytes,
+            "replica_step_bytes": replica_step_bytes,
+            "amortised_bytes_per_step": slot_bytes + (replica_step_bytes - slot_bytes) / DEFAULTS.check_replicas_every,
             "slot_fraction_of_gradient_bytes": slot_bytes / (4 * parameter_count(model)),
             "kept_bytes": kept,
             "step_ms": 1e3 * statistics.median(step_s),
@@ -495,6 +505,8 @@ def main() -> None:
     parser.add_argument("--only", choices=("ddp", "fsdp2"), default=None, help="run one of the two tables")
     parser.add_argument("--model", action="append", default=[], metavar="NAME=INT",
                         help="a field of the tiny Llama (vocab_size, hidden, layers, heads), repeatable, e.g. --model hidden=1024")
+    parser.add_argument("--hsdp", type=int, default=1, metavar="REPLICAS",
+                        help="the FSDP2 table as HSDP: REPLICAS replicas of W / REPLICAS shards each")
     parser.add_argument("--fsdp-max-world", type=int, default=1024,
                         help="largest W of the FSDP2 table (at 4096 shards every 192-row parameter is padded to 4096 rows)")
     args = parser.parse_args()
@@ -507,6 +519,8 @@ def main() -> None:
         if name not in model_args or not value.isdigit():
             parser.error(f"--model {override!r}: expected NAME=INT with NAME one of {', '.join(model_args)}")
         model_args[name] = int(value)
+    if args.hsdp < 1 or any(w % args.hsdp for w in worlds if w <= args.fsdp_max_world):
+        parser.error(f"--hsdp {args.hsdp}: every W of the FSDP2 table must be a multiple of the replicas, got {worlds}")
     steps = args.steps or (QUICK_STEPS if args.quick else STEPS)
     print(f"\nddphooks at scale, {date.today()}, torch {torch.__version__}, {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} cores, 1 thread, {args.device}{' ' + torch.cuda.get_device_name() if args.device.startswith('cuda') else ''}; one process on the fake process group (rank 0 of W), tiny Llama {model_args}, "
@@ -532,22 +546,23 @@ def main() -> None:
               f"{last['transport']}; alerts raised (healthy simulated ranks): {[r['alerts'] for r in rows]}; largest kept at "
               f"W = {last['world_size']}: " + ", ".join(f"{t['path']} {t['bytes'] / 2**20:.1f} MB" for t in last["kept_largest"][:3]))  # fmt: skip
     if args.only != "ddp":
-        print("\nFSDP2 (fully_shard per decoder layer and the root, W shards): the statistics pass inside the reduce-scatters, "
+        mesh = "W shards" if args.hsdp == 1 else f"HSDP, {args.hsdp} replicas of W / {args.hsdp} shards"
+        print(f"\nFSDP2 (fully_shard per decoder layer and the root, {mesh}): the statistics pass inside the reduce-scatters, "
               "median [IQR] per step; the end of backward (pack, all-reduce, statistics)\n")
-        print("| W | wire | FSDP2 statistics pass ms/step | end of backward ms | reduce-scatter input elements/step | ns per element "
-              "| statistics bytes/step (% of gradient bytes) | kept MB | step ms (no communication) |")
-        print("|---|---|---|---|---|---|---|---|---|")
+        print("| W | wire | FSDP2 statistics pass ms/step | end of backward ms | reduce-scatter input elements/step | elements read | ns per element read "
+              "| statistics bytes/step (% of gradient bytes) | with replica steps | kept MB | step ms (no communication) |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
     fsdp_rows = []
     for world in worlds if args.only != "ddp" else []:
         if world > args.fsdp_max_world or args.device != "cpu":
             continue
         for gather_max_world in (None, 1):  # every rank's whole slot; the compact wire (ddphooks.fleet)
-            r = measure_fsdp(world, model_args, steps, gather_max_world)
+            r = measure_fsdp(world, model_args, steps, gather_max_world, args.hsdp)
             fsdp_rows.append(r)
             q1, q3 = r["pass_ms_iqr"]
             print(f"| {world} | {wire_label(r['wire'], world)} | {r['pass_ms']:.1f} [{q1:.1f}, {q3:.1f}] | {r['end_of_backward_ms']:.1f} "
-                  f"| {r['input_elements']:,d} | {r['pass_ns_per_element']:.2f} | {r['slot_bytes_per_step']:,.0f} ({100 * r['slot_fraction_of_gradient_bytes']:.3f}%) "
-                  f"| {r['kept_bytes'] / 2**20:.1f} | {r['step_ms']:.0f} |", flush=True)  # fmt: skip
+                  f"| {r['input_elements']:,d} | {r['read_elements']:,d} | {r['pass_ns_per_element']:.2f} | {r['slot_bytes_per_step']:,.0f} ({100 * r['slot_fraction_of_gradient_bytes']:.3f}%) "
+                  f"| {r['amortised_bytes_per_step']:,.0f} | {r['kept_bytes'] / 2**20:.1f} | {r['step_ms']:.0f} |", flush=True)  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"date": str(date.today()), "torch": torch.__version__, "model": model_args, "rows": rows, "fsdp_rows": fsdp_rows}, f, indent=1)

@@ -41,12 +41,34 @@ from ddphooks.state import BaseSilentState, StepRecord, agree_across_ranks, stat
 from ddphooks.stats import BucketLayout, SilentStats, slot_size
 
 @dataclass
+class _Band:
+    """Rows ``[first_row, first_row + plan.rows)`` of a group's reduce-scatter input, in the
+    columns of the parameters ``params`` (from column ``column``): one run of the kernel."""
+
+    plan: BucketPlan
+    first_row: int
+    params: slice
+    column: int
+    sq_norms: torch.Tensor | None  # the band's norms, added into the group's; None: the first band's rows, whole, write them
+
+    def source(self, flat: torch.Tensor, width: int) -> torch.Tensor:
+        """The band in ``flat`` (the group's input, rows of ``width``): the whole first rows as one
+        contiguous run, or a ``(rows, columns)`` view through the row stride."""
+        if self.sq_norms is None:
+            return flat[: self.plan.numel]
+        offset = flat.storage_offset() + self.first_row * width + self.column
+        return flat.as_strided((self.plan.rows, self.plan.row_width), (width, 1), offset)
+
+
+@dataclass
 class _GroupEntry:
     """The plan of one FSDPModule's reduce-scatter input: ``(S, C)`` rows, each holding every
-    parameter's padded shard one after the other (``S`` the shard group size)."""
+    parameter's padded shard one after the other (``S`` the shard group size), read as bands of
+    rows that hold gradient (``_bands``)."""
 
     key: tuple
-    plan: BucketPlan
+    bands: list[_Band]
+    width: int  # C, the elements of one row
     layout: BucketLayout
     shard_lengths: list[int]  # padded shard of each parameter: its columns in a row, its part of the output
     sq_norms: torch.Tensor  # fp32, one per parameter (summed over the rows), rewritten on every instrumented step
@@ -199,7 +221,7 @@ class ShardedSilentState(BaseSilentState):
             comm = _MeasuredReduceScatter(self, module, base)
             module.set_custom_reduce_scatter(comm)
             params = _param_group(module).fsdp_params
-            numel = self._shards * sum(p.padded_sharded_param_size.numel() for p in params)
+            numel = self._shards * (sum(p.padded_sharded_param_size.numel() for p in params) + self.bins)  # a bin a row: _entry
             base = BucketPlan([numel], self.bins, base, torch.device("cpu"), 1 << 20).end
         self._bound = True
         return self
@@ -228,8 +250,14 @@ class ShardedSilentState(BaseSilentState):
             record.layouts.append(entry.layout)
             record.local_sq.append(entry.sq_norms)
             record.outputs.append((output, entry.shard_lengths))
-            try:  # the rows past the plan's are FSDP2's zero padding (see _entry)
-                self._kernel(flat.device).run(flat[: entry.plan.numel], entry.plan, self._sketch if self.bins else None, entry.sq_norms)
+            try:  # what the bands leave out is FSDP2's zero padding (see _entry)
+                kernel, sketch = self._kernel(flat.device), self._sketch if self.bins else None
+                for band in entry.bands:
+                    if band.sq_norms is None:
+                        kernel.run(band.source(flat, entry.width), band.plan, sketch, entry.sq_norms)
+                    else:
+                        kernel.run(band.source(flat, entry.width), band.plan, sketch, band.sq_norms)
+                        entry.sq_norms[band.params].add_(band.sq_norms)
                 if flat.device.type != "cpu":
                     record.streams.append(torch.accelerator.current_stream(flat.device))
             except Exception as error:  # never raise a statistics bug into backward: the step is FAILED (_gather)
@@ -263,16 +291,29 @@ class ShardedSilentState(BaseSilentState):
                 "one entry %r; FSDPModule.set_reduce_scatter_unused_params(True) keeps the layout fixed", fqn, names[0],
             )  # fmt: skip
         kernel = self._kernel(flat.device)
-        if entry is not None:
-            kernel.forget(entry.plan)
+        for band in entry.bands if entry is not None else []:
+            kernel.forget(band.plan)
         chunk = self.config.chunk_elems or (CPU_CHUNK_ELEMS if flat.device.type == "cpu" else ACCELERATOR_CHUNK_ELEMS)
         # One row per shard, each parameter's shard in the same columns of every row: the kernel
-        # takes the sketch and the norms by column in one pass. It stops after the last row that
-        # holds gradient: with more shards than a parameter has rows along dim 0, FSDP2 pads the
-        # rest with zeros (3.3x the gradient at 1024 shards for the 16 M tiny Llama), which add nothing.
-        plan = BucketPlan(lengths, self.bins, comm.base, flat.device, chunk, rows=_rows_with_data(params, self._shards))
+        # takes the sketch and the norms by column in one pass. With more shards than a parameter
+        # has rows along dim 0, FSDP2 pads the rest with zeros (3.3x the gradient at 1024 shards for
+        # the 16 M tiny Llama), which add nothing: the kernel reads the bands that hold gradient,
+        # the first rows whole, then the columns of the parameters that still have rows, a chunk
+        # of rows at a time. Every band starts at a bin 0 of the sketch, at the next free
+        # position of the group's (bind reserves a bin a row for that).
+        bands, base = [], comm.base
+        width = sum(lengths)
+        for first, end, j0, j1 in _bands(params, lengths, self._shards):
+            columns = sum(lengths[j0:j1])
+            whole = not bands
+            step = end - first if whole else max(1, (max(self.bins, chunk // self.bins * self.bins) if self.bins else chunk) // columns)
+            for row in range(first, end, step):
+                plan = BucketPlan(lengths[j0:j1], self.bins, base, flat.device, chunk, rows=min(step, end - row))
+                band_norms = None if whole else torch.empty(j1 - j0, dtype=torch.float32, device=flat.device)
+                bands.append(_Band(plan, row, slice(j0, j1), sum(lengths[:j0]), band_norms))
+                base = plan.end
         sq_norms = torch.empty(len(lengths), dtype=torch.float32, device=flat.device)
-        entry = _GroupEntry(key, plan, BucketLayout(len(self._entries), names, numels), lengths, sq_norms)
+        entry = _GroupEntry(key, bands, width, BucketLayout(len(self._entries), names, numels), lengths, sq_norms)
         self._entries[id(comm)] = entry
         return entry
 
@@ -403,20 +444,38 @@ class ShardedSilentState(BaseSilentState):
             self._warn(message, *args)
 
 
-def _rows_with_data(params: list, shards: int) -> int:
-    """How many leading rows of a group's reduce-scatter input hold gradient: FSDP2 gives shard
-    row ``r`` the rows ``[r c, (r + 1) c)`` of a parameter sharded on dim 0 (``c`` its padded
-    shard's length there), zeros past the parameter's end; on another dim it shards evenly, every
-    row full. Without parameters to go by (a group measured as one unit), every row."""
+def _bands(params: list, lengths: list[int], shards: int) -> list[tuple[int, int, int, int]]:
+    """The bands of a group's reduce-scatter input that hold gradient, as ``(first row, end row,
+    first parameter, end parameter)``, with the whole first rows first.
+
+    FSDP2 gives shard row ``r`` the rows ``[r c, (r + 1) c)`` of a parameter sharded on dim 0
+    (``c`` its padded shard's length there), zeros past the parameter's end; on another dim it
+    shards evenly, every row full. Past the rows where every parameter holds gradient, a band
+    covers the columns from the first to the last parameter that still does (one run of columns:
+    a parameter between them with no rows left is read as zeros). A band narrower than half a row
+    is read through the row stride, a chunk of rows at a time; a wider one costs less read whole,
+    with the first rows. Without parameters to go by (a group measured as one unit), every row."""
     if not params:
-        return shards
-    rows = 0
+        return [(0, shards, 0, len(lengths))]
+    holding = []  # the leading rows of each parameter that hold gradient
     for param in params:
         chunk = param.padded_sharded_param_size[0] if len(param.padded_sharded_param_size) else 0
-        if param.fsdp_placement.dim != 0 or chunk == 0:
-            return shards
-        rows = max(rows, -(-param._orig_size[0] // chunk))
-    return min(rows, shards)
+        whole = param.fsdp_placement.dim != 0 or chunk == 0
+        holding.append(shards if whole else min(shards, -(-param._orig_size[0] // chunk)))
+    width, bands, first = sum(lengths), [], 0
+    for end in sorted(set(holding)):
+        if end == first:  # an empty parameter holds no row
+            continue
+        held = [j for j, rows in enumerate(holding) if rows >= end]  # in every row of [first, end)
+        j0, j1 = held[0], held[-1] + 1
+        if not bands or 2 * sum(lengths[j0:j1]) > width:
+            j0, j1 = 0, len(lengths)
+        if bands and bands[-1][2:] == (j0, j1):
+            bands[-1] = (bands[-1][0], end, j0, j1)
+        else:
+            bands.append((first, end, j0, j1))
+        first = end
+    return bands
 
 
 def _param_group(module: FSDPModule):

@@ -410,7 +410,10 @@ class BucketStatsKernel:
         """Write ``|g_j|^2`` of every parameter into ``sq_norms``; add the sketch into ``sketch_acc``.
 
         Args:
-            flat: the bucket's flat gradient (any floating dtype; statistics are computed in fp32).
+            flat: the bucket's flat gradient (any floating dtype; statistics are computed in fp32),
+                or, for a plan of rows, a ``(rows, row_width)`` view with a row stride (one band
+                of FSDP2's reduce-scatter input: the columns of the parameters that hold gradient
+                in those rows), of one chunk if it has more than one row.
             plan: the bucket's plan (its layout must match ``flat``).
             sketch_acc: fp32 tensor of ``plan.bins`` entries to add the sketch into, or None for
                 norms only.
@@ -418,6 +421,14 @@ class BucketStatsKernel:
         """
         if flat.numel() != plan.numel:
             raise ValueError(f"bucket has {flat.numel()} elements but its plan expects {plan.numel}")
+        if flat.dim() == 2:  # a band of rows: one row is contiguous, several are one chunk read through the stride
+            if tuple(flat.shape) != (plan.rows, plan.row_width) or flat.stride(1) != 1 or (plan.rows > 1 and plan.n_chunks > 1):
+                raise ValueError(
+                    f"a {tuple(flat.shape)} band with strides {flat.stride()} does not fit its plan of {plan.rows} rows of "
+                    f"{plan.row_width} in {plan.n_chunks} chunks: a band of several rows must be one chunk, its columns contiguous"
+                )  # fmt: skip
+            flat = flat[0] if plan.rows == 1 else flat
+        shaped = (lambda t: t.view(flat.shape)) if flat.dim() == 2 else (lambda t: t)
         if plan.bins != self.bins:
             raise ValueError(f"plan has {plan.bins} bins but this kernel sketches into {self.bins}")
         sketching = sketch_acc is not None and self.bins > 0
@@ -437,7 +448,7 @@ class BucketStatsKernel:
             product, rows_t = views[plan.numel]
             signs, row_signs = one_chunk
             product.copy_(signs)
-            product.mul_(flat)
+            shaped(product).mul_(flat)
             sketch_acc.addmv_(rows_t, row_signs)
             if tail:
                 sketch_acc[:tail].add_(tail_product, alpha=tail_sign)
@@ -462,16 +473,16 @@ class BucketStatsKernel:
                 else:
                     signs, row_signs = one_chunk
                 if self.fused:  # one launch: sign * gradient, promoted to fp32
-                    torch.mul(signs, chunk, out=product)
+                    torch.mul(shaped(signs), chunk, out=shaped(product))
                 else:  # measured faster on the CPU than the mixed-dtype multiply
                     product.copy_(signs)
-                    product.mul_(chunk)
+                    shaped(product).mul_(chunk)
                 # rows weighted by their signs, summed into bins: s += rows^T v
                 sketch_acc.addmv_(rows_t, row_signs)
                 if tail and c == plan.n_chunks - 1:  # the bucket may end in the middle of a row
                     sketch_acc[:tail].add_(tail_product, alpha=tail_sign)
             else:
-                product.copy_(chunk)  # a plan of rows without a sketch: the chunk in fp32
+                shaped(product).copy_(chunk)  # a plan of rows without a sketch: the chunk in fp32
             if by_column:
                 parts = chunk_parts.get(c)
                 if parts is None:

@@ -180,6 +180,8 @@ class TritonBucketStats:
             division = self._division.get((flat.dtype, divide_by))
             if division is None:
                 raise ValueError(f"the Triton kernel does not divide {flat.dtype} by {divide_by} as torch.div does here (divides_like_torch)")
+        if flat.dim() == 2 and division is None:  # a band of FSDP2's rows (BucketStatsKernel.run): the kernel reads one flat buffer
+            flat = flat.reshape(-1)
         if self._sketches is None:
             self._sketches = torch.zeros(self.copies, self.block, dtype=torch.float32, device=self.device)
         else:

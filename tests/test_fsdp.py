@@ -427,36 +427,94 @@ def _on_fake_group(world: int, mesh_shape: tuple | None = None) -> torch.nn.Modu
     return model
 
 
-def test_many_shards_skip_the_padding_rows_and_keep_the_norms():
-    # One rank of 256 on the fake process group: the real fully_shard copy-in, with more shards than
-    # any of _Net's parameters has rows along dim 0. The rows past a group's last parameter row are
-    # FSDP2's zero padding, left out of the pass; the per-parameter norms equal the float64 sums
-    # over the whole input, padding included.
+class _Staggered(torch.nn.Module):
+    """One FSDP2 group whose parameters hold gradient in different numbers of shard rows at 256
+    shards: ``a`` 200, ``c`` 150, ``e``, ``b`` and ``d`` 8 (rows along dim 0), ``d`` the widest."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        shapes = {"e": (8, 40), "a": (200, 30), "b": (8, 40), "c": (150, 1100), "d": (8, 2500)}
+        for name, shape in shapes.items():  # in this order in FSDP2's rows
+            self.register_parameter(name, torch.nn.Parameter(torch.randn(shape)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(p.square().sum() for p in self.parameters()) * x.mean()
+
+
+def _bands_on_many_shards(model: torch.nn.Module, shards: int, inputs: int, **settings) -> dict:
+    """Two steps of ``model`` (fully_shard-ed on rank 0 of ``shards``), then, for the second, each
+    group's bands against its reduce-scatter input: the norms against float64 sums over the whole
+    input, the sketch against one taken slowly from the bands' positions and signs, and the input
+    outside the bands all zeros. Returns each group's bands as (first row, rows, first column, columns)."""
     import torch.distributed as dist
 
-    shards = 256
-    model = _on_fake_group(shards)
     try:
-        state = ddphooks.attach(model, detect=False)
-        inputs, measure = {}, state._measure
-        state._measure = lambda comm, output, flat: (inputs.__setitem__(id(comm), flat.clone()), measure(comm, output, flat))
+        state = ddphooks.attach(model, detect=False, **settings)
+        seen, measure = {}, state._measure
+        state._measure = lambda comm, output, flat: (seen.__setitem__(id(comm), (comm.base, flat.clone())), measure(comm, output, flat))
         for _ in range(2):  # the second step after the plans exist
-            loss = model(torch.randn(4, 16)).square().mean()
+            loss = model(torch.randn(4, inputs)).square().mean()
             state.observe_loss(loss)
             loss.backward()
-        checked = {}
+        sketch, kernel = state._sketch.double(), state._kernel(torch.device("cpu"))
+        reference, magnitude, spans, bands = torch.zeros_like(sketch), torch.zeros_like(sketch), [], {}
+        bases = sorted(base for base, _ in seen.values())
         for key, entry in state._entries.items():
-            rows = inputs[key].view(shards, -1)
-            assert torch.count_nonzero(rows[entry.plan.rows :]) == 0
+            base, flat = seen[key]
+            rows = flat.view(shards, -1)
+            covered = torch.zeros_like(rows, dtype=torch.bool)
+            for band in entry.bands:
+                part = band.source(flat, entry.width).reshape(-1).double()
+                first, last = band.plan.base, band.plan.base + band.plan.numel
+                positions = torch.arange(first, last)
+                reference.index_add_(0, positions % state.bins, kernel.signs.signs(first, last).double() * part)
+                magnitude.index_add_(0, positions % state.bins, part.abs())
+                spans.append((first, last))
+                # every band lies in its group's positions, before the next group's
+                assert base <= first and all(last <= b for b in bases if b > base)
+                covered[band.first_row : band.first_row + band.plan.rows, band.column : band.column + band.plan.row_width] = True
+            assert torch.count_nonzero(rows[~covered]) == 0  # what the bands leave out is FSDP2's zero padding
             bounds = torch.tensor([0, *entry.shard_lengths]).cumsum(0).tolist()
             expected = [float((rows[:, a:b].double() ** 2).sum()) for a, b in zip(bounds, bounds[1:])]
             assert entry.sq_norms.tolist() == pytest.approx(expected, rel=1e-5)
-            checked[entry.layout.names[0]] = entry.plan.rows
+            bands[entry.layout.names[0]] = [(b.first_row, b.plan.rows, b.column, b.plan.row_width) for b in entry.bands]
+        spans.sort()
+        assert all(end <= begin for (_, end), (begin, _) in zip(spans, spans[1:]))  # no two bands share a position
+        # fp32 sums of thousands of terms: within 1e-5 of the bin's sum of magnitudes (a wrong sign or
+        # position is off by the size of a term)
+        assert ((sketch - reference).abs() <= 1e-5 * magnitude).all()
         state.close()
     finally:
         dist.destroy_process_group()
-    # inp (48 rows along dim 0), hidden (64), the root with out (8): every group skips rows
-    assert sorted(checked.values()) == [8, 48, 64]
+    return bands
+
+
+def test_many_shards_skip_the_padding_rows_and_keep_the_norms():
+    # One rank of 256 on the fake process group: the real fully_shard copy-in, with more shards than
+    # any of _Net's parameters has rows along dim 0. The rows past a group's last parameter row are
+    # FSDP2's zero padding, left out of the pass.
+    bands = _bands_on_many_shards(_on_fake_group(256), 256, 16)
+    # inp (48 rows along dim 0), hidden (64), the root with out (8): each group its first rows, whole
+    assert sorted(b for group in bands.values() for b in group) == [(0, 8, 0, 65), (0, 48, 0, 17), (0, 64, 0, 49)]
+
+
+@pytest.mark.parametrize("chunk_elems", [None, 1024])
+def test_bands_read_the_columns_that_hold_gradient(chunk_elems):
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=256)
+    model = _Staggered()
+    fully_shard(model, mesh=init_device_mesh("cpu", (256,)))
+    (bands,) = _bands_on_many_shards(model, 256, 8, chunk_elems=chunk_elems).values()
+    # rows 0-7 whole (3710 columns); rows 8-149 a, b and c from column 40 (b, between them, has no
+    # rows there: read as zeros); rows 150-199 a alone; a band of several rows is one chunk (1004
+    # elements at chunk_elems=1024: rows of a, b and c one at a time, wider than a chunk; 33 rows of a)
+    if chunk_elems is None:
+        assert bands == [(0, 8, 0, 3710), (8, 111, 40, 1170), (119, 31, 40, 1170), (150, 50, 40, 30)]
+    else:
+        assert bands == [(0, 8, 0, 3710)] + [(row, 1, 40, 1170) for row in range(8, 150)] + [(150, 33, 40, 30), (183, 17, 40, 30)]
 
 
 def test_a_statistics_bug_leaves_the_step_unmeasured_and_training_unchanged(two_ranks):

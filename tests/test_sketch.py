@@ -168,6 +168,27 @@ def test_row_plans_take_each_parameters_norm_over_its_rows(dtype, sketch_dim, fu
         BucketPlan(lengths, bins, 0, CPU, chunk_elems, rows=0)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["cpu", "fused"])
+@pytest.mark.parametrize(("rows", "chunk_elems", "by_column"), [(1, 1024, False), (40, 1 << 14, False), (300, 1 << 14, True)])
+def test_a_band_read_through_the_row_stride_equals_its_copy(fused, rows, chunk_elems, by_column):
+    # FSDP2's band of rows (the columns of the parameters that still hold gradient): read through
+    # the row stride of the whole input, the same values bit for bit as the band copied out; one row
+    # of several chunks, rows in one chunk by parameter and row, and by column
+    lengths = [30, 0, 7, 1] if rows > 1 else [3000, 7]
+    whole = torch.randn(rows, sum(lengths) + 50, generator=torch.Generator().manual_seed(3))
+    band = whole[:, 20 : 20 + sum(lengths)]
+    table = _table(1, 61, 1 << 17)
+    plan = BucketPlan(lengths, 61, 2 * 61, CPU, chunk_elems, rows=rows)
+    assert plan.by_column == by_column and (plan.n_chunks > 1) == (rows == 1)
+    kernel = BucketStatsKernel(61, CPU, table, fused=fused)
+    got, copied = (torch.zeros(61), torch.empty(len(lengths))), (torch.zeros(61), torch.empty(len(lengths)))
+    kernel.run(band, plan, *got)
+    kernel.run(band.contiguous().view(-1), plan, *copied)
+    assert all(torch.equal(a, b) for a, b in zip(got, copied))
+    with pytest.raises(ValueError, match="a band of several rows must be one chunk"):
+        kernel.run(torch.randn(3, 4000)[:, :3007], BucketPlan([3000, 7], 61, 0, CPU, 1024, rows=3), *got)
+
+
 def test_kernel_shares_scratch_between_plans_of_different_sizes():
     table = _table(0, 61, 1 << 14)
     kernel = BucketStatsKernel(61, CPU, table)
