@@ -44,9 +44,13 @@ buffer, each part summed over the ranks (a rank writes zeros where it has nothin
    it after the all-reduce and says so in the next instrumented step's status
    (``REPLICA_DIFFERS``), where the record's ``replicas`` names it (``replica_verdict``). Under
    HSDP (R replicas x S shards, rank i holds shard ``i % S``) a parameter's shards differ from
-   each other by design and only each shard's R replicas must agree: each parameter has one
-   histogram per shard, where the ranks holding that shard add their ones, and each buffer one
-   for the whole mesh (``FleetLayout.shards``: T_p x S + T_b histograms);
+   each other by design and only each shard's R replicas must agree: the parameters' histograms
+   (``count_shards``, T_p x 65) are summed over the rank's replica group alone, in an all-reduce
+   of their own before this one, so their size does not grow with S; only the buffers' (T_b x
+   65) travel here, over the whole mesh, with, per parameter, what the record needs of the
+   shards' histograms (``shard_checks``: the ranks outside the most common bin, whether the
+   replicas differ, whether they were compared), written by each shard's first replica (ranks
+   0 to S - 1) and summed over the shards;
 6. under FSDP2 and HSDP only (``FleetLayout.reduced``), per parameter the squared norm of the
    rank's shard of the averaged gradient: their sum is ``|gbar_p|^2`` (R times it under HSDP,
    whose R replicas hold the same shards: the transport divides by R), which no rank holds
@@ -56,15 +60,11 @@ Per rank and step: 24 B x W plus 4 (sampled x P + 4P + B + 1 + 2k) B (FSDP2: 4P 
 273, k = 256, 16 sampled ranks; #42's budget 64 KB + 16 B x W holds up to W = 5203), against
 8.6 MB for every rank's whole slot; a replica-check step
 adds 4 x 65 B per tensor (72 KB for 275 tensors) instead of 8 B per tensor and rank (9 MB).
-Under HSDP a replica-check step adds 4 x 65 B x (T_p S + T_b) for T_p parameters over S shards
-and T_b buffers, against the whole slots' 8 B x W (T_p + T_b): per parameter S x 260 B against
-W x 8 B, larger where there are fewer than 32.5 replicas (S > W / 32.5). At W = 4096 with 273
-parameters and 2 buffers: 4.5 MB on 64 replicas of 64 shards (the whole slots' fingerprints:
-9 MB), 145 MB on 2 replicas of 2048 shards. The transport keeps every rank's whole slot where a
-check step's compact wire would be larger than the whole slots' check step (``W x (3 + 2P + k +
-2T)`` numbers, 22 MB at W = 4096; from about 13 replicas down at that size), and says so once:
-the compact wire never costs more than the whole slots on any step, and its persistent buffer
-(sized for a check step, ``BaseSilentState._fleet_capacity``) never holds more.
+Under HSDP a replica-check step adds 4 x 65 B per buffer and 4 x 3 B per parameter to this
+all-reduce (3.8 KB for 273 parameters and 2 buffers) and an all-reduce of 4 x 65 B per parameter
+over the replica group (71 KB), whatever the number of shards: on 2 replicas of 2048 shards as
+on 512 of 8 (a histogram per parameter and shard in one all-reduce over the whole mesh would be
+145 MB and 568 KB).
 
 What it leaves out: the W x W cosine matrix and each rank's mean cosine to the others (no rank
 holds every sketch; the step's mean cosine ``(|U|^2 - n) / (n (n - 1))`` is exact), and each
@@ -173,10 +173,11 @@ class FleetLayout:
     ``|gbar_p|^2``; DDP computes the reduced norms from its own averaged buckets (0: no part, the
     wire unchanged).
 
-    ``shards`` and ``sharded``: under HSDP the first ``sharded`` of the ``fingerprinted`` tensors
-    are parameter shards, which only the ranks holding the same shard must agree on (rank i holds
-    shard ``i % shards``): each has one histogram per shard (``histogram_rows``), the other
-    tensors (buffers) one for the whole mesh. 1 and 0 (one histogram per tensor) elsewhere."""
+    ``sharded``: under HSDP the first ``sharded`` of the ``fingerprinted`` tensors are parameter
+    shards, which only the ranks holding the same shard must agree on: their histograms are
+    summed over each replica group apart (``count_shards``), and this wire carries their
+    ``shard_checks`` instead (``SHARD_CHECK`` numbers each); the other tensors (buffers) have
+    one histogram each here, over the whole mesh. 0 elsewhere (one histogram per tensor)."""
 
     world: int
     n_params: int
@@ -185,7 +186,6 @@ class FleetLayout:
     sampled: int
     fingerprinted: int = 0
     reduced: int = 0
-    shards: int = 1
     sharded: int = 0
 
     @property
@@ -195,15 +195,8 @@ class FleetLayout:
 
     @property
     def histogram_rows(self) -> int:
-        """Histograms of the replica check: one per sharded tensor and shard, one per other tensor."""
-        return self.sharded * self.shards + self.fingerprinted - self.sharded
-
-    def histogram_index(self, rank: int, device: torch.device) -> torch.Tensor:
-        """Per fingerprinted tensor, the histogram ``rank`` adds its one to (int64 on ``device``):
-        ``t shards + rank % shards`` for a sharded tensor ``t``, ``sharded (shards - 1) + t`` for
-        the others (every rank the same). Device ops only."""
-        tensors = torch.arange(self.fingerprinted, device=device)
-        return tensors + (self.shards - 1) * tensors.clamp(max=self.sharded) + (rank % self.shards) * (tensors < self.sharded)
+        """Histograms of the replica check in this wire: one per tensor compared over the whole mesh."""
+        return self.fingerprinted - self.sharded
 
     @cached_property
     def _bounds(self) -> dict[str, tuple[int, int]]:
@@ -219,6 +212,7 @@ class FleetLayout:
             "sketch_sum": self.bins,
             "unit_sum": self.bins,
             "fingerprints": self.histogram_rows * (FINGERPRINT_BINS + 1),
+            "shard_checks": self.sharded * SHARD_CHECK,
             "reduced_sq": self.reduced,
         }
         bounds, begin = {}, 0
@@ -249,6 +243,7 @@ def pack(
     out: torch.Tensor,
     differs: torch.Tensor | None = None,
     layer: LayerState | None = None,
+    shard_checks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write this rank's part of the compact wire into ``out`` (zeroed, ``layout.size`` fp32):
     its row (from ``head`` = [loss_sum, loss_count, status]: its mean loss and status, with
@@ -257,8 +252,9 @@ def pack(
     (``local_sq``, one tensor per bucket) where it is in ``rows`` (``choose_sampled``), and what it
     adds to the sums (nothing but its row where it is ``absent``): ``layer``'s rises of the
     previous step (``own_values``, for the pooled scale); on a replica-check step its one in each
-    tensor's histogram (``fingerprint_bins``); after one, ``differs`` (``replica_differs``: 1 or
-    0) sets ``REPLICA_DIFFERS`` in its status. Returns the rank's P squared norms in one tensor
+    tensor's histogram (``fingerprint_bins``; under HSDP the buffers', and on a shard's first
+    replica its group's ``shard_checks``); after one, ``differs`` (``replica_differs``: 1 or 0)
+    sets ``REPLICA_DIFFERS`` in its status. Returns the rank's P squared norms in one tensor
     (``own_values`` reads them after the all-reduce). Device ops only: nothing synchronises."""
     param_sq = torch.cat(local_sq) if len(local_sq) > 1 else local_sq[0]
     row = out[layout.part("per_rank")].view(layout.world, PER_RANK)[rank]
@@ -291,8 +287,11 @@ def pack(
         # A zero sketch (no gradient on this rank) adds nothing to U, not 0/0.
         torch.div(sketch, torch.where(norm > 0, norm, torch.ones_like(norm)), out=out[layout.part("unit_sum")])
     if fingerprint is not None:
-        index = layout.histogram_index(rank, out.device) * (FINGERPRINT_BINS + 1) + fingerprint_bins(fingerprint)
+        compared = fingerprint[FINGERPRINT_WIDTH * layout.sharded :]  # the parameter shards' went to count_shards
+        index = torch.arange(layout.histogram_rows, device=out.device) * (FINGERPRINT_BINS + 1) + fingerprint_bins(compared)
         out[layout.part("fingerprints")].index_fill_(0, index, 1.0)
+    if shard_checks is not None:
+        out[layout.part("shard_checks")] = shard_checks.reshape(-1)
     return param_sq
 
 
@@ -309,16 +308,45 @@ def fingerprint_bins(fingerprint: torch.Tensor) -> torch.Tensor:
     return torch.where((pairs == NOT_COMPARED).any(dim=1), torch.full_like(bins, FINGERPRINT_BINS), bins)
 
 
-def replica_differs(layout: FleetLayout, reduced: torch.Tensor, fingerprint: torch.Tensor, rank: int = 0) -> torch.Tensor:
+def count_shards(fingerprint: torch.Tensor, out: torch.Tensor) -> None:
+    """HSDP: this rank's ones in the histograms of its parameter shards, the first ``len(out)``
+    tensors of ``fingerprint`` (``out``: ``sharded x (FINGERPRINT_BINS + 1)`` fp32, overwritten),
+    to be summed over its replica group, the ranks that hold the same shards. Device ops only."""
+    out.zero_()
+    shards = fingerprint[: FINGERPRINT_WIDTH * len(out)]
+    index = torch.arange(len(out), device=out.device) * (FINGERPRINT_BINS + 1) + fingerprint_bins(shards)
+    out.view(-1).index_fill_(0, index, 1.0)
+
+
+#: Numbers per parameter in ``shard_checks``: the ranks outside the most common bin (all of a tie),
+#: 1 if the replicas' fingerprints fell in more than one bin, 1 if some rank did not compare.
+SHARD_CHECK = 3
+
+
+def shard_checks(counts: torch.Tensor) -> torch.Tensor:
+    """What the record needs of one replica group's summed parameter histograms (``count_shards``):
+    ``sharded x SHARD_CHECK`` fp32 (small integers), as ``replica_verdict`` counts a histogram of
+    the whole mesh. Device ops only."""
+    compared = counts[:, FINGERPRINT_BINS] == 0
+    hashed = counts[:, :FINGERPRINT_BINS]
+    top = hashed.max(dim=1).values
+    unique = (hashed == top.unsqueeze(1)).sum(dim=1) == 1
+    differing = compared & ((hashed > 0).sum(dim=1) > 1)
+    outside = torch.where(unique, hashed.sum(dim=1) - top, hashed.sum(dim=1)) * differing
+    return torch.stack([outside, differing.to(torch.float32), (~compared).to(torch.float32)], dim=1)
+
+
+def replica_differs(layout: FleetLayout, reduced: torch.Tensor, fingerprint: torch.Tensor, shard_counts: torch.Tensor | None = None) -> torch.Tensor:
     """1 where this rank's fingerprint, in some tensor that every rank compared, is not in that
     tensor's only most common bin of the all-reduced histograms (a tie: every rank of it), else
     0 (fp32, a device op: nothing synchronises). The same verdict as ``replica_differences`` on
     every rank's fingerprints, but for two fingerprints that share a bin. Under HSDP
-    (``layout.shards``) a parameter shard's histogram is that of ``rank``'s shard: the verdict of
-    ``replica_differences`` within each replica group, the buffers' over the whole mesh."""
+    (``layout.sharded``) the parameter shards' histograms are ``shard_counts``, this rank's
+    replica group's (``count_shards``): the verdict of ``replica_differences`` within each
+    replica group, the buffers' over the whole mesh."""
     counts = reduced[layout.part("fingerprints")].view(layout.histogram_rows, FINGERPRINT_BINS + 1)
-    if layout.shards > 1:  # this rank's rows: its shard's histogram of each parameter, the buffers'
-        counts = counts.index_select(0, layout.histogram_index(rank, counts.device))
+    if layout.sharded:
+        counts = torch.cat([shard_counts, counts])
     compared = counts[:, FINGERPRINT_BINS] == 0
     hashed = counts[:, :FINGERPRINT_BINS]
     top = hashed.max(dim=1).values
@@ -488,7 +516,7 @@ class FleetStats(SilentStats):
         self._replica_check = None
         if replica_check is not None:
             check = replica_check
-            self._replica_check = (check.step, check._histograms, check.fingerprinted, check.absent_ranks, check.layout.shards, check.layout.sharded)
+            self._replica_check = (check.step, check._histograms, check.fingerprinted, check.absent_ranks, check._shard_checks)
 
     @cached_property
     def _arrays(self) -> tuple[np.ndarray, np.ndarray]:
@@ -616,18 +644,24 @@ class FleetStats(SilentStats):
 
     @property
     def _histograms(self) -> np.ndarray:
-        """``layout.histogram_rows`` x (FINGERPRINT_BINS + 1): per fingerprinted tensor (and shard,
-        under HSDP), how many ranks' fingerprints fell in each bin."""
+        """``layout.histogram_rows`` x (FINGERPRINT_BINS + 1): per tensor compared over the whole
+        mesh (every fingerprinted tensor but HSDP's parameter shards), how many ranks'
+        fingerprints fell in each bin."""
         return self._part("fingerprints").reshape(self.layout.histogram_rows, FINGERPRINT_BINS + 1)
+
+    @property
+    def _shard_checks(self) -> np.ndarray | None:
+        """Under HSDP, ``sharded x SHARD_CHECK``: per parameter, its shards' ``shard_checks`` summed."""
+        return self._part("shard_checks").reshape(self.layout.sharded, SHARD_CHECK) if self.layout.sharded else None
 
     @cached_property
     def replicas(self) -> dict | None:
         """On the instrumented step after a replica check, its verdict (``replica_verdict``)."""
         if self._replica_check is None:
             return None
-        step, histograms, names, absent, shards, sharded = self._replica_check
+        step, histograms, names, absent, checks = self._replica_check
         flagged = np.flatnonzero((self.status & REPLICA_DIFFERS) != 0).tolist()
-        return replica_verdict(histograms, names, flagged, sorted(set(absent) | set(self.absent_ranks)), step, shards=shards, sharded=sharded)
+        return replica_verdict(histograms, names, flagged, sorted(set(absent) | set(self.absent_ranks)), step, shard_checks=checks)
 
     def _layer_cosines(self) -> tuple[np.ndarray, np.ndarray]:
         n = self.present_count
@@ -784,7 +818,7 @@ def _compact_layer_entry(entry: dict, rows: list[int]) -> dict:
 
 
 def replica_verdict(
-    histograms: np.ndarray, names: list[str], flagged: list[int], absent: list[int], checked_step: int, shards: int = 1, sharded: int = 0
+    histograms: np.ndarray, names: list[str], flagged: list[int], absent: list[int], checked_step: int, shard_checks: np.ndarray | None = None
 ) -> dict:
     """The record's ``replicas`` of a compact replica check: ``ranks`` the ranks that flagged
     themselves (``replica_differs``), ``tensors`` how many tensors' histograms hold more than one
@@ -794,33 +828,33 @@ def replica_verdict(
     first, ``not_compared`` and ``checked_step``. No comparison where a rank was absent (under
     ``Join`` a joined rank's weights are stale by design), as ``SilentStats.replicas``.
 
-    Under HSDP (``shards`` > 1: the first ``sharded`` tensors have one histogram per shard, see
-    ``FleetLayout``) a parameter is one entry whatever the number of its shards that differ:
-    ``shards`` lists them, ``ranks`` are the flagged ranks holding those shards (rank i holds
-    shard ``i % shards``), ``ranks_differing`` is summed over them; ``tensors`` counts tensors, not
-    shards. A buffer's histogram spans the whole mesh, as without shards."""
-    rows = len(histograms)
-    # Each histogram's tensor (and shard, -1 for a tensor compared over the whole mesh).
-    tensor = np.concatenate([np.repeat(np.arange(sharded), shards), np.arange(sharded, sharded + rows - sharded * shards)]).astype(int)
-    shard = np.concatenate([np.tile(np.arange(shards), sharded), np.full(rows - sharded * shards, -1)]).astype(int)
+    Under HSDP (``shard_checks``: the first ``len(shard_checks)`` of ``names`` are parameter
+    shards, compared within each replica group, see ``FleetLayout``) a parameter is one entry
+    whatever the number of its shards that differ: ``shards_differing`` counts them and
+    ``ranks_differing`` is summed over them. A buffer's histogram spans the whole mesh, as
+    without shards."""
+    sharded = 0 if shard_checks is None else len(shard_checks)
     compared = histograms[:, FINGERPRINT_BINS] == 0
-    base = {"checked_step": checked_step, "not_compared": len(set(tensor[~compared].tolist()))}
+    uncompared = int((~compared).sum()) + (int((shard_checks[:, 2] > 0).sum()) if sharded else 0)
+    base = {"checked_step": checked_step, "not_compared": uncompared}
     if absent:
         return {"ranks": [], "tensors": 0, "parameters": [], **base, "not_compared": len(names), "absent": absent}
     hashed = histograms[:, :FINGERPRINT_BINS]
     top = hashed.max(axis=1)
     unique = (hashed == top[:, None]).sum(axis=1) == 1
     total = hashed.sum(axis=1)
-    differing = np.flatnonzero(compared & ((hashed > 0).sum(axis=1) > 1))
-    outside = np.bincount(tensor[differing], weights=np.where(unique, total - top, total)[differing], minlength=len(names))
-    tensors = np.unique(tensor[differing])
+    outside = np.zeros(len(names))
+    outside[sharded:] = np.where(compared & ((hashed > 0).sum(axis=1) > 1), np.where(unique, total - top, total), 0)
+    differing = list(np.flatnonzero(shard_checks[:, 1] > 0)) if sharded else []
+    if sharded:
+        outside[:sharded] = shard_checks[:, 0]
+    differing += [sharded + t for t in np.flatnonzero(compared & ((hashed > 0).sum(axis=1) > 1))]
+    tensors = np.array(differing, dtype=int)
     order = tensors[np.argsort(-outside[tensors], kind="stable")][:MAX_REPLICA_DIFFERENCES]
     parameters = []
     for t in order:
-        if t < sharded:  # a parameter: the shards whose replicas differ, and the flagged ranks holding them
-            held = sorted(int(s) for s in shard[differing[tensor[differing] == t]])
-            entry = {"name": names[t], "shards": held, "ranks": [r for r in flagged if r % shards in held]}
-        else:
-            entry = {"name": names[t], "ranks": list(flagged)}
+        entry = {"name": names[t], "ranks": list(flagged)}
+        if t < sharded:  # a parameter: how many of its shards' replica groups differ
+            entry["shards_differing"] = int(round(shard_checks[t, 1]))
         parameters.append({**entry, "ranks_differing": int(round(outside[t])), "relative_difference": None})
     return {"ranks": list(flagged), "tensors": int(len(tensors)), "parameters": parameters, **base}

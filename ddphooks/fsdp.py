@@ -33,12 +33,13 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
+from ddphooks import fleet
 from ddphooks.detect import DetectorConfig
 from ddphooks.replicas import ReplicaTensors
 from ddphooks.sinks import Sink
 from ddphooks.sketch import ACCELERATOR_CHUNK_ELEMS, CPU_CHUNK_ELEMS, BucketPlan, squared_norms
 from ddphooks.state import BaseSilentState, StepRecord, agree_across_ranks, stats_kernel_problem
-from ddphooks.stats import BucketLayout, SilentStats, slot_size
+from ddphooks.stats import BucketLayout, SilentStats
 
 @dataclass
 class _Band:
@@ -129,11 +130,11 @@ class ShardedSilentState(BaseSilentState):
        and each rank's cosines and layer level reach the records one instrumented step late),
        with one more part: each rank adds its shards' ``|gbar_p shard|^2``, whose sum over the
        ranks is ``|gbar_p|^2`` (``FleetLayout.reduced``; R times it under HSDP, whose R
-       replicas hold the same shards: divided by R). Under HSDP the compact replica check keeps
-       one histogram per parameter and shard, so each shard is compared within its replica
-       group (``FleetLayout.shards``), and one per buffer over the whole mesh; where those
-       histograms would make a check step larger than the whole slots' (few replicas of many
-       shards), HSDP keeps the whole slots and says so once.
+       replicas hold the same shards: divided by R). Under HSDP the compact replica check sums
+       one histogram per parameter over the rank's replica group alone (the ranks holding its
+       shards, in an all-reduce of their own on check steps: ``_count_shards``), and one per
+       buffer over the whole mesh, in the compact wire: its size does not grow with the
+       number of shards.
     4. ``state.latest`` becomes the step's ``SilentStats`` (``FleetStats`` with the compact
        wire), before ``backward()`` returns.
 
@@ -208,6 +209,8 @@ class ShardedSilentState(BaseSilentState):
         self._lock = threading.Lock()  # reduce-scatters of one backward may come from autograd's device threads
         self._said: set[str] = set()
         self._partial_reduce = False  # a micro-step reduce-scattered without the HSDP all-reduce
+        self._replicate_group = mesh_info.replicate_process_group if self._replicas > 1 else None  # the ranks holding this rank's shards
+        self._shard_counts: torch.Tensor | None = None
         # Replica check: under HSDP the parameter shards (flat rank r * S + s holds shard s), and the buffers.
         sharded = self._replicas > 1
         self._replica_groups = [[r * self._shards + s for r in range(self._replicas)] for s in range(self._shards)] if sharded else None
@@ -363,7 +366,9 @@ class ShardedSilentState(BaseSilentState):
             self._warn_no_loss(record.step)
         n_params = sum(len(layout.names) for layout in record.layouts)
         record.fingerprinted, record.fingerprint = self._scheduled_fingerprint(record.step, device)
-        record.fleet = self._wire_layout(record, n_params)
+        record.fleet = self._fleet_layout(record, n_params, reduced=n_params)  # with the shards' summed reduced norms
+        if record.fleet is not None and record.fleet.sharded:
+            self._count_shards(record, device)
         if record.fleet is None:  # every rank's whole slot, then its shards' squared norms: a row of `stride`
             slot, slots = self._whole_slots(n_params, len(record.fingerprinted), device)
             stride = slot + n_params
@@ -388,35 +393,31 @@ class ShardedSilentState(BaseSilentState):
         except Exception as error:
             return error
 
-    def _wire_layout(self, record: _ShardedStep, n_params: int):
-        """The compact wire's layout of this step (``_fleet_layout``, with the shards' summed
-        reduced norms), or None: every rank's whole slot, up to ``gather_max_world`` ranks, and
-        under HSDP where a replica check's histograms (65 counts per parameter and shard) would
-        make the compact wire larger than the whole slots on that step (few replicas of many
-        shards: 2 x 2048 ranks would need 145 MB, held for the run, against 22 MB): the compact
-        wire must never cost more than the whole slots on any step, nor keep more memory."""
-        layout = self._fleet_layout(record, n_params, reduced=n_params)
-        if layout is None or self._replicas == 1:
-            return layout
-        compact = self._fleet_capacity(layout)
-        whole = self.world_size * (slot_size(n_params, self.bins, len(self._replica_tensors or ())) + n_params)
-        if compact <= whole:
-            return layout
-        self._say_once(
-            "hsdp_wire",
-            "ddphooks: HSDP on %d ranks (%d replicas of %d shards) sends every rank's whole slot although W is above "
-            "gather_max_world=%d: the compact wire's replica check (a histogram per parameter and shard) would take %.1f MB "
-            "against the whole slots' %.1f MB on a check step; with more replicas per shard it is the smaller",
-            self.world_size, self._replicas, self._shards, self.config.gather_max_world, 4 * compact / 2**20, 4 * whole / 2**20,
-        )  # fmt: skip
-        return None
-
-    def _replica_shards(self) -> tuple[int, int]:
-        """Under HSDP each fingerprinted parameter is this rank's shard, compared only within its
-        replica group (``_replica_groups``): one histogram per shard in the compact wire."""
+    def _sharded_fingerprints(self) -> int:
+        """Under HSDP the fingerprinted parameters are this rank's shards, compared only within
+        its replica group (``_count_shards``)."""
         if self._replicas > 1 and self._replica_tensors is not None:
-            return self._shards, len(self._replica_tensors.parameters)
-        return 1, 0
+            return len(self._replica_tensors.parameters)
+        return 0
+
+    def _count_shards(self, record: _ShardedStep, device: torch.device) -> None:
+        """HSDP's compact replica check of the parameter shards: one histogram per parameter
+        (``fleet.count_shards``), summed over this rank's replica group alone, the R ranks that
+        hold its shards, so its size does not grow with the number of shards; each shard's first
+        replica (ranks 0 to S - 1) then sends what the record needs of it in the compact wire
+        (``fleet.shard_checks``). Every rank of the group takes part whatever its own statistics
+        did: a rank whose counting failed adds zeros and is FAILED in the step's statistics."""
+        sharded = record.fleet.sharded
+        counts = self._stats_buffer("_shard_counts", sharded * (fleet.FINGERPRINT_BINS + 1), torch.float32, device)
+        counts = counts.view(sharded, fleet.FINGERPRINT_BINS + 1)
+        try:
+            fleet.count_shards(record.fingerprint.to(device), counts)
+        except Exception as error:  # never into backward, never a missing collective
+            counts.zero_()
+            record.error = record.error or error
+        dist.all_reduce(counts, group=self._replicate_group)
+        record.shard_counts = counts.clone()
+        record.shard_checks = fleet.shard_checks(record.shard_counts) if self.rank < self._shards else None
 
     def _pack(self, record: _ShardedStep, slots: torch.Tensor, stride: int, status: int) -> None:
         """Write this rank's share of the step into the zeroed ``slots`` (``_pack_or_fail``): with

@@ -56,6 +56,8 @@ class StepRecord:
         self.cosines_step: int | None = None  # the step of the values this rank sends
         self.replica_check: object = None  # after a replica check: that step's FleetStats
         self.param_sq: torch.Tensor | None = None  # this rank's P squared norms, as packed
+        self.shard_counts: torch.Tensor | None = None  # HSDP: its replica group's parameter histograms (fleet.count_shards)
+        self.shard_checks: torch.Tensor | None = None  # HSDP, on a shard's first replica: what it sends of them
 
 
 class BaseSilentState:
@@ -384,29 +386,27 @@ class BaseSilentState:
         """The compact wire's layout of this step above ``gather_max_world`` ranks (None: every
         rank's whole slot). It sets the all-reduce's size, so it depends only on what every rank
         shares: W, the layouts, the settings, whether this is a replica-check step, ``reduced``
-        (the transport's: ``FleetLayout.reduced``) and under HSDP the shards (``_replica_shards``)."""
+        (the transport's: ``FleetLayout.reduced``) and under HSDP the parameter shards
+        (``_sharded_fingerprints``)."""
         limit = self.config.gather_max_world
         if limit is None or self.world_size <= limit:
             return None
-        shards, sharded = self._replica_shards()
         fingerprinted = len(record.fingerprinted)
         return fleet.FleetLayout(
             self.world_size, n_params, len(record.layouts), self.bins, self.config.sampled_ranks, fingerprinted, reduced,
-            shards=shards, sharded=sharded if fingerprinted else 0,
+            sharded=self._sharded_fingerprints() if fingerprinted else 0,
         )  # fmt: skip
 
-    def _replica_shards(self) -> tuple[int, int]:
-        """``FleetLayout``'s ``shards`` and ``sharded``: how many shards the fingerprinted
-        parameters are split in, and how many of the fingerprinted tensors (the first ones) are
-        such shards, compared only within their replica group. (1, 0): every tensor over every
-        rank (DDP, plain FSDP2)."""
-        return 1, 0
+    def _sharded_fingerprints(self) -> int:
+        """``FleetLayout.sharded``: how many of the fingerprinted tensors (the first ones) are
+        parameter shards, compared only within their replica group (HSDP). 0: every tensor over
+        every rank (DDP, plain FSDP2)."""
+        return 0
 
     def _fleet_capacity(self, layout: fleet.FleetLayout) -> int:
-        """The size of ``layout``'s buffer on a replica-check step (under HSDP with one histogram
-        per parameter shard): what the persistent buffer is sized for at once, so that a check's
-        wider wire does not reallocate it."""
-        return replace(layout, fingerprinted=len(self._replica_tensors or ()), sharded=self._replica_shards()[1]).size
+        """The size of ``layout``'s buffer on a replica-check step: what the persistent buffer is
+        sized for at once, so that a check's wider wire does not reallocate it."""
+        return replace(layout, fingerprinted=len(self._replica_tensors or ()), sharded=self._sharded_fingerprints()).size
 
     def _pack_or_fail(self, record: StepRecord, slots: torch.Tensor, slot: int, status: int) -> None:
         """Zero ``slots`` and write this rank's share of the step into them (the transport's
@@ -463,7 +463,10 @@ class BaseSilentState:
         # This rank's rises of its previous step, for the layer CUSUMs' pooled scale.
         layer = self._layer_state_of(record.layouts)
         sketch = self._sketch if self.bins else None
-        record.param_sq = fleet.pack(record.fleet, record.sampled, self.rank, self._head(status, out.device), record.local_sq, sketch, own, fingerprint, record.absent, out, differs, layer)
+        record.param_sq = fleet.pack(
+            record.fleet, record.sampled, self.rank, self._head(status, out.device), record.local_sq, sketch, own, fingerprint,
+            record.absent, out, differs, layer, record.shard_checks,
+        )  # fmt: skip
 
     def _keep_fleet(self, record: StepRecord, reduced: torch.Tensor) -> None:
         """After the compact wire's all-reduce: copy ``reduced`` off the buffer (reused next
@@ -485,7 +488,7 @@ class BaseSilentState:
         self._own_values_step = record.step
         self._own_previous = (list(record.layouts), self._sketch.clone()) if self.bins else None
         if record.fingerprint is not None:
-            differs = fleet.replica_differs(record.fleet, record.gathered, record.fingerprint.to(record.gathered.device), self.rank)
+            differs = fleet.replica_differs(record.fleet, record.gathered, record.fingerprint.to(record.gathered.device), record.shard_counts)
             self._replica_differs = (record.step, differs)
 
     def _layer_state_of(self, layouts: list[BucketLayout]) -> fleet.LayerState | None:

@@ -307,18 +307,27 @@ def _replica_check(fingerprints: torch.Tensor, names: list[str], shards: int = 1
     """W ranks' fingerprints (W x T x 2) through the compact replica check: each rank's one in
     the histograms, summed; each rank's own verdict; the record's ``replicas`` of the step after.
     Under HSDP (``shards``) the first ``sharded`` tensors are parameter shards (rank i holds
-    shard i % shards)."""
+    shard i % shards): their histograms summed over each replica group apart (the transport's
+    all-reduce over it), each shard's first replica sending its group's ``shard_checks``."""
     world, tensors = fingerprints.shape[:2]
-    layout = fleet.FleetLayout(world, N_PARAMS, len(BUCKETS), 0, sampled=2, fingerprinted=tensors, shards=shards, sharded=sharded)
+    layout = fleet.FleetLayout(world, N_PARAMS, len(BUCKETS), 0, sampled=2, fingerprinted=tensors, sharded=sharded)
+    groups = torch.zeros(shards, sharded, fleet.FINGERPRINT_BINS + 1)
+    for rank in range(world):
+        counts = torch.empty(sharded, fleet.FINGERPRINT_BINS + 1)
+        fleet.count_shards(fingerprints[rank].reshape(-1), counts)
+        groups[rank % shards] += counts
     ranks = _ranks(world, 11)
     total = torch.zeros(layout.size)
     for rank, r in enumerate(ranks):
         out = torch.zeros(layout.size)
-        fleet.pack(layout, [0, 1], rank, r["head"], r["local_sq"], None, torch.zeros(fleet.OWN_VALUES), fingerprints[rank].reshape(-1), False, out)
+        checks = fleet.shard_checks(groups[rank]) if sharded and rank < shards else None
+        fleet.pack(layout, [0, 1], rank, r["head"], r["local_sq"], None, torch.zeros(fleet.OWN_VALUES), fingerprints[rank].reshape(-1), False, out, shard_checks=checks)
         total += out
-    flagged = [rank for rank in range(world) if fleet.replica_differs(layout, total, fingerprints[rank].reshape(-1), rank).item() == 1.0]
+    differs = lambda rank: fleet.replica_differs(layout, total, fingerprints[rank].reshape(-1), groups[rank % shards] if sharded else None)
+    flagged = [rank for rank in range(world) if differs(rank).item() == 1.0]
     histograms = total[layout.part("fingerprints")].view(layout.histogram_rows, fleet.FINGERPRINT_BINS + 1).double().numpy()
-    return flagged, fleet.replica_verdict(histograms, names, flagged, [], checked_step=7, shards=shards, sharded=sharded)
+    checks = total[layout.part("shard_checks")].view(sharded, fleet.SHARD_CHECK).double().numpy() if sharded else None
+    return flagged, fleet.replica_verdict(histograms, names, flagged, [], checked_step=7, shard_checks=checks)
 
 
 @pytest.mark.parametrize(
@@ -389,13 +398,15 @@ def test_hsdp_compact_replica_check_compares_each_shard_within_its_replicas(worl
     assert verdict["tensors"] == len(expected) + len(buffer_ranks) and verdict["not_compared"] == everyone["not_compared"] == 1
     got = {p["name"]: p for p in verdict["parameters"]}
     assert set(got) == set(expected) | set(buffer_ranks)
-    for name, holders in expected.items():  # a parameter once, with the shards whose replicas differ
-        assert got[name]["ranks"] == sorted(holders) and got[name]["shards"] == sorted({r % shards for r in holders})
+    for name, holders in expected.items():  # a parameter once, with how many shards' replicas differ
+        assert got[name]["ranks"] == ranks and got[name]["shards_differing"] == len({r % shards for r in holders})
         assert got[name]["ranks_differing"] == len(holders)
     for name, holders in buffer_ranks.items():  # a buffer: every flagged rank (which one differs is not sent)
-        assert "shards" not in got[name] and got[name]["ranks"] == ranks and got[name]["ranks_differing"] == len(holders)
-    layout = fleet.FleetLayout(world, N_PARAMS, len(BUCKETS), 0, sampled=2, fingerprinted=len(names), shards=shards, sharded=sharded)
-    assert layout.part("fingerprints").stop - layout.part("fingerprints").start == (sharded * shards + buffers) * (fleet.FINGERPRINT_BINS + 1)
+        assert "shards_differing" not in got[name] and got[name]["ranks"] == ranks and got[name]["ranks_differing"] == len(holders)
+    # in the wire over the whole mesh: a histogram per buffer and 3 numbers per parameter, whatever the shards
+    layout = fleet.FleetLayout(world, N_PARAMS, len(BUCKETS), 0, sampled=2, fingerprinted=len(names), sharded=sharded)
+    assert layout.part("fingerprints").stop - layout.part("fingerprints").start == buffers * (fleet.FINGERPRINT_BINS + 1)
+    assert layout.part("shard_checks").stop - layout.part("shard_checks").start == sharded * fleet.SHARD_CHECK
 
 
 def test_fingerprint_bins_are_equal_for_equal_fingerprints_and_spread_over_the_bins():
@@ -474,10 +485,12 @@ def test_the_default_wire_is_the_whole_slot_up_to_16_ranks_and_the_compact_wire_
     assert DeepSpeedSilentState().config.gather_max_world is None
 
 
-def test_hsdp_layout_has_a_histogram_per_parameter_shard_on_check_steps_and_the_buffer_is_sized_for_them():
-    """HSDP (4 replicas x 2 shards): a check step's layout has one histogram per parameter and
-    shard and one per buffer, a step without a check none, and the persistent buffer's capacity
-    is the check step's size (so a check does not reallocate it); plain FSDP2 one per tensor."""
+def test_hsdp_check_steps_carry_the_shards_checks_whatever_the_shards_and_the_buffer_is_sized_for_them():
+    """HSDP: a check step's compact wire has one histogram per buffer and ``SHARD_CHECK`` numbers
+    per parameter, for 4 replicas of 2 shards as for 2 replicas of 2048 (the parameters'
+    histograms are summed over each replica group apart), a step without a check neither, and the
+    persistent buffer's capacity is the check step's size (a check does not reallocate it); plain
+    FSDP2 one histogram per tensor."""
     from types import SimpleNamespace
 
     from ddphooks.fsdp import ShardedSilentState
@@ -486,37 +499,16 @@ def test_hsdp_layout_has_a_histogram_per_parameter_shard_on_check_steps_and_the_
     module = torch.nn.Linear(3, 2)
     module.register_buffer("mask", torch.ones(3))
     state = ShardedSilentState(gather_max_world=4)
-    state.world_size, state.bins, state._shards, state._replicas = 8, BINS, 2, 4  # set when binding
     state._replica_tensors = ReplicaTensors(list(module.named_parameters()), module, broadcast_buffers=False)
-    plain = state._fleet_layout(SimpleNamespace(layouts=BUCKETS, fingerprinted=[]), N_PARAMS, reduced=N_PARAMS)
-    check = state._fleet_layout(SimpleNamespace(layouts=BUCKETS, fingerprinted=state._replica_tensors.names), N_PARAMS, reduced=N_PARAMS)
-    assert (plain.shards, plain.sharded, plain.histogram_rows) == (2, 0, 0)
-    assert (check.shards, check.sharded, check.histogram_rows) == (2, 2, 2 * 2 + 1)  # weight and bias per shard, the mask
-    assert check.size == plain.size + 5 * (fleet.FINGERPRINT_BINS + 1) == state._fleet_capacity(plain)
-    state._replicas = 1  # plain FSDP2: the same tensors, one histogram each
+    sizes = []
+    for replicas, shards in ((4, 2), (2, 2048)):
+        state.world_size, state.bins, state._shards, state._replicas = replicas * shards, BINS, shards, replicas  # set when binding
+        plain = state._fleet_layout(SimpleNamespace(layouts=BUCKETS, fingerprinted=[]), N_PARAMS, reduced=N_PARAMS)
+        check = state._fleet_layout(SimpleNamespace(layouts=BUCKETS, fingerprinted=state._replica_tensors.names), N_PARAMS, reduced=N_PARAMS)
+        assert (plain.sharded, plain.histogram_rows) == (0, 0)
+        assert (check.sharded, check.histogram_rows) == (2, 1)  # weight and bias checked within the replica groups; the mask
+        assert check.size == plain.size + (fleet.FINGERPRINT_BINS + 1) + 2 * fleet.SHARD_CHECK == state._fleet_capacity(plain)
+        sizes.append(check.size - plain.size)
+    assert sizes[0] == sizes[1]
+    state._replicas = 1  # plain FSDP2: the same tensors, one histogram each over the mesh
     assert state._fleet_layout(SimpleNamespace(layouts=BUCKETS, fingerprinted=state._replica_tensors.names), N_PARAMS).histogram_rows == 3
-
-
-def test_hsdp_with_few_replicas_of_many_shards_keeps_whole_slots_and_says_why_once():
-    """HSDP whose compact replica check (65 counts per parameter and shard) would outgrow the
-    whole slots on a check step (few replicas of many shards): whole slots, and one message with
-    both sizes; with many replicas per shard the compact wire."""
-    from types import SimpleNamespace
-
-    from ddphooks.fsdp import ShardedSilentState
-    from ddphooks.replicas import ReplicaTensors
-
-    module = torch.nn.Sequential(*[torch.nn.Linear(1, 1) for _ in range(20)])  # 40 tensors: 2,600 counts a shard
-    state = ShardedSilentState(gather_max_world=16)
-    state._replica_tensors = ReplicaTensors(list(module.named_parameters()), module, broadcast_buffers=False)
-    state.bins, state._said, said = BINS, set(), []
-    state._warn = lambda message, *args: said.append(message % args)
-    record = SimpleNamespace(layouts=BUCKETS, fingerprinted=[])
-    for replicas, shards, compact in ((32, 2, True), (2, 32, False), (2, 32, False)):
-        state.world_size, state._replicas, state._shards = replicas * shards, replicas, shards
-        assert (state._wire_layout(record, N_PARAMS) is not None) == compact, (replicas, shards)
-        assert (state._wire_layout(SimpleNamespace(layouts=BUCKETS, fingerprinted=state._replica_tensors.names), N_PARAMS) is not None) == compact
-    # a check step: 32 replicas x 2 shards 2 x 2,600 counts against 64 slots of 157 numbers (10,048);
-    # 2 x 32: 32 x 2,600 against 10,048 again
-    assert len(said) == 1 and "HSDP on 64 ranks (2 replicas of 32 shards) sends every rank's whole slot" in said[0]
-    assert "MB against the whole slots'" in said[0]

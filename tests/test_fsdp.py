@@ -276,17 +276,10 @@ def _check_hsdp(rank: int, world: int) -> dict:
     return {
         "accumulation": _check_reference(rank, world, (2, 2), 2, False),
         "drifted": _check_replica_divergence(rank, world),
-        # HSDP_SKETCH: on this 6-tensor model at 2 x 2 a check step's histograms (6 x 2 x 65 counts)
-        # outgrow four whole slots with a 256 sketch, and HSDP would keep the whole slots
-        "drifted_compact": _check_replica_divergence(rank, world, steps=2, gather_max_world=2, sketch_dim=HSDP_SKETCH),
+        "drifted_compact": _check_replica_divergence(rank, world, steps=2, gather_max_world=2),
         "partial": _check_partial_all_reduce(rank, world),
-        "compact": _check_compact_wire(rank, world, (2, 2), check_replicas_every=1, sketch_dim=HSDP_SKETCH),
+        "compact": _check_compact_wire(rank, world, (2, 2), check_replicas_every=1),
     }
-
-
-#: The sketch of the HSDP compact-wire checks: large enough that four whole slots outgrow a check
-#: step's compact wire on this small model (ShardedSilentState._wire_layout).
-HSDP_SKETCH = 1024
 
 
 def _check_compact_wire(rank: int, world: int, mesh_shape: tuple | None = None, check_replicas_every: int = 0, sketch_dim: int = 256) -> dict:
@@ -607,8 +600,9 @@ def test_hsdp_compact_wire_gives_the_whole_slots_statistics_and_unchanged_traini
     # from each other, only each shard's replicas are compared
     compact = [r["compact"] for r in hsdp]
     bins, params, groups, shards = compact[0]["bins"], 6, 3, 2
-    # as plain FSDP2's on 4 ranks, and on every (check) step one histogram per parameter and shard
-    size = 6 * 4 + 2 * params + 4 * params + groups + 1 + 2 * bins + params + params * shards * 65
+    # as plain FSDP2's on 4 ranks, and on every (check) step each parameter's checks within its
+    # replica groups (their histograms summed over each group apart); the model has no buffers
+    size = 6 * 4 + 2 * params + 4 * params + groups + 1 + 2 * bins + params + params * 3
     assert [r["sizes"] for r in compact] == [[size] * 4] * 4 and bins > 0
     assert [(r["transport"], r["unchanged"]) for r in compact] == [("separate", True)] * 4  # bitwise plain HSDP
 
@@ -618,7 +612,7 @@ def test_hsdp_compact_replica_check_names_the_drifted_replica_as_the_whole_slots
     assert all(r["drifted_compact"] == compact for r in hsdp)  # the same record on every rank
     assert compact["checked_step"] == 0 and compact["ranks"] == whole["ranks"] == [1, 3]  # a tie of two replicas: both named
     assert [p["name"] for p in compact["parameters"]] == [p["name"] for p in whole["parameters"]] == ["hidden.weight"]
-    assert compact["parameters"][0]["shards"] == [1] and compact["parameters"][0]["ranks"] == [1, 3]
+    assert compact["parameters"][0]["shards_differing"] == 1 and compact["parameters"][0]["ranks"] == [1, 3]
     assert compact["tensors"] == whole["tensors"] == 1 and compact["not_compared"] == whole["not_compared"] == 0
 
 
@@ -627,19 +621,21 @@ def test_fsdp2_at_64_ranks_sends_the_compact_wire_by_default(mesh_shape):
     # One rank of 64 on the fake process group (its all-reduce leaves the buffer as this rank
     # wrote it): attach's defaults send the compact wire above 16 ranks, one all-reduce a step
     # whose size does not depend on W but for its 6 numbers per rank (and, under HSDP, on the
-    # replica check of step 0, one histogram per parameter and shard), and the step's FleetStats
-    # hold this rank's loss and norms.
+    # replica check of step 0, 3 numbers per parameter, with one histogram per parameter summed
+    # over this rank's replica group alone), and the step's FleetStats hold this rank's loss and norms.
     import torch.distributed as dist
 
     world, shards = 64, mesh_shape[-1]
     model = _on_fake_group(world, mesh_shape)
-    all_reduce, sizes = dist.all_reduce, []
+    all_reduce, sizes, shard_counts = dist.all_reduce, [], []
     try:
         state = ddphooks.attach(model, detect=False)
-        def counted(tensor, *args, **kwargs):  # the statistics' all-reduce (HSDP also all-reduces gradients)
+        def counted(tensor, *args, group=None, **kwargs):  # the statistics' all-reduces (HSDP also all-reduces gradients)
             if state._slots is not None and tensor.untyped_storage().data_ptr() == state._slots.untyped_storage().data_ptr():
                 sizes.append(tensor.numel())
-            return all_reduce(tensor, *args, **kwargs)
+            if state._shard_counts is not None and tensor.untyped_storage().data_ptr() == state._shard_counts.untyped_storage().data_ptr():
+                shard_counts.append((tensor.numel(), dist.get_world_size(group)))
+            return all_reduce(tensor, *args, group=group, **kwargs)
 
         dist.all_reduce = counted
         losses = []
@@ -659,8 +655,10 @@ def test_fsdp2_at_64_ranks_sends_the_compact_wire_by_default(mesh_shape):
     assert type(stats).__name__ == "FleetStats" and record["wire"] == "compact" and stats.layout.world == world
     assert record["cosines_step"] == 0 and len(record["sampled_ranks"]) == 16
     size = 6 * world + 16 * 6 + 4 * 6 + 3 + 1 + 2 * state.bins + 6  # as on 3 ranks, 16 sampled
-    check = 6 * shards * 65 if len(mesh_shape) == 2 else 0  # plain FSDP2: no tensor two ranks hold (_Net has no buffers)
+    check = 6 * 3 if len(mesh_shape) == 2 else 0  # plain FSDP2: no tensor two ranks hold (_Net has no buffers)
     assert sizes == [size + check, size] and size + check < world * (3 + 6 + state.bins)  # less than the whole slots without their reduced part
+    # the 8 replicas of each shard: 6 histograms of 65 counts, on the check step only
+    assert shard_counts == ([(6 * 65, world // shards)] if check else [])
     if check:  # this rank alone in every histogram: the most common bin of each shard, nobody differs
         assert record["replicas"]["checked_step"] == 0 and record["replicas"]["ranks"] == [] and record["replicas"]["not_compared"] == 0
     assert record["losses"][0] == pytest.approx(losses[-1], rel=1e-6)
