@@ -51,7 +51,8 @@ parameter padded to a multiple of W rows: it grows with W on a small model), the
 pass reads (the bands of rows and columns that hold gradient, FSDP2's padding left out) and its
 time per element read, what the statistics add to the step's communication (the W rows of slot and
 reduced shard norms, W x (slot + parameters) x 4 B, or the compact wire with its P reduced
-norms), the state's kept memory (as above), and the step (forward and backward, no
+norms; "with replica steps" averages in step 0, a replica-check step, with HSDP's all-reduce of
+the parameters' histograms over each replica group), the state's kept memory (as above), and the step (forward and backward, no
 communication) for scale.
 
     python benchmarks/scale.py                  # W = 8, 64, 256, 1024, 4096, a 16 M-parameter tiny Llama (273 tensors)
@@ -60,6 +61,8 @@ communication) for scale.
     python benchmarks/scale.py --only fsdp2 --worlds 2 8 64 256 1024   # the FSDP2 table alone
     python benchmarks/scale.py --only fsdp2 --worlds 8 1024 --model hidden=1024 --model layers=2
                                                 # a 42 M-parameter model whose parameters have >= 1024 rows: no padding
+    python benchmarks/scale.py --only fsdp2 --hsdp 2 --worlds 8 4096 --fsdp-max-world 4096
+                                                # HSDP: 2 replicas of 4 and of 2048 shards
     python benchmarks/scale.py --device cuda --worlds 8 1024 4096   # the hook's host time on a GPU (DDP only)
 """
 
@@ -437,9 +440,10 @@ def measure_fsdp(world: int, model_args: dict, steps: int, gather_max_world: int
 
         all_reduce = dist.all_reduce
 
-        def counted_all_reduce(tensor, *args, **kwargs):  # the statistics' all-reduce: on the state's buffer
-            if state._slots is not None and tensor.untyped_storage().data_ptr() == state._slots.untyped_storage().data_ptr():
-                wire[-1] += tensor.numel()
+        def counted_all_reduce(tensor, *args, **kwargs):  # the statistics' all-reduces: on the state's buffers
+            for buffer in (state._slots, state._shard_counts):  # the wire; HSDP's replica-group histograms
+                if buffer is not None and tensor.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr():
+                    wire[-1] += tensor.numel()
             return all_reduce(tensor, *args, **kwargs)
 
         state._measure, state._gather, dist.all_reduce = timed_measure, timed_gather, counted_all_reduce

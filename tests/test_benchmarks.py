@@ -267,6 +267,22 @@ def test_scale_model_overrides_reach_the_fsdp2_table(tmp_path):
     assert refused.returncode == 2 and "--model 'hiden=3': expected NAME=INT with NAME one of vocab_size, hidden" in refused.stderr
 
 
+def test_scale_hsdp_rows_count_the_replica_groups_histograms_whatever_the_shards(tmp_path):
+    # HSDP, 2 replicas of 4 and of 32 shards: a check step's compact wire adds, whatever the
+    # shards, per parameter 65 counts summed over its replica group (an all-reduce of its own,
+    # counted here) and 3 numbers, and per buffer 65 counts; the 64-rank default is the compact wire
+    out = tmp_path / "scale.json"
+    stdout = _run("scale.py", "--quick", "--only", "fsdp2", "--hsdp", "2", "--worlds", "8", "64", "--steps", "1", "--json", str(out))
+    assert "HSDP, 2 replicas of W / 2 shards" in stdout
+    rows = {(r["world_size"], r["wire"]): r for r in json.loads(out.read_text())["fsdp_rows"]}
+    extra = {world: rows[world, "compact"]["replica_step_bytes"] - rows[world, "compact"]["slot_bytes_per_step"] for world in (8, 64)}
+    buffers, left = divmod(extra[8] - 4 * 21 * (65 + 3), 4 * 65)  # 21 parameters of the 2-layer tiny Llama
+    assert extra[8] == extra[64] and left == 0 and 0 <= buffers <= 4
+    assert rows[64, "compact"]["amortised_bytes_per_step"] <= 64 * 1024 + 16 * 64 and all(r["replicas"] == 2 for r in rows.values())
+    refused = subprocess.run([sys.executable, str(BENCHMARKS / "scale.py"), "--only", "fsdp2", "--hsdp", "3", "--worlds", "8"], capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "--hsdp 3: every W of the FSDP2 table must be a multiple of the replicas" in refused.stderr
+
+
 def test_compact_detection_small_form_names_the_fault_when_every_rank_is_sampled():
     """W = 16 with 16 sampled ranks: the compact wire sees every rank's norms, so it names the
     corrupted layer as the whole slots do; no alert on the healthy run."""
