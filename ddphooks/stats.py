@@ -190,14 +190,15 @@ def over_ranks(values: np.ndarray | None) -> dict | None:
 def _dispersion(values: np.ndarray) -> dict[str, float | None]:
     # The array's own methods: the same reductions as np.mean, np.std, np.max and np.min, with
     # fewer calls (summary() runs on the training thread every step).
-    with np.errstate(invalid="ignore", over="ignore"):  # a non-finite value makes them NaN
+    with np.errstate(invalid="ignore", over="ignore"):  # a non-finite value makes them NaN (inf - inf too)
         mean = float(values.mean())
         centred = values - mean
         std = math.sqrt((centred * centred).mean())  # population std (ddof=0): np.std's steps, without its overhead
+        spread = float(values.max() - values.min())
     return {
         "mean": mean,
         "std": std,
-        "range": float(values.max() - values.min()),
+        "range": spread,
         "cv": std / abs(mean) if mean != 0 else math.nan,
     }
 

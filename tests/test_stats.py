@@ -101,6 +101,17 @@ def test_missing_and_non_finite_values_become_null_and_are_located():
     assert record["grad_norms"][1] is None
 
 
+def test_dispersion_of_infinite_norms_is_nan_without_a_warning():
+    import warnings
+
+    from ddphooks.stats import _dispersion
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # inf - inf in the range: no RuntimeWarning printed into a user's log
+        spread = _dispersion(np.array([np.inf, np.inf]))
+    assert spread["mean"] == np.inf and all(math.isnan(spread[key]) for key in ("std", "range", "cv"))
+
+
 def test_no_loss_observed_gives_null_losses():
     record = _stats([np.ones(5), np.ones(5)], [None, None]).to_dict()
     assert record["losses"] is None and record["loss_std"] is None
