@@ -395,10 +395,12 @@ def persistent_bytes(state):
     total = sum(kernel.persistent_bytes() for kernel in state._kernels.values())
     entries = getattr(state, "_entries", None) or getattr(state, "_buckets", {})
     for entry in entries.values():
-        rows = getattr(entry, "sq_rows", None)  # FSDP2 entries also keep the norms of each row
-        total += entry.plan.persistent_bytes() + 4 * (entry.sq_norms.numel() + (0 if rows is None else rows.numel()))
+        bands = getattr(entry, "bands", None)  # FSDP2: a plan per band of rows, each with its norms but the first
+        plans = [band.plan for band in bands] if bands is not None else [entry.plan]
+        band_norms = sum(band.sq_norms.numel() for band in bands or [] if band.sq_norms is not None)
+        total += sum(plan.persistent_bytes() for plan in plans) + 4 * (entry.sq_norms.numel() + band_norms)
     total += sum(plan.persistent_bytes() for plan in getattr(state, "_plans", None) or [] if plan is not None)  # DeepSpeed
-    for name in ("_slots", "_piggyback", "_separate", "_sketch", "_local_sq", "_scratch"):
+    for name in ("_slots", "_piggyback", "_separate", "_sketch", "_local_sq", "_scratch", "_shard_counts"):
         buffer = getattr(state, name, None)
         if buffer is not None:
             total += buffer.numel() * buffer.element_size()
