@@ -142,7 +142,10 @@ its strongest signal (the CUSUM furthest up its own threshold), every signal ove
 which step the CUSUM has been rising, and the parameters that deviate most on that rank: per
 parameter, the evidence of its CUSUM, and where there is none, how far the rank's gradient
 norm, against the median rank's, rose above its own recent level. One alert per episode: a rank's episode ends after
-``quiet_steps`` steps with every score below threshold.
+``quiet_steps`` steps with every score below threshold. At W = 2 every score reads a rank against the other,
+so while one rank's episode lasts the other rank's evidence is taken for its mirror and emptied, not alerted
+on, unless the pair says that rank changed itself (a layer whose pair mean rose against its trend:
+``Detector._changed_itself``).
 
 Replica divergence (records' ``replicas`` key, from parameter fingerprints) alerts at once, with
 no warm-up: bitwise-identical replicas are never flagged, so there is nothing to learn.
@@ -1063,10 +1066,13 @@ class Detector:
         self.cross = {name: _Signal(self.cross_history, index) for index, name in enumerate(SIGNALS)}
         # At W = 2 only: the losses themselves (which of the two ranks' loss moved, see _scores), and
         # the last steps' mean log gradient norm of the pair with their step numbers (which rank a
-        # split of the pair's norms belongs to, see _pair_owner); the rank the level's evidence was
-        # given to, while its episode lasts.
+        # split of the pair's norms belongs to, see _pair_owner), the same per parameter with the
+        # parameters' names (which rank a layer's split belongs to, see _changed_itself); the rank
+        # the level's evidence was given to, while its episode lasts.
         self.pair_history = _History(window, world) if world == 2 else None
         self.pair_means: deque = deque(maxlen=PAIR_STEPS * window)
+        self.pair_parameter_means: deque = deque(maxlen=PAIR_STEPS * window)
+        self.mirror_since: dict[tuple, int] = {}  # (rank, key) of evidence taken for the other rank's mirror -> when it began
         self.level_owner: int | None = None
         self.log_losses = self.config.loss_scale == "log"  # until a loss <= 0 (see _loss_scale)
         self.cusum = {(kind, name): np.zeros(world) for kind in ("own", "cross") for name in SIGNALS}
@@ -1132,6 +1138,10 @@ class Detector:
         relative_norms = _relative_to_median(log_norms)
         if self.world == 2:
             self.pair_means.append((obs.step, float(np.mean(log_norms))))  # NaN where either is unknown
+            if obs.parameter_norms is not None and obs.parameter_rows is None:
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    logs = np.log(np.where(np.isfinite(obs.parameter_norms) & (obs.parameter_norms > 0), obs.parameter_norms, np.nan))
+                self.pair_parameter_means.append((obs.step, obs.parameter_names, logs.mean(axis=0)))
         deviations = self._deviations(values)
         self._parameter_changes(obs)
         # No scores before the baselines hold `warmup` steps: a median of three steps is no baseline.
@@ -1371,6 +1381,16 @@ class Detector:
                         if owner in self.episodes:
                             continue
                         rank, episode, levels = owner, None, {key: self.cusum[key][owner] for key in self.cusum}
+                if episode is None and self.world == 2 and 1 - rank in self.episodes:
+                    # At W = 2 each rank is read against the other (the median of two, the step's
+                    # mean): while one rank's episode lasts, the other's rising scores are its
+                    # mirror, the same fault, unless the pair says this rank changed
+                    # (_changed_itself, read from when the mirror first rose). A mirror's evidence
+                    # is emptied, not alerted on.
+                    since = self.mirror_since.setdefault((rank, strongest), since)
+                    if not self._changed_itself(rank, strongest, since):
+                        self._empty_evidence(rank)
+                        continue
                 if episode is None:
                     self.episodes[rank] = _Episode(since)
                     alerts.append(self._alert(obs, rank, strongest, levels, since, values, reading))
@@ -1380,9 +1400,53 @@ class Detector:
                 episode.quiet += 1
                 if episode.quiet >= config.quiet_steps:
                     del self.episodes[rank]
+                    self.mirror_since = {key: first for key, first in self.mirror_since.items() if key[0] == rank}
                     if rank == self.level_owner:
                         self.level_owner = None
         return alerts
+
+    def _changed_itself(self, rank: int, key: tuple[str, str], since: int) -> bool:
+        """At W = 2, whether ``rank``'s layer evidence (``key``, rising since ``since``) is its own
+        change, not its mirror of the other rank's: the parameter's gradient norm rose against the
+        other rank's, and the pair's mean log norm of that parameter, which moves with the rank
+        that changed, rose against its trend (``_trend_shift``, as ``_pair_owner`` reads the
+        gradient norm) by more than its steps' spread about that trend before. Any other key:
+        False, the pair's split of it belongs to the rank under alert."""
+        if key != ("own", "layer") or not self.pair_parameter_means:
+            return False
+        parameter = int(self.parts[key][rank].argmax())
+        names = self.pair_parameter_means[-1][1]
+        history = [(step, means[parameter]) for step, step_names, means in self.pair_parameter_means if step_names == names]
+        shift = self._trend_shift(history, since)
+        return shift is not None and shift[0] > shift[1]
+
+    def _trend_shift(self, history: list[tuple[int, float]], since: int) -> tuple[float, float] | None:
+        """Steps 2-3 of ``_pair_owner`` on ``history`` (step, the pair's mean): the median, over the
+        steps from ``since``, of the mean against the straight line through its up to ``window``
+        steps before (a constant where fewer than ``MIN_BASELINE_STEPS``), and the spread of the
+        steps before about that line (1.4826 x their median absolute residual); None without a
+        step before ``since`` or from it."""
+        steps, means = (np.array(column, dtype=float) for column in zip(*history))
+        known = np.isfinite(means)
+        before = known & (steps < since)
+        before &= np.cumsum(before[::-1])[::-1] <= self.config.window  # the last `window` of them
+        after = known & (steps >= since)
+        if not before.any() or not after.any():
+            return None
+        if before.sum() >= MIN_BASELINE_STEPS:
+            slope, intercept = np.polyfit(steps[before], means[before], 1)
+        else:
+            slope, intercept = 0.0, float(np.median(means[before]))
+        spread = 1.4826 * float(np.median(np.abs(means[before] - (intercept + slope * steps[before]))))
+        return float(np.median(means[after] - (intercept + slope * steps[after]))), spread
+
+    def _empty_evidence(self, rank: int) -> None:
+        """Every CUSUM of ``rank`` back to zero (and its parts: each signal's rise and fall, each
+        parameter)."""
+        for key in self.cusum:
+            if key in self.parts:
+                self.parts[key][rank] = 0.0
+            self.cusum[key][rank], self.rising_since[key][rank] = 0.0, -1
 
     def _give_split(self, rank: int, since: int) -> tuple[int, str]:
         """At W = 2, the rank the pair's split in gradient norm is given to as ``rank``'s level
@@ -1411,19 +1475,11 @@ class Detector:
         3. ``shift``: the median of ``m_t - (a + b t)`` over the steps from ``since``.
         4. The owner is the rank whose norm rose against the other's if ``shift > 0``, else
            the one whose norm fell."""
-        steps, means = (np.array(column, dtype=float) for column in zip(*self.pair_means))
-        known = np.isfinite(means)
-        before = known & (steps < since)
-        before &= np.cumsum(before[::-1])[::-1] <= self.config.window  # the last `window` of them
-        after = known & (steps >= since)
         rose = rank if int(self.parts[LEVEL][rank].argmax()) == 0 else 1 - rank  # part 0: a rise against the other
-        if not before.any() or not after.any():
+        trend = self._trend_shift(list(self.pair_means), since)
+        if trend is None:
             return rank, "which of the two changed could not be read (too few steps before the split)"
-        if before.sum() >= MIN_BASELINE_STEPS:
-            slope, intercept = np.polyfit(steps[before], means[before], 1)
-        else:
-            slope, intercept = 0.0, float(np.median(means[before]))
-        shift = float(np.median(means[after] - (intercept + slope * steps[after])))
+        shift = trend[0]
         owner = rose if shift > 0 else 1 - rose
         fell = 1 - rose
         reading = (

@@ -1166,6 +1166,41 @@ def test_at_two_ranks_a_split_while_one_rank_is_under_alert_is_that_ranks(seed):
             assert len(level) == 1 and level[0][1] == 0 and 130 < level[0][0] < 150, alerts
 
 
+def _stuck_then(seed: int, steps: int, recovered: int | None = None) -> list[dict]:
+    """Two ranks; rank 1 stuck on one batch from step 100 (until ``recovered``)."""
+    records = _stream(2, steps, seed=seed, fault_rank=1, fault_step=100, kind="stuck")
+    if recovered is not None:
+        healthy = _stream(2, steps, seed=seed)
+        for step in range(recovered, steps):
+            records[step]["cosine_previous"], records[step]["losses"] = healthy[step]["cosine_previous"], healthy[step]["losses"]
+    return records
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_at_two_ranks_the_other_ranks_mirror_of_a_rank_under_alert_names_nothing(seed):
+    # Rank 1 is stuck from step 100 and named; from step 130 its gradient in one layer halves as it
+    # memorises the batch. Against the median of two, rank 0's gradient in that layer rose: before,
+    # rank 0 was named for it at step 134 (as on the zoo's stuck and labels runs at W = 2, 20-80 steps
+    # after the faulty rank). The pair's mean of that layer fell: rank 1's fault, its episode's.
+    records = _stuck_then(seed, 260)
+    for record in records[130:]:
+        record["parameters"][2]["grad_norms"][1] *= 0.5
+    alerts = detect_run(records)
+    assert alerts[0]["rank"] == 1 and 100 <= alerts[0]["step"] <= 110 and {a["rank"] for a in alerts} == {1}, alerts
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_at_two_ranks_a_layer_that_changes_on_the_other_rank_is_named_while_the_first_episode_lasts(seed):
+    # Rank 1 stuck on steps 100-119 and named; its episode outlasts its recovery. From step 250 rank
+    # 0's gradient in one layer doubles: the pair's mean of that layer rose, rank 0's own change,
+    # named as it would be without the first fault.
+    records = _stuck_then(seed, 320, recovered=120)
+    for record in records[250:]:
+        record["parameters"][2]["grad_norms"][0] *= 2.0
+    layer = [(a["step"], a["rank"]) for a in detect_run(records) if a["kind"] == "layer"]
+    assert len(layer) == 1 and layer[0][1] == 0 and 250 <= layer[0][0] <= 262, layer
+
+
 def test_at_two_ranks_the_owner_of_a_split_matches_a_slow_reference():
     # The rank a level alert names at W = 2, recomputed from the records the obvious way: the
     # pair's mean log norm over the 32 steps before the level's since (of the last 128 steps, all
