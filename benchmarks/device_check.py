@@ -4,7 +4,7 @@
     python benchmarks/device_check.py --parts stats cost --json /tmp/rerun.json     # a subset (rerun)
     python benchmarks/device_check.py --small --json /tmp/small.json                # the CPU form
 
-Designed for <= 8 minutes on one H200 (each part has a time budget, and is killed past it). It prints
+Designed for <= 10 minutes on one H200 (each part has a time budget, and is killed past it). It prints
 one table, a row per check, and writes the same rows as JSON (``name``, ``part``, ``kind``,
 ``status`` pass / fail / skipped, ``reason``, ``figures``). The exit code is 1 if a correctness row
 fails or any part breaks (an exception, a timeout); a missed performance goal only shows in its row.
@@ -32,6 +32,12 @@ Parts (``--parts``):
                the shipped torch path and the Triton kernel as x one read pass (median [IQR] of
                per-round ratios, CUDA events) and kernels launched per bucket (profiler); goal
                <= 2x a read and <= 8 launches (benchmarks/triton_sketch.py's measure_layout).
+  patterns     issue 41's rows that need a GPU: DDP with SyncBatchNorm (torch refuses it on the CPU),
+               2 ranks on the one GPU over gloo, training bitwise equal to allreduce_hook with a record
+               every step and no alert (skipped with the error where plain DDP itself cannot run
+               it); and small steps, `overhead.py --small` on one rank (torchrun, NCCL): the training
+               thread's CPU beyond allreduce_hook and the statistics pass at the defaults with a
+               JsonlSink and summary(), goal <= 1 ms, and the step over allreduce_hook's, goal <= 5%.
   cost         what a user pays: a ~1.1B Llama-shaped model (transformers LlamaConfig, random
                weights, bf16) under DDP with its default 25 MB buckets, one rank: the hook's extra
                GPU time in the backward and its host time, per step, against the step (forward +
@@ -66,9 +72,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # -- config ----------------------------------------------------------------------------------------
-PARTS = ("correctness", "fsdp", "sync", "stats", "cost")
-#: Seconds each part may take on the GPU (the worker processes are killed past it): 520 s in all.
-BUDGET_S = {"correctness": 140, "fsdp": 90, "sync": 90, "stats": 80, "cost": 150}
+PARTS = ("correctness", "fsdp", "sync", "stats", "patterns", "cost")
+#: Seconds each part may take on the GPU (the worker processes are killed past it): 610 s in all.
+BUDGET_S = {"correctness": 140, "fsdp": 90, "sync": 90, "stats": 80, "patterns": 90, "cost": 150}
+#: Issue 41's small-step goals: the training thread's CPU beyond allreduce_hook and the statistics
+#: pass (seconds), and the step time over allreduce_hook's (a fraction).
+GOAL_SMALL_CPU_S, GOAL_SMALL_STEP_FRACTION = 1e-3, 0.05
 STEPS = 4  # training steps of the correctness runs (a replica check on steps 0 and 2)
 #: The compact wire's configuration (``ddphooks.fleet``): the torch path with gather_max_world=1.
 COMPACT = "torch+compact"
@@ -321,6 +330,105 @@ def correctness_rows(part: str, ranks: list[dict], kernels: list[str], device_na
             bitwise_equal=min(s["bitwise_equal"] for s in same), max_abs_diff=max(s["max_abs_diff"] for s in same),
         ))  # fmt: skip
     return rows
+
+
+# -- patterns: issue 41's rows that need a GPU ----------------------------------------------------------
+class BatchNormNet(torch.nn.Module):
+    """Net with a BatchNorm between its layers, made SyncBatchNorm before wrapping."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.norm, self.out = torch.nn.Linear(32, 64), torch.nn.BatchNorm1d(64), torch.nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.norm(self.inp(x))))
+
+
+def _sync_batchnorm_worker(rank: int, world: int, small: bool) -> dict:
+    """STEPS SGD steps of BatchNormNet with SyncBatchNorm under DDP (BatchNorm in the small form:
+    torch refuses SyncBatchNorm on the CPU), plain allreduce_hook and then ddphooks at its
+    defaults: each run's parameters, records and alerts, or its error."""
+    import ddphooks
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    device = the_device(small)
+    runs = {}
+    for hook in ("plain", "silent"):
+        try:
+            torch.manual_seed(0)
+            module = BatchNormNet() if small else torch.nn.SyncBatchNorm.convert_sync_batchnorm(BatchNormNet())
+            model = DDP(module.to(device))
+            state = ddphooks.attach(model) if hook == "silent" else None
+            if state is None:
+                model.register_comm_hook(None, allreduce_hook)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+            records = 0
+            for step in range(STEPS):
+                x, y = batch(rank, step, device)
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                if state is not None:
+                    state.observe_loss(loss)
+                loss.backward()
+                if state is not None:
+                    state.flush()
+                    records += state.latest is not None and state.latest.step == step
+                optimizer.step()
+                optimizer.zero_grad()
+            alerts = len(state.alerts) if state is not None else 0
+            if state is not None:
+                state.close()
+            runs[hook] = {"params": [p.detach().cpu().numpy().copy() for p in model.parameters()], "records": records, "alerts": alerts}
+        except Exception as error:
+            runs[hook] = {"error": error_text(error)}
+    return runs
+
+
+def sync_batchnorm_rows(ranks: list[dict], device_name: str, small: bool) -> list[dict]:
+    norm = "BatchNorm (the small form: torch refuses SyncBatchNorm on the CPU)" if small else "SyncBatchNorm"
+    name = f"ddp with {norm}: training bitwise = allreduce_hook on {device_name} (gloo, 2 ranks), a record every step, no alert"
+    plain = next((r["plain"] for r in ranks if "error" in r["plain"]), None)
+    if plain is not None:
+        return [row("patterns", name, "correctness", "skipped", f"plain DDP with {norm} does not run with gloo on {device_name} tensors: {plain['error']}")]
+    broken = next((r["silent"] for r in ranks if "error" in r["silent"]), None)
+    if broken is not None:
+        return [row("patterns", name, "correctness", "fail", "error: " + broken["error"])]
+    same = [bitwise(r["silent"]["params"], r["plain"]["params"]) for r in ranks]
+    records, alerts = min(r["silent"]["records"] for r in ranks), max(r["silent"]["alerts"] for r in ranks)
+    ok = all(s["ok"] for s in same) and records == STEPS and alerts == 0
+    reason = "" if ok else f"{sum(s['tensors'] - s['bitwise_equal'] for s in same)} tensors differ, {records} records, {alerts} alerts"
+    return [row("patterns", name, "correctness", "pass" if ok else "fail", reason, tensors=same[0]["tensors"],
+                bitwise_equal=min(s["bitwise_equal"] for s in same), max_abs_diff=max(s["max_abs_diff"] for s in same), steps=records, alerts=alerts)]  # fmt: skip
+
+
+def small_step_rows(small: bool, budget: float) -> list[dict]:
+    """``overhead.py --small`` on one rank of the GPU (torchrun, NCCL), read from its JSON."""
+    import subprocess
+    import tempfile
+
+    name = "small steps (tiny-gpt, overhead.py --small, 1 rank): defaults + JsonlSink + summary() against allreduce_hook"
+    if small:
+        return [row("patterns", name, "goal", "skipped", "no CUDA: on the CPU it is `python benchmarks/overhead.py --small` (benchmarks/README.md, Small steps)")]
+    with tempfile.TemporaryDirectory() as folder:
+        out = os.path.join(folder, "small.json")
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "overhead.py")
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", script, "--device", "cuda", "--small", "--json", out]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=budget)
+        if done.returncode != 0:
+            return [row("patterns", name, "goal", "fail", f"error: overhead.py exited {done.returncode}: {done.stderr[-600:]}")]
+        with open(out) as file:
+            return [small_step_row(name, json.load(file))]
+
+
+def small_step_row(name: str, results: list[dict]) -> dict:
+    """The small-step row from ``overhead.py --small``'s results, against issue 41's goals."""
+    user = next(r for r in results if r["config"]["hook"] == "silent_sink")
+    plain = next(r for r in results if r["config"]["hook"] == "allreduce")
+    cpu, step = user["thread_cpu_s_vs_allreduce_less_pass"], user["overhead_vs_allreduce"]
+    misses = [what for what, missed in ((f"CPU {1e3 * cpu['median']:.2f} ms", cpu["median"] > GOAL_SMALL_CPU_S), (f"step {100 * step:+.1f}%", step > GOAL_SMALL_STEP_FRACTION)) if missed]
+    return row("patterns", name, "goal", "fail" if misses else "pass", "goal missed: " + ", ".join(misses) if misses else "",
+               cpu_beyond_allreduce_less_pass_s=cpu, step_over_allreduce=step, step_over_allreduce_iqr=user["overhead_vs_allreduce_iqr"],
+               allreduce_step_s=plain["median_step_s"], breakdown=user.get("breakdown"))  # fmt: skip
 
 
 # -- sync: no host synchronisation on the hook path ------------------------------------------------------
@@ -804,6 +912,8 @@ def figures_cell(r: dict) -> str:
         return (f"device {100 * f['extra_gpu_fraction_of_step']['median']:+.2f}%, host {100 * f['extra_host_fraction_of_step']['median']:+.2f}% "
                 f"of {1e3 * f['step_s']:.1f} ms, {f['buckets']} buckets{memory}; host pass / reduced norms "
                 f"{1e3 * f['host_statistics_pass_s']:.1f} / {1e3 * f['host_reduced_norms_s']:.1f} ms")  # fmt: skip
+    if "step_over_allreduce" in f:
+        return f"CPU {1e3 * f['cpu_beyond_allreduce_less_pass_s']['median']:+.2f} ms, step {100 * f['step_over_allreduce']:+.1f}% of {1e3 * f['allreduce_step_s']:.1f} ms"
     if "checked_steps" in f:
         return f"{f['checked_steps']} steps checked, {f['warmup_sync_count']} syncs in warm-up"
     return ""
@@ -843,6 +953,10 @@ def run_part(part: str, small: bool, kernels: list[str], triton_reason: str | No
             # The compact wire as rank 0 of FAKE_WORLD: its own processes (the fake group replaces gloo's).
             fake = spawn(_sync_worker, 1, args=(small, [COMPACT], 2, 3, FAKE_WORLD), timeout=max(1.0, deadline - time.monotonic()))[0]
             rows += sync_rows(fake, [COMPACT], small)
+        elif part == "patterns":
+            deadline = time.monotonic() + budget
+            rows = sync_batchnorm_rows(spawn(_sync_batchnorm_worker, 2, args=(small,), timeout=budget, threads=1), device_name, small)
+            rows += small_step_rows(small, max(1.0, deadline - time.monotonic()))
         elif part == "stats":
             sizes = args.stats_mb or ((0.02,) if small else STATS_MB)
             rounds = args.rounds or (2 if small else STATS_ROUNDS)

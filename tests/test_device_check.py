@@ -26,7 +26,7 @@ def test_small_form_passes_its_correctness_rows_and_writes_every_part(tmp_path):
     out = tmp_path / "device-check.json"
     stdout = _run("device_check.py", "--small", "--json", str(out))
     report = json.loads(out.read_text())
-    assert report["small"] and report["parts"] == ["correctness", "fsdp", "sync", "stats", "cost"]
+    assert report["small"] and report["parts"] == ["correctness", "fsdp", "sync", "stats", "patterns", "cost"]
     assert report["decision"]["stats_kernel"] is None and set(report["seconds"]) == set(report["parts"])
     rows = report["rows"]
     for r in rows:
@@ -67,6 +67,11 @@ def test_small_form_passes_its_correctness_rows_and_writes_every_part(tmp_path):
         assert r["status"] == "skipped" and r["reason"].startswith("no CUDA"), r
         assert sorted(r["figures"]["x_read"]) == sorted(KERNELS) and all(x["median"] > 0 for x in r["figures"]["x_read"].values())
         assert all(n > 0 for n in r["figures"]["launches"].values())
+    # patterns: BatchNorm for SyncBatchNorm on the CPU, training bitwise with a record a step; small steps skipped
+    norm, small_steps = parts["patterns"]
+    assert norm["status"] == "pass" and "BatchNorm (the small form" in norm["name"] and norm["figures"]["bitwise_equal"] == norm["figures"]["tensors"] == 6
+    assert norm["figures"]["steps"] == 4 and norm["figures"]["alerts"] == 0
+    assert small_steps["status"] == "skipped" and small_steps["reason"].startswith("no CUDA") and small_steps["kind"] == "goal"
     # cost: the tiny Llama under DDP with several buckets, per kernel against allreduce_hook
     assert [r["name"].rsplit("=", 1)[1] for r in parts["cost"]] == KERNELS
     for r in parts["cost"]:
@@ -104,6 +109,26 @@ def test_the_comparisons_and_the_exit_code_catch_a_broken_part():
     assert check.exit_code([check.row("stats", "x", "goal", "fail", "goal missed: torch 3.00x read")]) == 0
     assert check.exit_code([check.row("stats", "x", "goal", "fail", "error: RuntimeError")]) == 1
     assert check.exit_code([check.row("cost", "x", "goal", "skipped", "no CUDA"), check.row("sync", "y", "correctness", "pass")]) == 0
+
+
+def test_the_patterns_rows_read_their_runs_against_issue_41s_goals():
+    check = _device_check()
+    params = [np.ones(3, dtype=np.float32), np.zeros(2, dtype=np.float32)]
+    good = {"params": params, "records": check.STEPS, "alerts": 0}
+    assert check.sync_batchnorm_rows([{"plain": good, "silent": good}] * 2, "cuda", False)[0]["status"] == "pass"
+    moved = {**good, "params": [params[0] + 1e-7, params[1]]}
+    failed = check.sync_batchnorm_rows([{"plain": good, "silent": good}, {"plain": good, "silent": moved}], "cuda", False)[0]
+    assert failed["status"] == "fail" and failed["reason"].startswith("1 tensors differ")
+    refused = check.sync_batchnorm_rows([{"plain": {"error": "RuntimeError: no"}, "silent": good}] * 2, "cuda", False)[0]
+    assert refused["status"] == "skipped" and "does not run with gloo on cuda tensors: RuntimeError: no" in refused["reason"]
+
+    def results(cpu_s: float, step: float) -> list[dict]:
+        return [{"config": {"hook": "allreduce"}, "median_step_s": 0.025},
+                {"config": {"hook": "silent_sink"}, "thread_cpu_s_vs_allreduce_less_pass": {"median": cpu_s, "iqr": [0, 2 * cpu_s]},
+                 "overhead_vs_allreduce": step, "overhead_vs_allreduce_iqr": [0.0, 0.1]}]  # fmt: skip
+    assert check.small_step_row("small", results(0.8e-3, 0.04))["status"] == "pass"
+    missed = check.small_step_row("small", results(1.7e-3, 0.23))
+    assert missed["status"] == "fail" and missed["reason"] == "goal missed: CPU 1.70 ms, step +23.0%"
 
 
 def test_the_default_must_pick_the_triton_kernel_on_cuda_only_where_triton_is_installed():
