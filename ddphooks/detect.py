@@ -1440,10 +1440,10 @@ class Detector:
         spread = 1.4826 * float(np.median(np.abs(means[before] - (intercept + slope * steps[before]))))
         return float(np.median(means[after] - (intercept + slope * steps[after]))), spread
 
-    def _empty_evidence(self, rank: int) -> None:
-        """Every CUSUM of ``rank`` back to zero (and its parts: each signal's rise and fall, each
-        parameter)."""
-        for key in self.cusum:
+    def _empty_evidence(self, rank: int, keys=None) -> None:
+        """``rank``'s CUSUMs of ``keys`` (every one by default) back to zero, and their parts (each
+        signal's rise and fall, each parameter)."""
+        for key in self.cusum if keys is None else keys:
             if key in self.parts:
                 self.parts[key][rank] = 0.0
             self.cusum[key][rank], self.rising_since[key][rank] = 0.0, -1
@@ -1455,9 +1455,8 @@ class Detector:
         left out (``_scores``) while the owner's episode lasts."""
         flagged = [r for r in range(2) if r in self.episodes]
         owner, reading = (flagged[0], "") if len(flagged) == 1 else self._pair_owner(rank, since)
-        self.level_owner, mirror = owner, 1 - owner
-        self.parts[LEVEL][mirror] = 0.0
-        self.cusum[LEVEL][mirror], self.rising_since[LEVEL][mirror] = 0.0, -1
+        self.level_owner = owner
+        self._empty_evidence(1 - owner, (LEVEL,))
         return owner, reading
 
     def _pair_owner(self, rank: int, since: int) -> tuple[int, str]:

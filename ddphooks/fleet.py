@@ -48,7 +48,7 @@ buffer, each part summed over the ranks (a rank writes zeros where it has nothin
    (``count_shards``, T_p x 65) are summed over the rank's replica group alone, in an all-reduce
    of their own before this one, so their size does not grow with S; only the buffers' (T_b x
    65) travel here, over the whole mesh, with, per parameter, what the record needs of the
-   shards' histograms (``shard_checks``: the ranks outside the most common bin, whether the
+   shards' histograms (``histogram_checks``: the ranks outside the most common bin, whether the
    replicas differ, whether they were compared), written by each shard's first replica (ranks
    0 to S - 1) and summed over the shards;
 6. under FSDP2 and HSDP only (``FleetLayout.reduced``), per parameter the squared norm of the
@@ -318,22 +318,25 @@ def count_shards(fingerprint: torch.Tensor, out: torch.Tensor) -> None:
     out.view(-1).index_fill_(0, index, 1.0)
 
 
-#: Numbers per parameter in ``shard_checks``: the ranks outside the most common bin (all of a tie),
-#: 1 if the replicas' fingerprints fell in more than one bin, 1 if some rank did not compare.
+#: Numbers per histogram in ``histogram_checks``: the ranks outside the most common bin (all of a
+#: tie), 1 if the ranks' fingerprints fell in more than one bin, 1 if some rank did not compare.
 SHARD_CHECK = 3
 
 
-def shard_checks(counts: torch.Tensor) -> torch.Tensor:
-    """What the record needs of one replica group's summed parameter histograms (``count_shards``):
-    ``sharded x SHARD_CHECK`` fp32 (small integers), as ``replica_verdict`` counts a histogram of
-    the whole mesh. Device ops only."""
+def histogram_checks(counts: torch.Tensor) -> torch.Tensor:
+    """What the record needs of summed fingerprint histograms (a row each, ``FINGERPRINT_BINS + 1``
+    counts): per row ``SHARD_CHECK`` numbers, the ranks outside its only most common bin (every
+    rank of a tie), 1 if the ranks' fingerprints fell in more than one bin, 1 if some rank did not
+    compare (small integers, in ``counts``' dtype). For a replica group's parameter histograms
+    (``count_shards``) on the device, the shards' checks the wire carries; ``replica_verdict``
+    reads the buffers' histograms of the whole mesh with it."""
     compared = counts[:, FINGERPRINT_BINS] == 0
     hashed = counts[:, :FINGERPRINT_BINS]
     top = hashed.max(dim=1).values
     unique = (hashed == top.unsqueeze(1)).sum(dim=1) == 1
     differing = compared & ((hashed > 0).sum(dim=1) > 1)
     outside = torch.where(unique, hashed.sum(dim=1) - top, hashed.sum(dim=1)) * differing
-    return torch.stack([outside, differing.to(torch.float32), (~compared).to(torch.float32)], dim=1)
+    return torch.stack([outside, differing.to(counts.dtype), (~compared).to(counts.dtype)], dim=1)
 
 
 def replica_differs(layout: FleetLayout, reduced: torch.Tensor, fingerprint: torch.Tensor, shard_counts: torch.Tensor | None = None) -> torch.Tensor:
@@ -834,27 +837,19 @@ def replica_verdict(
     ``ranks_differing`` is summed over them. A buffer's histogram spans the whole mesh, as
     without shards."""
     sharded = 0 if shard_checks is None else len(shard_checks)
-    compared = histograms[:, FINGERPRINT_BINS] == 0
-    uncompared = int((~compared).sum()) + (int((shard_checks[:, 2] > 0).sum()) if sharded else 0)
-    base = {"checked_step": checked_step, "not_compared": uncompared}
+    checks = histogram_checks(torch.from_numpy(np.asarray(histograms, dtype=np.float64))).numpy()  # the buffers', over the mesh
+    if sharded:
+        checks = np.concatenate([shard_checks, checks])  # one row a tensor, in the order of ``names``
+    base = {"checked_step": checked_step, "not_compared": int((checks[:, 2] > 0).sum())}
     if absent:
         return {"ranks": [], "tensors": 0, "parameters": [], **base, "not_compared": len(names), "absent": absent}
-    hashed = histograms[:, :FINGERPRINT_BINS]
-    top = hashed.max(axis=1)
-    unique = (hashed == top[:, None]).sum(axis=1) == 1
-    total = hashed.sum(axis=1)
-    outside = np.zeros(len(names))
-    outside[sharded:] = np.where(compared & ((hashed > 0).sum(axis=1) > 1), np.where(unique, total - top, total), 0)
-    differing = list(np.flatnonzero(shard_checks[:, 1] > 0)) if sharded else []
-    if sharded:
-        outside[:sharded] = shard_checks[:, 0]
-    differing += [sharded + t for t in np.flatnonzero(compared & ((hashed > 0).sum(axis=1) > 1))]
-    tensors = np.array(differing, dtype=int)
+    outside = checks[:, 0]
+    tensors = np.flatnonzero(checks[:, 1] > 0)
     order = tensors[np.argsort(-outside[tensors], kind="stable")][:MAX_REPLICA_DIFFERENCES]
     parameters = []
     for t in order:
         entry = {"name": names[t], "ranks": list(flagged)}
         if t < sharded:  # a parameter: how many of its shards' replica groups differ
-            entry["shards_differing"] = int(round(shard_checks[t, 1]))
+            entry["shards_differing"] = int(round(checks[t, 1]))
         parameters.append({**entry, "ranks_differing": int(round(outside[t])), "relative_difference": None})
     return {"ranks": list(flagged), "tensors": int(len(tensors)), "parameters": parameters, **base}

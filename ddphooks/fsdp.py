@@ -405,7 +405,7 @@ class ShardedSilentState(BaseSilentState):
         (``fleet.count_shards``), summed over this rank's replica group alone, the R ranks that
         hold its shards, so its size does not grow with the number of shards; each shard's first
         replica (ranks 0 to S - 1) then sends what the record needs of it in the compact wire
-        (``fleet.shard_checks``). Every rank of the group takes part whatever its own statistics
+        (``fleet.histogram_checks``). Every rank of the group takes part whatever its own statistics
         did: a rank whose counting failed adds zeros and is FAILED in the step's statistics."""
         sharded = record.fleet.sharded
         counts = self._stats_buffer("_shard_counts", sharded * (fleet.FINGERPRINT_BINS + 1), torch.float32, device)
@@ -417,7 +417,7 @@ class ShardedSilentState(BaseSilentState):
             record.error = record.error or error
         dist.all_reduce(counts, group=self._replicate_group)
         record.shard_counts = counts.clone()
-        record.shard_checks = fleet.shard_checks(record.shard_counts) if self.rank < self._shards else None
+        record.shard_checks = fleet.histogram_checks(record.shard_counts) if self.rank < self._shards else None
 
     def _pack(self, record: _ShardedStep, slots: torch.Tensor, stride: int, status: int) -> None:
         """Write this rank's share of the step into the zeroed ``slots`` (``_pack_or_fail``): with

@@ -308,7 +308,7 @@ def _replica_check(fingerprints: torch.Tensor, names: list[str], shards: int = 1
     the histograms, summed; each rank's own verdict; the record's ``replicas`` of the step after.
     Under HSDP (``shards``) the first ``sharded`` tensors are parameter shards (rank i holds
     shard i % shards): their histograms summed over each replica group apart (the transport's
-    all-reduce over it), each shard's first replica sending its group's ``shard_checks``."""
+    all-reduce over it), each shard's first replica sending its group's ``histogram_checks``."""
     world, tensors = fingerprints.shape[:2]
     layout = fleet.FleetLayout(world, N_PARAMS, len(BUCKETS), 0, sampled=2, fingerprinted=tensors, sharded=sharded)
     groups = torch.zeros(shards, sharded, fleet.FINGERPRINT_BINS + 1)
@@ -320,7 +320,7 @@ def _replica_check(fingerprints: torch.Tensor, names: list[str], shards: int = 1
     total = torch.zeros(layout.size)
     for rank, r in enumerate(ranks):
         out = torch.zeros(layout.size)
-        checks = fleet.shard_checks(groups[rank]) if sharded and rank < shards else None
+        checks = fleet.histogram_checks(groups[rank]) if sharded and rank < shards else None
         fleet.pack(layout, [0, 1], rank, r["head"], r["local_sq"], None, torch.zeros(fleet.OWN_VALUES), fingerprints[rank].reshape(-1), False, out, shard_checks=checks)
         total += out
     differs = lambda rank: fleet.replica_differs(layout, total, fingerprints[rank].reshape(-1), groups[rank % shards] if sharded else None)
