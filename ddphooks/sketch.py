@@ -428,7 +428,7 @@ class BucketStatsKernel:
                     f"{plan.row_width} in {plan.n_chunks} chunks: a band of several rows must be one chunk, its columns contiguous"
                 )  # fmt: skip
             flat = flat[0] if plan.rows == 1 else flat
-        shaped = (lambda t: t.view(flat.shape)) if flat.dim() == 2 else (lambda t: t)
+        band = flat.shape if flat.dim() == 2 else None  # the chunk's product and signs are viewed in its shape
         if plan.bins != self.bins:
             raise ValueError(f"plan has {plan.bins} bins but this kernel sketches into {self.bins}")
         sketching = sketch_acc is not None and self.bins > 0
@@ -448,7 +448,7 @@ class BucketStatsKernel:
             product, rows_t = views[plan.numel]
             signs, row_signs = one_chunk
             product.copy_(signs)
-            shaped(product).mul_(flat)
+            (product if band is None else product.view(band)).mul_(flat)  # a band: one chunk
             sketch_acc.addmv_(rows_t, row_signs)
             if tail:
                 sketch_acc[:tail].add_(tail_product, alpha=tail_sign)
@@ -465,6 +465,7 @@ class BucketStatsKernel:
             end = min(begin + chunk_elems, plan.numel)
             product, rows_t = views[end - begin]
             chunk = flat[begin:end] if one_chunk is None else flat
+            into = product if band is None else product.view(band)  # where the chunk is written, in its shape
             if sketching:
                 if one_chunk is None:
                     position = plan.base + begin
@@ -473,16 +474,16 @@ class BucketStatsKernel:
                 else:
                     signs, row_signs = one_chunk
                 if self.fused:  # one launch: sign * gradient, promoted to fp32
-                    torch.mul(shaped(signs), chunk, out=shaped(product))
+                    torch.mul(signs if band is None else signs.view(band), chunk, out=into)
                 else:  # measured faster on the CPU than the mixed-dtype multiply
                     product.copy_(signs)
-                    shaped(product).mul_(chunk)
+                    into.mul_(chunk)
                 # rows weighted by their signs, summed into bins: s += rows^T v
                 sketch_acc.addmv_(rows_t, row_signs)
                 if tail and c == plan.n_chunks - 1:  # the bucket may end in the middle of a row
                     sketch_acc[:tail].add_(tail_product, alpha=tail_sign)
             else:
-                shaped(product).copy_(chunk)  # a plan of rows without a sketch: the chunk in fp32
+                into.copy_(chunk)  # a plan of rows without a sketch: the chunk in fp32
             if by_column:
                 parts = chunk_parts.get(c)
                 if parts is None:
