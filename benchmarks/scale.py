@@ -63,6 +63,8 @@ communication) for scale.
                                                 # a 42 M-parameter model whose parameters have >= 1024 rows: no padding
     python benchmarks/scale.py --only fsdp2 --hsdp 2 --worlds 8 4096 --fsdp-max-world 4096
                                                 # HSDP: 2 replicas of 4 and of 2048 shards
+    python benchmarks/scale.py --only fsdp2 --worlds 8 4096 --fsdp-max-world 4096 --plain-read
+                                                # and a plain read of the elements the pass reads, where it reads them
     python benchmarks/scale.py --device cuda --worlds 8 1024 4096   # the hook's host time on a GPU (DDP only)
 """
 
@@ -405,11 +407,13 @@ def _measure(world: int, model_args: dict, steps: int, collectives: FakeCollecti
     return result
 
 
-def measure_fsdp(world: int, model_args: dict, steps: int, gather_max_world: int | None = None, replicas: int = 1) -> dict:
+def measure_fsdp(world: int, model_args: dict, steps: int, gather_max_world: int | None = None, replicas: int = 1, plain_read: bool = False) -> dict:
     """The FSDP2 statistics at ``world`` ranks (HSDP: ``replicas`` x ``world / replicas`` shards)
     with either wire: ms per step inside ddphooks' reduce-scatter measurement and at the end of
     backward, the reduce-scatter input per step, the statistics' bytes per step (and on step 0,
-    a replica-check step), the state's kept memory and the step itself."""
+    a replica-check step), the state's kept memory and the step itself. With ``plain_read``
+    the timed steps read the elements the pass reads with one ``sum`` per band instead of
+    running it (``pass_ms`` is then that read's time, and the steps are not measured)."""
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
         shape, names = ((world,), None) if replicas == 1 else ((replicas, world // replicas), ("replicate", "shard"))
@@ -426,8 +430,13 @@ def measure_fsdp(world: int, model_args: dict, steps: int, gather_max_world: int
         measure_group, gather = state._measure, state._gather
 
         def timed_measure(comm, output, flat):
+            entry = state._entries.get(id(comm))
             start = time.perf_counter()
-            measure_group(comm, output, flat)
+            if plain_read and len(spent) > WARMUP and entry is not None:
+                for band in entry.bands:  # where the pass reads, as it would find them
+                    band.source(flat, entry.width).sum()
+            else:
+                measure_group(comm, output, flat)
             spent[-1] += time.perf_counter() - start
             elements[-1] += flat.numel()
 
@@ -511,6 +520,9 @@ def main() -> None:
                         help="a field of the tiny Llama (vocab_size, hidden, layers, heads), repeatable, e.g. --model hidden=1024")
     parser.add_argument("--hsdp", type=int, default=1, metavar="REPLICAS",
                         help="the FSDP2 table as HSDP: REPLICAS replicas of W / REPLICAS shards each")
+    parser.add_argument("--plain-read", action="store_true",
+                        help="the FSDP2 table: also time a plain read (one sum a band) of the elements the pass reads, at the default wire, "
+                             "in a run of its own at each W")
     parser.add_argument("--fsdp-max-world", type=int, default=1024,
                         help="largest W of the FSDP2 table (at 4096 shards every 192-row parameter is padded to 4096 rows)")
     args = parser.parse_args()
@@ -567,9 +579,24 @@ def main() -> None:
             print(f"| {world} | {wire_label(r['wire'], world)} | {r['pass_ms']:.1f} [{q1:.1f}, {q3:.1f}] | {r['end_of_backward_ms']:.1f} "
                   f"| {r['input_elements']:,d} | {r['read_elements']:,d} | {r['pass_ns_per_element']:.2f} | {r['slot_bytes_per_step']:,.0f} ({100 * r['slot_fraction_of_gradient_bytes']:.3f}%) "
                   f"| {r['amortised_bytes_per_step']:,.0f} | {r['kept_bytes'] / 2**20:.1f} | {r['step_ms']:.0f} |", flush=True)  # fmt: skip
+    plain_rows = []
+    if args.plain_read and fsdp_rows:
+        # What any reader of these elements pays where the pass reads them: FSDP2's copy-in has just
+        # written the padded input (27 MB a decoder layer at 4096 shards), so they may be out of cache.
+        print("\nThe pass against a plain read of the same elements (one sum a band), at the default wire, ms a step, median [IQR]\n")
+        print("| W | wire | statistics pass | plain read | pass less plain read |")
+        print("|---|---|---|---|---|")
+        for world in sorted({r["world_size"] for r in fsdp_rows}):
+            measured = next(r for r in fsdp_rows if r["world_size"] == world and wire_label(r["wire"], world).endswith("(default)"))
+            plain = measure_fsdp(world, model_args, steps, DEFAULTS.gather_max_world, args.hsdp, plain_read=True)
+            plain_rows.append({"world_size": world, "pass_ms": measured["pass_ms"], "read_elements": measured["read_elements"], "plain_read_ms": plain["pass_ms"],
+                               "plain_read_ms_iqr": plain["pass_ms_iqr"], "plain_read_elements": plain["read_elements"]})  # fmt: skip
+            q1, q3 = plain["pass_ms_iqr"]
+            print(f"| {world} | {wire_label(measured['wire'], world)} | {measured['pass_ms']:.1f} | {plain['pass_ms']:.1f} [{q1:.1f}, {q3:.1f}] "
+                  f"| {measured['pass_ms'] - plain['pass_ms']:.1f} |", flush=True)  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"date": str(date.today()), "torch": torch.__version__, "model": model_args, "rows": rows, "fsdp_rows": fsdp_rows}, f, indent=1)
+            json.dump({"date": str(date.today()), "torch": torch.__version__, "model": model_args, "rows": rows, "fsdp_rows": fsdp_rows, "plain_read_rows": plain_rows}, f, indent=1)
 
 
 if __name__ == "__main__":

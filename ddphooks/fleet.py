@@ -145,7 +145,10 @@ def choose_sampled(world: int, sampled: int, index: int, previous_layer: np.ndar
     window = sampled_ranks(world, math.ceil(sampled / 2), index)
     scores = np.where(np.isfinite(previous_layer), previous_layer, -np.inf)
     chosen = set(window)
-    others = [int(r) for r in np.argsort(-scores, kind="stable") if int(r) not in chosen]  # unknown scores last, by rank
+    # The first `sampled` of the order hold at least `sampled - len(window)` ranks outside the
+    # window: only those are read (a loop over all W ranks cost 0.75 ms a step at W = 4096).
+    order = np.argsort(-scores, kind="stable")[:sampled]  # unknown scores last, by rank
+    others = [int(r) for r in order if int(r) not in chosen]
     return window + others[: sampled - len(window)]
 
 

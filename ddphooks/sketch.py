@@ -241,6 +241,11 @@ class BucketPlan:
         self.segment_end = np.array(end, dtype=np.int64)
         self.n_segments = len(owner)
         self.segment_owner = torch.tensor(owner, dtype=torch.long, device=device)
+        # By column: each column's parameter, so that the parameters' norms are one index_add over
+        # the columns (one sum per parameter, 333 a step, were 2 ms of the pass at 4096 shards on the CPU).
+        self.column_owner = None  # int32: 4 B a column (index_add_ takes it)
+        if self.by_column:
+            self.column_owner = torch.arange(len(self.lengths), dtype=torch.int32).repeat_interleave(torch.tensor(self.lengths)).to(device)
 
     @property
     def end(self) -> int:
@@ -251,7 +256,8 @@ class BucketPlan:
     def persistent_bytes(self) -> int:
         """Bytes this plan keeps alive between steps (its segment arrays)."""
         arrays = (self.segment_start, self.segment_begin, self.segment_end)
-        return self.segment_owner.numel() * 8 + sum(a.nbytes for a in arrays)
+        columns = 4 * self.column_owner.numel() if self.column_owner is not None else 0
+        return self.segment_owner.numel() * 8 + columns + sum(a.nbytes for a in arrays)
 
 
 class BucketStatsKernel:
@@ -518,7 +524,7 @@ class BucketStatsKernel:
             # norm of their square roots: one multi-tensor kernel whatever the number of parameters
             torch.stack(torch._foreach_norm(columns.sqrt().split(plan.lengths), 2), out=sq_norms).square_()
         elif by_column:  # a parameter's norm: the sum of its columns
-            torch.stack([part.sum() for part in columns.split(plan.lengths)], out=sq_norms)
+            sq_norms.zero_().index_add_(0, plan.column_owner, columns)
         elif not direct:  # a parameter split over chunks sums its segments
             sq_norms.zero_().index_add_(0, plan.segment_owner, self._partials[: plan.n_segments])
 

@@ -267,6 +267,19 @@ def test_scale_model_overrides_reach_the_fsdp2_table(tmp_path):
     assert refused.returncode == 2 and "--model 'hiden=3': expected NAME=INT with NAME one of vocab_size, hidden" in refused.stderr
 
 
+def test_scale_plain_read_reads_the_passs_elements_beside_its_default_row(tmp_path):
+    out = tmp_path / "scale.json"
+    stdout = _run("scale.py", "--quick", "--only", "fsdp2", "--worlds", "8", "64", "--steps", "1", "--plain-read", "--json", str(out))
+    written = json.loads(out.read_text())
+    default = {r["world_size"]: r for r in written["fsdp_rows"] if (r["wire"] == "compact") == (r["world_size"] > 16)}
+    plain = {r["world_size"]: r for r in written["plain_read_rows"]}
+    assert sorted(plain) == [8, 64]
+    for world, row in plain.items():  # the same bands, read by a sum instead of the pass; the pass from its default-wire row
+        assert row["plain_read_elements"] == row["read_elements"] == default[world]["read_elements"] > 0
+        assert row["pass_ms"] == default[world]["pass_ms"] and row["plain_read_ms"] > 0
+    assert "| 8 | whole slots (default) |" in stdout.split("The pass against a plain read")[1]
+
+
 def test_scale_hsdp_rows_count_the_replica_groups_histograms_whatever_the_shards(tmp_path):
     # HSDP, 2 replicas of 4 and of 32 shards: a check step's compact wire adds, whatever the
     # shards, per parameter 65 counts summed over its replica group (an all-reduce of its own,

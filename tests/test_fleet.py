@@ -264,6 +264,21 @@ def test_choose_sampled_takes_half_a_window_and_the_highest_layer_scores():
     assert fleet.choose_sampled(4, 16, 3, scores[:4]) == [0, 1, 2, 3]
 
 
+def test_choose_sampled_at_large_w_matches_the_choice_made_over_every_rank():
+    """At W = 4096, with ties, unknown levels and the window's own ranks among the highest, the
+    sampled ranks are those of sorting every rank (the slow way) and skipping the window's."""
+    rng = np.random.default_rng(3)
+    world, sampled = 4096, 16
+    for index in range(40):
+        levels = rng.choice([0.0, 0.5, 1.0, 7.0, np.nan], size=world, p=[0.5, 0.2, 0.2, 0.05, 0.05])
+        window = fleet.sampled_ranks(world, sampled // 2, index)
+        levels[window[: index % 5]] = 99.0  # some of the highest are in the window already
+        known = [r for r in range(world) if np.isfinite(levels[r])]
+        order = sorted(known, key=lambda r: (-levels[r], r)) + [r for r in range(world) if not np.isfinite(levels[r])]
+        expected = window + [r for r in order if r not in window][: sampled - len(window)]
+        assert fleet.choose_sampled(world, sampled, index, levels) == expected
+
+
 def test_compact_wire_lists_the_rank_and_parameters_of_a_non_finite_gradient():
     world = 5
     layout = fleet.FleetLayout(world, N_PARAMS, len(BUCKETS), BINS, sampled=2)
