@@ -117,6 +117,24 @@ def batch(rank: int, step: int, device: torch.device) -> tuple[torch.Tensor, tor
     return x.to(device), torch.randn(64, 16, generator=generator).to(device)
 
 
+def train_steps(model: torch.nn.Module, state, optimizer: torch.optim.Optimizer, rank: int, device: torch.device) -> list:
+    """STEPS steps of ``model`` on ``batch``'s data with the MSE loss; ``state.latest`` after each
+    step (``state``: ddphooks' state, or None for the plain run, which records nothing)."""
+    published = []
+    for step in range(STEPS):
+        x, y = batch(rank, step, device)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        if state is not None:
+            state.observe_loss(loss)
+        loss.backward()
+        if state is not None:
+            state.flush()
+            published.append(state.latest)
+        optimizer.step()
+        optimizer.zero_grad()
+    return published
+
+
 def the_device(small: bool) -> torch.device:
     """The device under test: the GPU (both ranks on cuda:0), or the CPU in the small form."""
     if small:
@@ -223,18 +241,7 @@ def _train(rank: int, device: torch.device, hook: str, kernel: str | None, shard
     elif not sharded:
         model.register_comm_hook(None, allreduce_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    records = []
-    for step in range(STEPS):
-        x, y = batch(rank, step, device)
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        if state is not None:
-            state.observe_loss(loss)
-        loss.backward()
-        if state is not None:
-            state.flush()
-            records.append(state.latest.to_dict())
-        optimizer.step()
-        optimizer.zero_grad()
+    records = [stats.to_dict() for stats in train_steps(model, state, optimizer, rank, device)]
     kernels = []
     if state is not None:
         kernels = sorted({type(k).__name__ for k in state._kernels.values()})
@@ -363,18 +370,8 @@ def _sync_batchnorm_worker(rank: int, world: int, small: bool) -> dict:
             if state is None:
                 model.register_comm_hook(None, allreduce_hook)
             optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-            records = 0
-            for step in range(STEPS):
-                x, y = batch(rank, step, device)
-                loss = torch.nn.functional.mse_loss(model(x), y)
-                if state is not None:
-                    state.observe_loss(loss)
-                loss.backward()
-                if state is not None:
-                    state.flush()
-                    records += state.latest is not None and state.latest.step == step
-                optimizer.step()
-                optimizer.zero_grad()
+            published = train_steps(model, state, optimizer, rank, device)
+            records = sum(stats is not None and stats.step == step for step, stats in enumerate(published))
             alerts = len(state.alerts) if state is not None else 0
             if state is not None:
                 state.close()
