@@ -5,11 +5,30 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import asdict, dataclass
 
-from ddphooks.detect import DetectorConfig
+from ddphooks.detect import LIKELY_CAUSES, DetectorConfig
 from ddphooks.sketch import MAX_SKETCH_DIM, MIN_SKETCH_DIM, SIGN_PAGE
 
 TRANSPORTS = ("auto", "piggyback", "separate")
 STATS_KERNELS = ("auto", "torch", "triton")
+
+
+def _stop_kinds(stop_on: object) -> tuple[str, ...]:
+    """``stop_on`` as a sorted tuple of alert kinds (``("all",)`` for all), or a ``ValueError``
+    naming the bad kind and the known ones."""
+    kinds = (stop_on,) if isinstance(stop_on, str) else stop_on
+    if not isinstance(kinds, (tuple, list, set, frozenset)) or not all(isinstance(kind, str) for kind in kinds):
+        raise TypeError(f"stop_on must be alert kinds (a tuple of str) or 'all', got {stop_on!r}")
+    if "all" in kinds:
+        return ("all",)
+    for kind in kinds:
+        if kind == "unsynchronised":
+            raise ValueError(
+                "stop_on cannot hold 'unsynchronised': the watchdog's alert is seen by the rank it judges, maybe by no "
+                "other, so the ranks would not stop at the same step; use on_alert to react to it"
+            )
+        if kind not in LIKELY_CAUSES:
+            raise ValueError(f"stop_on: {kind!r} is not an alert kind; use 'all' or some of {', '.join(map(repr, LIKELY_CAUSES))}")
+    return tuple(sorted(set(kinds)))
 
 
 def _check_int(name: str, value: object) -> None:
@@ -112,6 +131,13 @@ class SilentConfig:
     a forward around the DDP module): an ``unsynchronised`` alert (``ddphooks.watchdog``). Needs
     the DDP model (``attach``, ``SilentState(model=...)``); costs a few microseconds a backward."""
 
+    stop_on: tuple[str, ...] | str = ()
+    """Alert kinds that stop training: ``state.should_stop()`` turns True on every rank after the
+    same step once the detector raised one (two steps after the step the alert is about; see
+    ``SilentState.should_stop``). Kinds of ``ddphooks.detect.LIKELY_CAUSES`` (``"layer"``,
+    ``"replica"``, ``"nonfinite"`` ...), or ``"all"`` for every kind the detector raises. Empty
+    (default): nothing stops training. ``"unsynchronised"`` (the watchdog's, seen by one rank) cannot."""
+
     def __post_init__(self) -> None:
         _check_int("sketch_dim", self.sketch_dim)
         if self.sketch_dim < 0:
@@ -176,6 +202,12 @@ class SilentConfig:
         _check_int("max_pending_records", self.max_pending_records)
         if self.max_pending_records < 1:
             raise ValueError(f"max_pending_records={self.max_pending_records} must be >= 1 (1024 is the default)")
+        object.__setattr__(self, "stop_on", _stop_kinds(self.stop_on))
+
+    @property
+    def stop_kinds(self) -> frozenset[str]:
+        """The alert kinds ``stop_on`` names (``"all"``: every kind the detector raises)."""
+        return frozenset(LIKELY_CAUSES) if self.stop_on == ("all",) else frozenset(self.stop_on)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from ddphooks.detect import DetectorConfig
+from ddphooks.identity import model_device
 from ddphooks.replicas import ReplicaTensors
 from ddphooks.sinks import Sink
 from ddphooks.sketch import ACCELERATOR_CHUNK_ELEMS, CPU_CHUNK_ELEMS, BucketPlan
@@ -189,11 +190,12 @@ class DeepSpeedSilentState(BaseSilentState):
         detect: bool | DetectorConfig = True,
         check_replicas_every: int = 100,
         on_alert: Callable[[dict], object] | None = None,
+        stop_on: tuple[str, ...] | str = (),
     ) -> None:
         settings = dict(
             sketch_dim=sketch_dim, every=every, seed=seed, log_rank=log_rank, chunk_elems=chunk_elems, stats_kernel=stats_kernel,
             detail_every=detail_every, detail_max_world=detail_max_world, per_rank_max_world=per_rank_max_world, max_pending_records=max_pending_records,
-            detect=detect, check_replicas_every=check_replicas_every, watch_sync=False,
+            detect=detect, check_replicas_every=check_replicas_every, stop_on=stop_on, watch_sync=False,
             gather_max_world=None,  # no compact wire for DeepSpeed's reduction yet: every rank's whole slot at any W
         )  # fmt: skip
         super().__init__(settings, sinks=sinks, on_alert=on_alert)
@@ -219,8 +221,8 @@ class DeepSpeedSilentState(BaseSilentState):
             raise TypeError(f"DeepSpeedSilentState needs the DeepSpeedEngine deepspeed.initialize returns, got {type(engine).__name__}")
         problem = self._problem or unsupported_configuration(engine) or stats_kernel_problem(self.config, engine.module)
         group = getattr(getattr(engine, "optimizer", None), "dp_process_group", None) or getattr(engine, "seq_data_parallel_group", None)
-        agree_across_ranks(group, self._settings, problem, self.sinks)
-        self._bind_common(group if group is not None else dist.group.WORLD)
+        ranks = agree_across_ranks(group, self._settings, problem, model_device(engine.module))
+        self._bind_common(group if group is not None else dist.group.WORLD, ranks)
         self._engine = engine
         self._stage = engine.zero_optimization_stage()
         named = [(name, p) for name, p in engine.module.named_parameters() if p.requires_grad]
@@ -273,7 +275,7 @@ class DeepSpeedSilentState(BaseSilentState):
         """The current step; opens it (and hands the previous one to the pipeline) at its first hook."""
         record = self._current
         if record is None:
-            self._pipeline.process()  # may raise from on_alert: stops every rank at the same point
+            self._pipeline.process()  # the previous step to the background thread, alerts of the one before
             record = self._current = _Step(self.step, self._instrumented(self.step))
             if record.instrumented:
                 record.seen = [False] * len(self._params)

@@ -213,6 +213,8 @@ from statistics import NormalDist
 
 import numpy as np
 
+from ddphooks.identity import RankTable
+
 SIGNALS = ("loss", "grad_norm", "cosine", "cosine_previous")
 #: Which change of each signal is suspicious, against the rank's own history and against the other
 #: ranks: +1 a rise, -1 a drop, 0 either way (see the module docstring). Against its own history
@@ -2006,4 +2008,6 @@ def detect_run(records: list[dict], config: DetectorConfig | None = None) -> lis
     detector = Detector(config)
     for record in records:
         detector.update(Observation.from_record(record))
-    return detector.alerts
+    # Named as the run named them online: with the ranks' table its first record carries.
+    table = next((table for record in records if (table := RankTable.from_record(record)) is not None), None)
+    return detector.alerts if table is None else [table.name_alert(alert) for alert in detector.alerts]

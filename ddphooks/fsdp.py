@@ -35,6 +35,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceS
 
 from ddphooks import fleet
 from ddphooks.detect import DetectorConfig
+from ddphooks.identity import model_device
 from ddphooks.replicas import ReplicaTensors
 from ddphooks.sinks import Sink
 from ddphooks.sketch import ACCELERATOR_CHUNK_ELEMS, CPU_CHUNK_ELEMS, BucketPlan, squared_norms
@@ -171,12 +172,13 @@ class ShardedSilentState(BaseSilentState):
         detect: bool | DetectorConfig = True,
         check_replicas_every: int = 100,
         on_alert: Callable[[dict], object] | None = None,
+        stop_on: tuple[str, ...] | str = (),
     ) -> None:
         settings = dict(
             sketch_dim=sketch_dim, every=every, seed=seed, log_rank=log_rank, chunk_elems=chunk_elems, stats_kernel=stats_kernel,
             detail_every=detail_every, detail_max_world=detail_max_world, per_rank_max_world=per_rank_max_world,
             gather_max_world=gather_max_world, sampled_ranks=sampled_ranks, max_pending_records=max_pending_records,
-            detect=detect, check_replicas_every=check_replicas_every, watch_sync=False,
+            detect=detect, check_replicas_every=check_replicas_every, stop_on=stop_on, watch_sync=False,
         )  # fmt: skip
         super().__init__(settings, sinks=sinks, on_alert=on_alert)
         self._model = None
@@ -197,8 +199,8 @@ class ShardedSilentState(BaseSilentState):
             raise RuntimeError("torch.distributed is not initialized: call init_process_group(...) and fully_shard the model first")
         modules, mesh_info = _fsdp_modules(model)
         group = _data_parallel_group(mesh_info)
-        agree_across_ranks(group, self._settings, self._problem or stats_kernel_problem(self.config, model), self.sinks)
-        self._bind_common(group)
+        ranks = agree_across_ranks(group, self._settings, self._problem or stats_kernel_problem(self.config, model), model_device(model))
+        self._bind_common(group, ranks)
         self._model = model
         self._module_names = {id(module): name for name, module in model.named_modules()}
         self._shards = mesh_info.shard_mesh_size
@@ -239,7 +241,7 @@ class ShardedSilentState(BaseSilentState):
         with self._lock:
             record = self._current
             if record is None:
-                self._pipeline.process()  # the previous step to the background thread; may raise from on_alert
+                self._pipeline.process()  # the previous step to the background thread, alerts of the one before
                 record = self._current = _ShardedStep(self.step)
                 self._reset_sketch(flat.device)
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish_step)

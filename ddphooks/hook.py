@@ -19,6 +19,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from ddphooks.config import SilentConfig
 from ddphooks.detect import DetectorConfig
 from ddphooks.devices import match_intra_op_threads
+from ddphooks.identity import model_device
 from ddphooks.replicas import ReplicaTensors
 from ddphooks.sinks import Sink
 from ddphooks.sketch import ACCELERATOR_CHUNK_ELEMS, CPU_CHUNK_ELEMS, BucketPlan, squared_norms
@@ -134,9 +135,11 @@ class SilentState(BaseSilentState):
         check_replicas_every: every N-th instrumented step, compare fingerprints of every rank's
             parameters and buffers (carried in the statistics slot, no extra collective); the
             record's ``replicas`` says which ranks differ where (0: never).
-        on_alert: called with each alert on every rank; raising from it stops training on every
-            rank at the same point (the first bucket of the step after next, or ``flush``/``close``),
-            so no rank hangs. An ``unsynchronised`` alert reaches it where the rank notices it.
+        on_alert: called with each alert on every rank, on a thread of its own as soon as the
+            detector finds it (an exception in it is logged, never raised into training). An
+            ``unsynchronised`` alert reaches it where the rank notices it.
+        stop_on: alert kinds (or ``"all"``) after which ``should_stop()`` turns True on every
+            rank at the same step (see ``SilentConfig.stop_on``).
         watch_sync: alert (kind ``unsynchronised``) when the model gets gradients DDP should
             have synchronised but did not (see ``ddphooks.watchdog``); needs the DDP model.
 
@@ -174,12 +177,13 @@ class SilentState(BaseSilentState):
         detect: bool | DetectorConfig = True,
         check_replicas_every: int = 100,
         on_alert: Callable[[dict], object] | None = None,
+        stop_on: tuple[str, ...] | str = (),
         watch_sync: bool = True,
     ) -> None:
         settings = dict(
             sketch_dim=sketch_dim, every=every, seed=seed, transport=transport, piggyback_limit_mb=piggyback_limit_mb,
             log_rank=log_rank, chunk_elems=chunk_elems, stats_kernel=stats_kernel, detail_every=detail_every, detail_max_world=detail_max_world, per_rank_max_world=per_rank_max_world,
-            gather_max_world=gather_max_world, sampled_ranks=sampled_ranks, max_pending_records=max_pending_records, detect=detect, check_replicas_every=check_replicas_every,
+            gather_max_world=gather_max_world, sampled_ranks=sampled_ranks, max_pending_records=max_pending_records, detect=detect, check_replicas_every=check_replicas_every, stop_on=stop_on,
             watch_sync=watch_sync,
         )  # fmt: skip
         super().__init__(settings, sinks=sinks, on_alert=on_alert)
@@ -231,9 +235,9 @@ class SilentState(BaseSilentState):
         settings["model"] = None if model is None else type(model).__name__
         # Exchange over a group every rank derives the same way, even where its own checks failed.
         exchange_group = self.process_group if self.process_group is not None else getattr(model, "process_group", None)
-        agree_across_ranks(exchange_group, settings, problem, self.sinks)
+        ranks = agree_across_ranks(exchange_group, settings, problem, model_device(model))
 
-        self._bind_common(group if group is not None else dist.group.WORLD)
+        self._bind_common(group if group is not None else dist.group.WORLD, ranks)
         self._model = model
         self._names = {} if model is None else {id(p): name for name, p in model.module.named_parameters()}
         self._buckets: dict[int, _BucketEntry] = {}
@@ -555,7 +559,7 @@ def silent_hook(state: SilentState, bucket: dist.GradBucket) -> torch.futures.Fu
                 f"silent_hook received bucket 0 of a new step before the last bucket of step {state._current.step}: "
                 "use one SilentState per DDP model"
             )
-        state._pipeline.process()  # the previous step to the background thread, alerts of the one before; may raise from on_alert
+        state._pipeline.process()  # the previous step to the background thread, alerts of the one before
         state._start_step(bucket)
     if not state._instrumented(state.step):
         future = state._communicate(bucket)

@@ -6,23 +6,23 @@ every rank reaches in the same order: the first bucket of the next step (inside 
 ``flush()`` / ``close()``. The background thread, one step at a time and in order:
 
 1. runs the detector (``ddphooks.detect``) on it, the same on every rank, so every rank finds the
-   same alerts; a detector error is reported once and never reaches training;
-2. queues one ``logging`` warning per new alert (logger ``"ddphooks"``) on the log rank, emitted
-   on a thread of its own (as are the pipeline's other warnings): the training thread waits for
-   this one when it falls more than a step behind, and a logging handler that blocks (a stalled
-   stderr pipe, a slow remote handler) must hold up nothing but its own messages;
+   same alerts; a detector error is reported once and never reaches training; each alert is
+   named with the group's ``RankTable`` (global rank, host, device: ``ddphooks.identity``);
+2. queues, per new alert, one ``logging`` warning (logger ``"ddphooks"``, log rank only) and one
+   call of ``on_alert(alert)`` (every rank), each on a thread of its own: a logging handler that
+   blocks (a stalled stderr pipe) or an ``on_alert`` that pages over a slow network holds up
+   nothing but its own queue, and an exception in ``on_alert`` is logged, never raised;
 3. hands the statistics and their alerts (with any alert raised outside the detector since the
    last record: the synchronisation watchdog's) to the record writer (log rank only). Nothing
    is added to the ``SilentStats`` itself: ``state.latest`` is final when its step completes.
 
 At the same point of the following step the training thread collects the alerts of the steps it
 handed over before (waiting only if the background thread is more than a step behind, so the
-detector costs the training thread nothing while it keeps up) and calls ``on_alert(alert)`` for
-each, on every rank. ``on_alert`` may raise to stop training (to abort or checkpoint): every rank
-collects the same steps at the same point, so every rank raises there, before the next step's
-first collective, and no rank is left waiting in a collective. An alert therefore reaches
-``on_alert`` and ``SilentState.alerts`` when the step after next starts (at once on ``flush()``
-and ``close()``); its ``step`` is the step it was found on.
+detector costs the training thread nothing while it keeps up) into ``SilentState.alerts``. Every
+rank collects the same steps at the same point, so an alert of step ``s`` is in ``alerts`` on
+every rank from the first bucket of step ``s + 2`` on (at once on ``flush()`` and ``close()``):
+that is what lets every rank stop at the same step (``stop_on``, ``SilentState.should_stop``)
+without a collective of its own.
 
 If the system cannot start a thread (out of threads or memory), nothing raises into backward and
 nothing is lost: the steps are processed on the training thread, and the warnings logged there,
@@ -35,6 +35,7 @@ reading them does not stall the device queue.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 import traceback
@@ -42,64 +43,73 @@ from collections import deque
 from collections.abc import Callable
 
 from ddphooks.detect import Detector, Observation
+from ddphooks.identity import RankTable
 from ddphooks.writer import RecordWriter
 
 logger = logging.getLogger("ddphooks")
 
 
-class _Warnings:
-    """``logging`` warnings emitted in order on a daemon thread of their own, started when one is
-    queued and ended when none is left: a handler that blocks holds up only that thread.
+class _Serial:
+    """Calls run in order on a daemon thread of their own, started when one is queued and ended
+    when none is left: a call that blocks (a logging handler on a stalled pipe, a user's
+    ``on_alert`` that pages over the network) holds up only the calls queued after it. A call that
+    raises is handed to ``failed`` with its traceback (by default printed to stderr, as logging's
+    ``handleError`` does) and the next one goes on.
 
     Example::
-        >>> warnings = _Warnings()
-        >>> warnings.warn("ddphooks alert: %s", "rank 3 ...")   # returns at once
-        >>> warnings.drain(5.0)                                  # True once it is emitted
+        >>> calls = _Serial("ddphooks-warnings")
+        >>> calls.submit(logger.warning, "ddphooks alert: %s", "rank 3 ...")   # returns at once
+        >>> calls.drain(5.0)                                                    # True once it ran
     """
 
-    def __init__(self) -> None:
+    def __init__(self, name: str, failed: Callable[[str], None] | None = None) -> None:
+        self.name = name
+        self.failed = failed or (lambda trace: sys.stderr.write(trace))  # the stderr of the time, as pytest swaps it
         self._cond = threading.Condition()
         self._queue: deque = deque()
         self._queued = 0
-        self._emitted = 0
+        self._done = 0
         self._thread: threading.Thread | None = None
 
-    def warn(self, message: str, *args) -> None:
+    def submit(self, call: Callable, *args) -> None:
         with self._cond:
-            self._queue.append((message, args))
+            self._queue.append((call, args))
             self._queued += 1
             if self._thread is not None:
                 return
-            self._thread = threading.Thread(target=self._run, name="ddphooks-warnings", daemon=True)
+            self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
             try:
                 self._thread.start()
                 return
             except RuntimeError:  # "can't start new thread" (out of threads or memory)
-                self._thread = None  # the next warn() tries again
-        # Emitted here, on the caller's thread, rather than lost or raised into backward.
+                self._thread = None  # the next submit tries again
+        # Run here, on the caller's thread, rather than lost or raised into backward.
         self._run(on_thread=False)
 
     def drain(self, timeout: float) -> bool:
-        """Wait (at most ``timeout`` seconds) until every warning queued so far is emitted."""
+        """Wait (at most ``timeout`` seconds) until every call queued so far has run."""
         with self._cond:
             wanted = self._queued
-            return self._cond.wait_for(lambda: self._emitted >= wanted, max(timeout, 0.0))
+            return self._cond.wait_for(lambda: self._done >= wanted, max(timeout, 0.0))
 
     def _run(self, on_thread: bool = True) -> None:
         while True:
             with self._cond:
                 if not self._queue:
                     if on_thread:
-                        self._thread = None  # the next warn() starts another
+                        self._thread = None  # the next submit starts another
                     return
-                message, args = self._queue.popleft()
+                call, args = self._queue.popleft()
             try:
-                logger.warning(message, *args)  # a handler's own errors go to its handleError
-            except Exception:  # a filter or logger class that raises: printed as handleError does, and the next one goes on
-                traceback.print_exc()
+                call(*args)
+            except Exception:  # a logging filter that raises, a user's on_alert that fails: said, and the next goes on
+                try:
+                    self.failed(traceback.format_exc())
+                except Exception:
+                    traceback.print_exc()
             finally:
                 with self._cond:
-                    self._emitted += 1
+                    self._done += 1
                     self._cond.notify_all()
 
 
@@ -110,22 +120,35 @@ class StepPipeline:
     Args:
         detector: the online detector, or None (``detect=False``).
         writer: the record writer on the log rank, None elsewhere.
-        on_alert: called with each new alert dict on every rank (None: nothing).
+        on_alert: called with each new alert dict on every rank, off the training thread (None: nothing).
         warns: whether this rank logs the alerts (the log rank).
+        ranks: the group's ``RankTable``: every alert is named with it (host, device, global rank).
+        stop_on: the alert kinds that stop training (``should_stop``).
 
     Example::
         >>> pipeline = StepPipeline(Detector(), writer, on_alert=None, warns=True)
         >>> pipeline.complete(stats)   # communication thread
         >>> pipeline.process()         # training thread, next step: hands it to the background thread
-        >>> pipeline.process()         # the step after: its alerts, on_alert
+        >>> pipeline.process()         # the step after: its alerts
     """
 
-    def __init__(self, detector: Detector | None, writer: RecordWriter | None, on_alert: Callable[[dict], object] | None, warns: bool) -> None:
+    def __init__(
+        self,
+        detector: Detector | None,
+        writer: RecordWriter | None,
+        on_alert: Callable[[dict], object] | None,
+        warns: bool,
+        ranks: RankTable | None = None,
+        stop_on: frozenset[str] = frozenset(),
+    ) -> None:
         self.detector = detector
         self.writer = writer
         self.on_alert = on_alert
         self.warns = warns
+        self.ranks = ranks
+        self.stop_on = stop_on
         self.alerts: list[dict] = []
+        self.stopping: dict | None = None  # the first collected detector alert of a kind in stop_on
         self._cond = threading.Condition()
         self._pending: deque = deque()  # complete steps, not yet handed over
         self._work: deque = deque()  # handed over, not yet taken by the background thread
@@ -139,16 +162,17 @@ class StepPipeline:
         self._output_failed = False
         self._start_failed = False
         self._carried: list[dict] = []  # alerts raised outside the detector, for the next record
-        self._warnings = _Warnings()
+        self._warnings = _Serial("ddphooks-warnings")
+        self._callbacks = _Serial("ddphooks-on-alert", lambda trace: self.warn("ddphooks: on_alert raised; training goes on:\n%s", trace))
 
     def complete(self, stats) -> None:
         """Queue a complete step (any thread)."""
         with self._cond:
             self._pending.append(stats)
 
-    def process(self, call_on_alert: bool = True, wait: bool = False) -> None:
-        """Hand the queued steps to the background thread, collect the alerts of the steps handed
-        over before (of every step with ``wait``), then run ``on_alert`` (training thread)."""
+    def process(self, wait: bool = False) -> None:
+        """Hand the queued steps to the background thread and collect the alerts of the steps
+        handed over before (of every step with ``wait``) into ``alerts`` (training thread)."""
         started = True
         with self._cond:
             due = self._handed  # the same steps on every rank: those handed over at earlier calls
@@ -170,9 +194,12 @@ class StepPipeline:
             while self._found and self._found[0][0] < due:
                 found.extend(self._found.popleft()[1])
         self.alerts.extend(found)
-        if call_on_alert and self.on_alert is not None:
-            for alert in found:
-                self.on_alert(alert)
+        if self.stopping is None:
+            # Collected at the same point on every rank, from the same statistics: every rank
+            # decides to stop at the same step (see ``BaseSilentState.should_stop``).
+            self.stopping = next((alert for alert in found if alert["kind"] in self.stop_on), None)
+            if self.stopping is not None and self.warns:
+                self.warn("ddphooks: training stops now (stop_on=%s): %s", sorted(self.stop_on), self.stopping["message"])
 
     def _start(self) -> bool:
         """Start the background thread unless it runs; False if the system cannot start one."""
@@ -186,10 +213,7 @@ class StepPipeline:
         except RuntimeError as error:  # "can't start new thread" (out of threads or memory); tried again next step
             self._thread = None  # nothing for close() to join
             if not self._start_failed:
-                self._warnings.warn(
-                    "ddphooks: the pipeline thread could not start (%s: %s); steps are processed on the training thread until it can",
-                    type(error).__name__, error,
-                )  # fmt: skip
+                self.warn("ddphooks: the pipeline thread could not start (%s: %s); steps are processed on the training thread until it can", type(error).__name__, error)
             self._start_failed = True
             return False
         return True
@@ -213,22 +237,21 @@ class StepPipeline:
             if stats.failed_ranks:  # a rank's statistics failed (a bug): the step is not measured
                 if not self._said_not_measured:
                     self._said_not_measured = True
-                    self._warnings.warn(
+                    self.warn(
                         "ddphooks: step %d is not measured: the statistics of rank(s) %s failed there (their log says why); "
                         "training is unchanged (said once)", stats.step, stats.failed_ranks,
                     )  # fmt: skip
                 return
             found = self._detect(stats)
-            if self.warns:
-                for alert in found:
-                    self._warnings.warn("ddphooks alert: %s", alert["message"])
+            for alert in found:
+                self._announce(alert)
             if self.writer is not None:
                 with self._cond:
                     carried, self._carried = self._carried, []
                 self.writer.submit((stats, carried + found))
         except Exception as error:  # reported once; the thread lives on, the training thread waits for its count
             if not self._output_failed:
-                self._warnings.warn("ddphooks: step %d could not be written: %s: %s", stats.step, type(error).__name__, error)
+                self.warn("ddphooks: step %d could not be written: %s: %s", stats.step, type(error).__name__, error)
             self._output_failed = True
         finally:
             with self._cond:
@@ -240,49 +263,59 @@ class StepPipeline:
         if self.detector is None or self._detector_failed:
             return []
         try:
-            return self.detector.update(Observation.from_stats(stats))
+            alerts = self.detector.update(Observation.from_stats(stats))
         except Exception as error:  # a detector bug must never stop training
             self._detector_failed = True
-            self._warnings.warn("ddphooks: the detector failed at step %d and is off from now on: %s: %s", stats.step, type(error).__name__, error)
+            self.warn("ddphooks: the detector failed at step %d and is off from now on: %s: %s", stats.step, type(error).__name__, error)
             return []
+        return [self._named(alert) for alert in alerts]
+
+    def _named(self, alert: dict) -> dict:
+        return alert if self.ranks is None else self.ranks.name_alert(alert)
+
+    def _announce(self, alert: dict) -> None:
+        """Log ``alert`` (log rank) and queue ``on_alert(alert)``, both on threads of their own."""
+        if self.warns:
+            self.warn("ddphooks alert: %s", alert["message"])
+        if self.on_alert is not None:
+            self._callbacks.submit(self.on_alert, alert)
 
     def warn(self, message: str, *args) -> None:
         """A ``logging`` warning on the pipeline's warnings thread (returns at once, any thread)."""
-        self._warnings.warn(message, *args)
+        self._warnings.submit(logger.warning, message, *args)
 
     def raise_alert(self, alert: dict) -> None:
         """An alert found outside the detector (the synchronisation watchdog), where it was found:
         it joins ``alerts`` at once, is logged (log rank), goes with the next record written, and
-        reaches ``on_alert`` (which may raise, to stop training)."""
+        reaches ``on_alert``. It never stops training (``stop_on``): the rank that found it may be
+        the only one that did."""
+        alert = self._named(alert)
         with self._cond:
             self.alerts.append(alert)
             if self.writer is not None:  # only the log rank writes records: elsewhere nothing carries it
                 self._carried.append(alert)
-        if self.warns:
-            self._warnings.warn("ddphooks alert: %s", alert["message"])
-        if self.on_alert is not None:
-            self.on_alert(alert)
+        self._announce(alert)
 
     # -- the end ---------------------------------------------------------------------------------
     def flush(self, timeout: float) -> bool:
         """Process every completed step, then wait (``timeout`` seconds in all) for its warnings
-        to be logged and its records written; False if a logging handler or a sink is still busy."""
+        to be logged, its ``on_alert`` calls made and its records written; False if a logging
+        handler, ``on_alert`` or a sink is still busy."""
         self.process(wait=True)
-        deadline = time.monotonic() + timeout
-        logged = self._warnings.drain(timeout)
-        written = self.writer is None or self.writer.flush(max(deadline - time.monotonic(), 0.0))
-        return logged and written
+        return self._drain(time.monotonic() + timeout, None if self.writer is None else self.writer.flush)
 
-    def close(self, timeout: float, call_on_alert: bool = True) -> bool:
-        try:
-            self.process(call_on_alert, wait=True)
-        finally:  # an on_alert that raises still gets the records written
-            with self._cond:
-                self._stopping = True
-                self._cond.notify_all()
-            deadline = time.monotonic() + timeout
-            if self._thread is not None:  # every step is done: it ends at once
-                self._thread.join(timeout)
-            logged = self._warnings.drain(max(deadline - time.monotonic(), 0.0))
-            closed = self.writer is None or self.writer.close(max(deadline - time.monotonic(), 0.0))
-        return logged and closed
+    def close(self, timeout: float) -> bool:
+        self.process(wait=True)
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        deadline = time.monotonic() + timeout
+        if self._thread is not None:  # every step is done: it ends at once
+            self._thread.join(timeout)
+        return self._drain(deadline, None if self.writer is None else self.writer.close)
+
+    def _drain(self, deadline: float, finish_writer) -> bool:
+        logged = self._warnings.drain(deadline - time.monotonic())
+        called = self._callbacks.drain(deadline - time.monotonic())
+        written = finish_writer is None or finish_writer(max(deadline - time.monotonic(), 0.0))
+        return logged and called and written

@@ -36,6 +36,9 @@ class RecordBuilder:
             each of its ranks: every record carries it as ``global_ranks``.
         per_rank_max_world: see ``SilentConfig.per_rank_max_world``: above it, a compact
             record summarises each per-rank signal over the ranks (detailed ones never do).
+        identity: who and where each rank of the group is (``RankTable.to_list()``): the first
+            record built and every detailed one carry it as ``identity``, so a reader of any
+            stretch of a run file finds it within ``detail_every`` steps.
 
     Example::
         >>> builder = RecordBuilder(every=1, detail_every=100, detail_max_world=64)
@@ -43,8 +46,16 @@ class RecordBuilder:
     """
 
     def __init__(
-        self, every: int, detail_every: int, detail_max_world: int, global_ranks: list[int] | None = None, per_rank_max_world: int = SilentConfig.per_rank_max_world
+        self,
+        every: int,
+        detail_every: int,
+        detail_max_world: int,
+        global_ranks: list[int] | None = None,
+        per_rank_max_world: int = SilentConfig.per_rank_max_world,
+        identity: list[dict] | None = None,
     ) -> None:
+        self.identity = identity
+        self._identity_written = False
         self.global_ranks = global_ranks
         self.per_rank_max_world = per_rank_max_world
         self.every = every
@@ -65,6 +76,9 @@ class RecordBuilder:
         record["noise_scale_smoothed"] = _float(self._smoothed_noise_scale(*stats.noise_scale_terms))
         if self.global_ranks is not None:  # a subgroup of the job: which group, which global ranks
             record["global_ranks"] = self.global_ranks
+        if self.identity is not None and (detailed or not self._identity_written):
+            record["identity"] = self.identity
+            self._identity_written = True
         return record
 
     def _smoothed_noise_scale(self, trace: float, signal: float) -> float:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from ddphooks import fleet
 from ddphooks.config import SilentConfig
 from ddphooks.detect import Detector, DetectorConfig
+from ddphooks.identity import RankTable, local_identity
 from ddphooks.loss import LossTracker
 from ddphooks.pipeline import StepPipeline
 from ddphooks.records import RecordBuilder
@@ -97,17 +98,21 @@ class BaseSilentState:
         """Whether the state knows its process group (after ``bind`` or the first hook call)."""
         return self._bound
 
-    def _bind_common(self, group: dist.ProcessGroup) -> None:
+    def _bind_common(self, group: dist.ProcessGroup, ranks: RankTable) -> None:
         """Everything a bound state holds whatever its transport: rank, world, kernels, the
         pipeline (detector, writer thread) and the exit handler. ``group`` spans the ranks whose
-        statistics are compared (the data-parallel group)."""
+        statistics are compared (the data-parallel group), ``ranks`` is its identity table
+        (``agree_across_ranks``)."""
         self.process_group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        ranks = dist.get_process_group_ranks(group)
-        self.global_ranks: list[int] | None = None if len(ranks) == dist.get_world_size() else list(ranks)
+        members = dist.get_process_group_ranks(group)
+        self.global_ranks: list[int] | None = None if len(members) == dist.get_world_size() else list(members)
         """The global rank of each rank of the group where it is a subgroup of the job (every
         record carries it then); None where the group is the whole job."""
+        self.ranks = ranks
+        """Who and where each rank of the group is (``ddphooks.identity.RankTable``): the same on
+        every rank; records carry it, alerts are named with it."""
         self.bins = sketch_bins(self.config.sketch_dim)
         self._kernels: dict[torch.device, BucketStatsKernel] = {}
         self._sketch: torch.Tensor | None = None  # this step's sketch accumulator (fp32, bins)
@@ -126,16 +131,17 @@ class BaseSilentState:
         if writes and self.sinks:  # no sinks: no writer thread, no records built
             for sink in self.sinks:
                 bind_sink(sink, self.rank, dist.get_rank())
-            self._records = RecordBuilder(self.config.every, self.config.detail_every, self.config.detail_max_world, self.global_ranks, self.config.per_rank_max_world)
+            self._records = RecordBuilder(
+                self.config.every, self.config.detail_every, self.config.detail_max_world, self.global_ranks, self.config.per_rank_max_world, ranks.to_list()
+            )
             if getattr(self, "_restored_records", None):
                 self._records.load_state_dict(self._restored_records)
             records = self._records  # the writer thread must not hold the state itself
             writer = RecordWriter(self.sinks, lambda item: records.build(*item), self.config.max_pending_records)
         detector = Detector(self.config.detect if isinstance(self.config.detect, DetectorConfig) else None) if self.config.detect else None
-        self._pipeline = StepPipeline(detector, writer, self.on_alert, warns=writes)
-        # At interpreter exit, write what is still queued (bounded: a stuck sink cannot hang the
-        # exit); on_alert is not called then, there is no training left to stop.
-        self._finalizer = weakref.finalize(self, self._pipeline.close, CLOSE_TIMEOUT_S, False)
+        self._pipeline = StepPipeline(detector, writer, self.on_alert, warns=writes, ranks=ranks, stop_on=self.config.stop_kinds)
+        # At interpreter exit, write what is still queued (bounded: a stuck sink cannot hang the exit).
+        self._finalizer = weakref.finalize(self, self._pipeline.close, CLOSE_TIMEOUT_S)
 
     def __getstate__(self) -> dict:
         if self._bound:
@@ -201,10 +207,41 @@ class BaseSilentState:
     @property
     def alerts(self) -> list[dict]:
         """Alerts so far (``step``, ``rank``, ``kind``, ``since``, ``score``, ``signals``,
-        ``parameters``, ``message``), the same on every rank. A step's alerts appear when the
-        step after next starts (the detector runs on a background thread in between), or on
-        ``flush``/``close``: that is where every rank checks them."""
+        ``parameters``, ``message``, and who and where: ``global_rank``, ``host``, ``device``,
+        ``where``), the same on every rank. A step's alerts appear when the step after next
+        starts (the detector runs on a background thread in between), or on ``flush``/``close``:
+        that is where every rank checks them."""
         return [] if not self._bound else list(self._pipeline.alerts)
+
+    def should_stop(self) -> bool:
+        """Whether training should stop: True from the step an alert of a kind in ``stop_on`` is
+        collected on, the same step on every rank.
+
+        1. The detector runs on the same gathered statistics on every rank, so every rank finds
+           the same alerts for step ``s``.
+        2. Every rank collects the alerts of step ``s`` at the same point: the first bucket of
+           step ``s + 2`` (``ddphooks.pipeline``), waiting for its detector there if it is late.
+        3. So ``should_stop()`` asked after a step's backward (or after ``optimizer.step()``)
+           turns True after the same step ``s + 2`` on every rank, without a collective of its own
+           that a rank could miss. The rank named and why: ``stop_alert``.
+
+        Watchdog alerts (``unsynchronised``) never stop training: the rank that found one may be
+        the only one that did. Before binding, and with ``stop_on`` empty, always False.
+
+        Example::
+            >>> state = ddphooks.attach(model, stop_on=("layer", "replica", "nonfinite"))
+            >>> for batch in loader:
+            ...     model(**batch).loss.backward(); optimizer.step(); optimizer.zero_grad()
+            ...     if state.should_stop():
+            ...         break                       # every rank leaves after the same step
+            >>> state.close()                       # the last records are written
+        """
+        return self._bound and self._pipeline.stopping is not None
+
+    @property
+    def stop_alert(self) -> dict | None:
+        """The alert that made ``should_stop()`` True (None before)."""
+        return self._pipeline.stopping if self._bound else None
 
     def flush(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Process the completed steps (alerts, ``on_alert``) and wait (at most ``timeout``
@@ -550,19 +587,21 @@ def stats_kernel_problem(config: SilentConfig, model: torch.nn.Module | None) ->
     return None
 
 
-def agree_across_ranks(group: dist.ProcessGroup | None, settings: dict, problem: str | None, sinks: list[Sink] = ()) -> None:
-    """Gather every rank's settings and local problem; raise the same error on every rank.
+def agree_across_ranks(group: dist.ProcessGroup | None, settings: dict, problem: str | None, device: torch.device) -> RankTable:
+    """Gather every rank's settings, local problem and identity; raise the same error on every
+    rank, or return the group's ``RankTable`` (the same on every rank).
 
-    ``sinks`` are checked too where ``group`` is a subgroup of the job: every group's log rank
-    writes records then, and a sink they would share (one JSON-lines file) is refused."""
+    One ``all_gather_object`` over ``group``: every rank of the group calls it at bind, with
+    values of the same kind, so its size and order follow from what every rank shares."""
     world = dist.get_world_size(group)
-    if problem is None and world < dist.get_world_size():
-        problem = next((f"ValueError: {p}" for sink in sinks if (p := sink.subgroup_problem()) is not None), None)
+    rank = dist.get_rank(group)
+    identity = local_identity(dist.get_rank(), rank, device)
     gathered: list = [None] * world
-    dist.all_gather_object(gathered, (settings, problem), group=group)
-    problems = [f"rank {rank}: {p}" for rank, (_, p) in enumerate(gathered) if p is not None]
+    dist.all_gather_object(gathered, (settings, problem, identity), group=group)
+    problems = [f"rank {rank}: {p}" for rank, (_, p, _) in enumerate(gathered) if p is not None]
     if problems:
         raise ValueError("invalid SilentState arguments on " + "; ".join(problems))
-    if any(s != gathered[0][0] for s, _ in gathered):
-        described = "; ".join(f"rank {rank} has {s}" for rank, (s, _) in enumerate(gathered))
+    if any(s != gathered[0][0] for s, _, _ in gathered):
+        described = "; ".join(f"rank {rank} has {s}" for rank, (s, _, _) in enumerate(gathered))
         raise ValueError(f"SilentState settings differ across ranks ({described}); create it with the same arguments on every rank")
+    return RankTable([identity for _, _, identity in gathered], subgroup=world < dist.get_world_size())

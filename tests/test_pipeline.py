@@ -81,14 +81,73 @@ def test_the_detector_runs_off_the_training_thread_and_alerts_are_collected_at_t
     assert pipeline.alerts == [] and called == []
     detector.gate.set()
     pipeline.complete(steps[1])
-    pipeline.process()  # the step after: step 0's alert, on this thread; step 1's not yet
+    pipeline.process()  # the step after: step 0's alert is collected here; step 1's not yet
     assert [a["step"] for a in pipeline.alerts] == [steps[0].step]
-    assert called == [(steps[0].step, threading.get_ident())]
     pipeline.complete(steps[2])
-    assert pipeline.close(5.0)  # everything: steps 1 and 2
+    assert pipeline.close(5.0)  # everything: steps 1 and 2, their on_alert calls made
     assert [a["step"] for a in pipeline.alerts] == [s.step for s in steps] and [c[0] for c in called] == [s.step for s in steps]
+    assert threading.get_ident() not in {thread for _, thread in called}  # on_alert never runs on the training thread
     assert detector.waited == [True, True, True] and threading.get_ident() not in detector.threads
     assert writer.submitted == steps and writer.alerts == [[a] for a in pipeline.alerts]
+
+
+def test_on_alert_that_raises_or_blocks_never_reaches_the_training_thread(caplog):
+    release, called = threading.Event(), []
+
+    def on_alert(alert: dict) -> None:
+        called.append(alert["step"])
+        if alert["step"] == 0:
+            raise RuntimeError("pager down")
+        release.wait(timeout=10.0)  # a pager that hangs on its network
+
+    detector, writer, steps = _Gated(), _Writer(), _steps(5)
+    detector.gate.set()
+    pipeline = StepPipeline(detector, writer, on_alert=on_alert, warns=True)
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="ddphooks"):
+        for stats in steps:
+            pipeline.complete(stats)
+            pipeline.process()  # neither the exception nor the hanging call reaches it
+        pipeline.process(wait=True)
+        assert time.monotonic() - started < 5.0 and [a["step"] for a in pipeline.alerts] == [s.step for s in steps]
+        assert not pipeline.flush(0.2)  # says on_alert is still busy
+        release.set()
+        assert pipeline.close(5.0)
+    assert called == [s.step for s in steps] and writer.submitted == steps
+    failures = [r.getMessage() for r in caplog.records if "on_alert raised" in r.getMessage()]
+    assert len(failures) == 1 and "RuntimeError: pager down" in failures[0]
+
+
+class _Kinds(Detector):
+    """One alert of the kind ``kinds[step]`` (None: none) per step."""
+
+    def __init__(self, kinds: list) -> None:
+        super().__init__()
+        self.kinds = kinds
+
+    def update(self, obs):
+        kind = self.kinds[obs.step]
+        return [] if kind is None else [{"step": obs.step, "rank": 1, "kind": kind, "message": f"{kind} at step {obs.step}"}]
+
+
+@pytest.mark.parametrize("stop_on, stops_at", [(frozenset({"layer"}), 5), (frozenset({"loss", "layer"}), 4), (frozenset(), None)])
+def test_a_stopping_alert_of_step_s_is_collected_at_step_s_plus_2(stop_on, stops_at):
+    # Kinds by step: a loss alert at step 2, a layer alert at step 3. The pipeline collects step s's
+    # alerts at the process() of step s + 2 (a point every rank reaches alike), waiting for a late
+    # detector there: a slow detector must not move the step that stops.
+    detector = _Kinds([None, None, "loss", "layer", None, None, None, None])
+    update = detector.update
+    detector.update = lambda obs: (time.sleep(0.05), update(obs))[1]
+    pipeline, stopped = StepPipeline(detector, None, on_alert=None, warns=False, stop_on=stop_on), None
+    for stats in _steps(8):
+        pipeline.complete(stats)  # the end of backward of step stats.step
+        pipeline.process()  # the first bucket of the next step
+        if stopped is None and pipeline.stopping is not None:
+            stopped = stats.step + 1
+    assert stopped == stops_at
+    if stops_at is not None:
+        assert pipeline.stopping["kind"] in stop_on and pipeline.stopping["step"] == stops_at - 2
+    pipeline.close(5.0)
 
 
 def test_a_writer_that_raises_is_logged_once_and_alerts_still_arrive(caplog):
@@ -206,7 +265,7 @@ def _threads_cannot_start(monkeypatch, names: set[str]) -> None:
 
 
 def test_steps_are_processed_on_the_training_thread_while_no_thread_can_start(caplog, monkeypatch):
-    blocked = {"ddphooks-pipeline", "ddphooks-warnings"}
+    blocked = {"ddphooks-pipeline", "ddphooks-warnings", "ddphooks-on-alert"}
     _threads_cannot_start(monkeypatch, blocked)
     detector, writer, steps = _Gated(), _Writer(), _steps(5)
     detector.gate.set()
@@ -216,8 +275,9 @@ def test_steps_are_processed_on_the_training_thread_while_no_thread_can_start(ca
         for stats in steps[:3]:
             pipeline.complete(stats)
             pipeline.process()  # must not raise: it runs inside backward
-        # Collected one step later, as with the thread: every rank raises from on_alert at the same point.
-        assert called == [steps[0].step, steps[1].step]
+        # Collected one step later, as with the thread: every rank collects them at the same point.
+        assert [a["step"] for a in pipeline.alerts] == [steps[0].step, steps[1].step]
+        assert called == [s.step for s in steps[:3]]  # on_alert ran on the training thread too, with the detector
         assert detector.threads == {threading.get_ident()}
         blocked.clear()  # threads again: the next steps leave the training thread
         for stats in steps[3:]:
@@ -243,7 +303,8 @@ def test_an_alert_raised_outside_the_detector_is_logged_called_and_goes_with_the
     alert = {"step": 1, "rank": 0, "kind": "unsynchronised", "message": "rank 0: not synchronised"}
     with caplog.at_level(logging.WARNING, logger="ddphooks"):
         pipeline.raise_alert(alert)  # the watchdog, between two steps
-        assert pipeline.alerts == [alert] and called == [alert]  # at once, not a step later
+        assert pipeline.alerts == [alert]  # at once, not a step later
+        assert pipeline._callbacks.drain(5.0) and called == [alert]  # on_alert's own thread, at once
         for stats in steps[1:]:
             pipeline.complete(stats)
             pipeline.process()

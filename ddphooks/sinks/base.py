@@ -32,11 +32,6 @@ class Sink:
     def close(self) -> None:
         """Flush and release resources; later writes are errors."""
 
-    def subgroup_problem(self) -> str | None:
-        """Why this sink cannot be written from two data-parallel groups of one job (the state's
-        process group is a subgroup: every group's log rank writes); None where it can."""
-        return None
-
 
 class SinkGroup(Sink):
     """Fans every call out to several sinks, in order."""
@@ -47,12 +42,9 @@ class SinkGroup(Sink):
             if not isinstance(sink, Sink):
                 raise TypeError(f"sinks must be ddphooks.Sink instances, got {type(sink).__name__}")
 
-    def bind_rank(self, rank: int, global_rank: int | None = None) -> None:
+    def bind_rank(self, rank: int, group_rank: int | None = None) -> None:
         for sink in self.sinks:
-            bind_sink(sink, rank, global_rank)
-
-    def subgroup_problem(self) -> str | None:
-        return next((problem for sink in self.sinks if (problem := sink.subgroup_problem()) is not None), None)
+            bind_sink(sink, rank if group_rank is None else group_rank, rank)
 
     def write(self, record: dict) -> None:
         for sink in self.sinks:
@@ -67,13 +59,14 @@ class SinkGroup(Sink):
             sink.close()
 
 
-def bind_sink(sink: Sink, rank: int, global_rank: int) -> None:
-    """Tell ``sink`` the rank that writes to it: its rank in the data-parallel group (``{rank}``)
-    and in the whole job (``{global_rank}``), where the sink takes them (``bind_rank``)."""
+def bind_sink(sink: Sink, group_rank: int, global_rank: int) -> None:
+    """Tell ``sink`` the process that writes to it, where the sink takes it (``bind_rank``): its
+    rank in the whole job (``bind_rank(rank)``, one per process in every topology) and, where
+    ``bind_rank`` takes ``group_rank``, its rank in the model's data-parallel group."""
     bind = getattr(sink, "bind_rank", None)
     if bind is None:
         return
-    if "global_rank" in inspect.signature(bind).parameters:
-        bind(rank, global_rank=global_rank)
-    else:  # a sink of its own whose bind_rank takes the rank alone
-        bind(rank)
+    if "group_rank" in inspect.signature(bind).parameters:
+        bind(global_rank, group_rank=group_rank)
+    else:  # a sink whose bind_rank takes the rank alone
+        bind(global_rank)

@@ -116,7 +116,7 @@ class TensorBoardSink(Sink):
         return f"TensorBoardSink({self.log_dir!r})"
 
     def bind_rank(self, rank: int) -> None:
-        """Called by ``SilentState`` with the writing rank (fills ``{rank}`` in ``log_dir``)."""
+        """Called by ``SilentState`` with the writing process's rank in the job (fills ``{rank}`` in ``log_dir``)."""
         self.log_dir = self.log_dir.replace("{rank}", str(rank))
 
     def _open(self):
