@@ -251,7 +251,8 @@ class SilentCallback(pl.Callback):
             return
         alerts = self._state.alerts
         new, self._alerts_seen = alerts[self._alerts_seen :], len(alerts)
-        if new and self.stop_on_alert:
+        # Not on a watchdog alert: the rank that found one may be the only one, and would stop alone.
+        if self.stop_on_alert and any(alert["kind"] != "unsynchronised" for alert in new):
             trainer.should_stop = True
             rank_zero_warn(
                 f"ddphooks: stopping the fit after global step {trainer.global_step} (stop_on_alert) on {len(new)} new "

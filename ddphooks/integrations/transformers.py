@@ -284,7 +284,8 @@ class SilentCallback(TrainerCallback):
         if not new:
             return
         control.should_log = True
-        if self.stop_on_alert:
+        # Not on a watchdog alert: the rank that found one may be the only one, and would stop alone.
+        if self.stop_on_alert and any(alert["kind"] != "unsynchronised" for alert in new):
             control.should_save = control.should_training_stop = True
             if trainer_state.is_world_process_zero:
                 logger.warning(
