@@ -325,7 +325,7 @@ def test_rules_fire_when_they_should_promtool_unit_tests(tmp_path):
         return [{
             "exp_labels": {"job": "train", "instance": "node-a:9464", "severity": "critical", **labels},
             "exp_annotations": {
-                "summary": f"ddphooks {kind} alert on global rank {rank} ({host} {device}), job train",
+                "summary": f"ddphooks {kind} alert on global rank {rank} on {host} ({device}), job train",
                 "description": f"The ddphooks detector raised a {kind} alert naming global rank {rank} on host {host}, device {device} "
                 "(target node-a:9464). Its message (numbers, parameters, the step it started) is in the training log "
                 '("ddphooks alert: ...") and in the records\' "alerts".',
