@@ -392,3 +392,20 @@ def test_rules_fire_when_they_should_promtool_unit_tests(tmp_path):
     path.write_text(json.dumps(tests))  # JSON is YAML
     result = subprocess.run([PROMTOOL, "test", "rules", str(path)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_every_runbook_link_has_its_section_in_operations_md():
+    """The rules link to docs/operations.md#<kind> and #<name>: the page has a section for every
+    alert kind of docs/alerts.md and for every other rule's anchor."""
+    import re
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    anchor = re.compile(r"^#{2,6} .*\{#([A-Za-z0-9_-]+)\}\s*$", re.MULTILINE)
+    kinds = set(anchor.findall((docs / "alerts.md").read_text(encoding="utf-8")))
+    sections = set(anchor.findall((docs / "operations.md").read_text(encoding="utf-8")))
+    rules = Path(rules_path()).read_text(encoding="utf-8")
+    fixed = set(re.findall(r"docs/operations\.md#([a-z-]+)\"", rules))
+    assert {"replica", "layer", "nonfinite"} <= kinds and fixed == {"records-stopped", "statistics-unmeasured", "records-dropped"}
+    assert "docs/operations.md#{{ $labels.kind }}" in rules
+    assert kinds | fixed <= sections, (kinds | fixed) - sections

@@ -126,8 +126,9 @@ class PrometheusSink(Sink):
 
     Series at most, whatever W (W = 4096 included): 16 step gauges, 36 quantile gauges, 5 x
     (``max_ranks`` + ``max_alerted_ranks``) per-rank and info gauges (160 at the defaults),
-    2 x ``max_alert_series`` + 2 alert counter series (``_total`` and ``_created``; 514), 2 per
-    sink for drops, 4 for the record and unmeasured counters: about 740 at the defaults.
+    2 x (``max_alert_series`` + one "other" per kind) alert counter series (``_total`` and
+    ``_created``; 532 with the 10 kinds), 2 per sink for drops, 4 for the record and unmeasured
+    counters: about 750 at the defaults.
 
     The endpoint (``/metrics``, and any path: prometheus_client serves metrics only) is
     prometheus_client's threaded server, one thread per scrape, started when ``SilentState`` binds
