@@ -409,3 +409,18 @@ def test_every_runbook_link_has_its_section_in_operations_md():
     assert {"replica", "layer", "nonfinite"} <= kinds and fixed == {"records-stopped", "statistics-unmeasured", "records-dropped"}
     assert "docs/operations.md#{{ $labels.kind }}" in rules
     assert kinds | fixed <= sections, (kinds | fixed) - sections
+
+
+def test_a_hung_scraper_is_dropped_after_the_socket_timeout(sink, monkeypatch):
+    import ddphooks.sinks.prometheus as module
+
+    monkeypatch.setattr(module, "SCRAPE_SOCKET_TIMEOUT_S", 0.5)
+    s = sink()
+    s.write(make_record(0))
+    hung = socket.create_connection(("127.0.0.1", s.port))
+    try:
+        hung.sendall(b"GET /metrics HTTP/1.1\r\n")  # half a request
+        hung.settimeout(10.0)  # a bound on the test, far above the sink's 0.5 s
+        assert hung.recv(1024) == b""  # the endpoint closed the connection: its thread is free again
+    finally:
+        hung.close()
