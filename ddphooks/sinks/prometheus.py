@@ -330,6 +330,9 @@ class PrometheusSink(Sink):
             return
         # A scraper that connects and then hangs holds only its own thread, and only this long.
         server.RequestHandlerClass = type("DdphooksScrapeHandler", (server.RequestHandlerClass,), {"timeout": SCRAPE_SOCKET_TIMEOUT_S})
+        # socketserver prints the traceback of a failed scrape (that hung scraper timing out) to
+        # stderr, into the training log: a scraper's trouble is logged at debug level instead.
+        server.handle_error = _log_scrape_error
         self._server, self._thread = server, thread
         self.port = server.server_port
 
@@ -471,6 +474,10 @@ class PrometheusSink(Sink):
             server.shutdown()  # ends serve_forever (within its 0.5 s poll); scrapes in flight finish on their own threads
             server.server_close()
             thread.join(CLOSE_TIMEOUT_S)
+
+
+def _log_scrape_error(request, client_address) -> None:
+    logger.debug("ddphooks: PrometheusSink: a scrape from %s failed", client_address, exc_info=True)
 
 
 def _remove(metric, *labels) -> None:
