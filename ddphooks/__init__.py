@@ -5,7 +5,7 @@ ranks' losses and local gradients drift apart: loss dispersion, gradient-norm di
 inter-worker gradient cosine similarity (arXiv 2602.14462).
 
 ``import ddphooks`` imports torch and numpy only; the integrations (``ddphooks.integrations``)
-and the TensorBoard / W&B sinks load their libraries when they are first used.
+and the TensorBoard / W&B / Prometheus sinks load their libraries when they are first used.
 """
 
 import importlib
@@ -13,11 +13,11 @@ import importlib
 from ddphooks.attach import attach
 from ddphooks.config import SilentConfig
 from ddphooks.hook import SilentState, silent_hook
-from ddphooks.sinks import JsonlSink, Sink, SinkGroup, TensorBoardSink, WandbSink
+from ddphooks.sinks import JsonlSink, PrometheusSink, Sink, SinkGroup, TensorBoardSink, WandbSink
 from ddphooks.stats import SilentStats
 
 __all__ = [
-    "JsonlSink", "SilentConfig", "SilentState", "SilentStats", "Sink", "SinkGroup", "TensorBoardSink", "WandbSink", "attach", "silent_hook",
+    "JsonlSink", "PrometheusSink", "SilentConfig", "SilentState", "SilentStats", "Sink", "SinkGroup", "TensorBoardSink", "WandbSink", "attach", "silent_hook",
 ]  # fmt: skip
 __version__ = "0.2.0"
 
