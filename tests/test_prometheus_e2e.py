@@ -179,8 +179,8 @@ def _wait_file(path: Path, timeout: float) -> bool:
 def _train(rank: int, world: int, sink_port: int, folder: str, case: str) -> dict:
     """One run of the tiny MLP of test_hook on rank-dependent data; with ``case == "fault"``,
     ddphooks' sdc fault (one weight's gradient plus noise 4x its norm) on FAULT_RANK from
-    FAULT_STEP. Both ranks stop at the step the first alert is raised (on_alert runs on every
-    rank at the same point). Rank 0 then writes what it saw to ``<case>.json`` and keeps its
+    FAULT_STEP. Both ranks stop after the same step once the first alert is collected
+    (``stop_on``); ``on_alert`` notes when the detector found it. Rank 0 then writes what it saw to ``<case>.json`` and keeps its
     endpoint up until the test writes ``<case>.done`` (bounded)."""
     import torch
     from test_hook import _batch, _loss, _make_ddp
@@ -190,13 +190,13 @@ def _train(rank: int, world: int, sink_port: int, folder: str, case: str) -> dic
 
     model = _make_ddp()
     sink = ddphooks.PrometheusSink(port=sink_port, addr="127.0.0.1")
-    raised: list[dict] = []
-    state = ddphooks.attach(model, sketch_dim=256, sinks=[sink], on_alert=raised.append, check_replicas_every=0)
+    found: list[float] = []  # when on_alert was called (on its own thread, as the detector found the alert)
+    state = ddphooks.attach(model, sketch_dim=256, sinks=[sink], on_alert=lambda alert: found.append(time.time()), stop_on="all", check_replicas_every=0)
     corruption = None
     if case == "fault" and rank == FAULT_RANK:
         corruption = GradientCorruption(model.get_parameter(sdc_parameter(model)), first_step=FAULT_STEP, seed=0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.02)
-    fault_time = alert_time = None
+    fault_time = None
     for step in range(STEPS):
         if step == FAULT_STEP:
             fault_time = time.time()
@@ -208,10 +208,10 @@ def _train(rank: int, world: int, sink_port: int, folder: str, case: str) -> dic
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        if raised:
-            alert_time = time.time()
+        if state.should_stop():
             break
     state.flush()  # the alert's record has reached the sink
+    alert_time = found[0] if found else None
     if rank == 0:
         seen = {"alerts": [dict(a) for a in state.alerts], "fault_time": fault_time, "alert_time": alert_time, "steps": step + 1, "port": sink.port}
         (Path(folder) / f"{case}.json").write_text(json.dumps(seen))

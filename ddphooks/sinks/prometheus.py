@@ -251,17 +251,8 @@ class PrometheusSink(Sink):
                 f"LOCAL_RANK={local_rank!r} is not an int: port_per_local_rank=True adds it to port={self.base_port}"
             ) from None
 
-    def subgroup_problem(self) -> str | None:
-        if self.port_per_local_rank or self.base_port == 0:
-            return None
-        return (
-            f"PrometheusSink(port={self.base_port}) without port_per_local_rank: the model's process group is a subgroup, so "
-            "the log rank of every data-parallel group writes records, and those on one host would all listen on one port; "
-            f"use PrometheusSink(port={self.base_port}, port_per_local_rank=True)"
-        )
-
     # -- start-up -----------------------------------------------------------------------------------
-    def bind_rank(self, rank: int, global_rank: int | None = None) -> None:
+    def bind_rank(self, rank: int) -> None:
         """Called by ``SilentState`` on the ranks that write: starts the endpoint now, so
         Prometheus sees the target up from the start of training."""
         self._open()
