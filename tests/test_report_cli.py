@@ -139,7 +139,7 @@ def test_report_lists_and_marks_the_alerts_the_records_carry(tmp_path, monkeypat
     assert _markers(figure) == [12.0, 17.0]
     summary = (tmp_path / "out" / "summary.md").read_text()
     assert "- fault x2: 2 alerts, recorded during training" in summary
-    assert "| fault x2 | 12 | 1 | loss | rank 1 has diverged |" in summary and "| fault x2 | 17 | 1 | loss |" in summary
+    assert "| fault x2 | 12 | 1 | - | - | - | loss | rank 1 has diverged |" in summary and "| fault x2 | 17 | 1 | - | - | - | loss |" in summary
     [entry] = json.loads((tmp_path / "out" / "summary.json").read_text())["alerts"]
     assert entry["source"] == "recorded during training" and [a["step"] for a in entry["alerts"]] == [12, 17]
     # --alerts offline: the detector of this version instead of the records' own alerts.
@@ -158,8 +158,31 @@ def test_report_detects_alerts_offline_when_the_records_have_none(tmp_path, monk
     assert _markers(figure) == sorted(float(a["step"]) for a in expected)
     summary = (tmp_path / "out" / "summary.md").read_text()
     assert f"- fault x{WORLD}: {len(expected)} alert{'s' * (len(expected) > 1)}, detected offline" in summary
-    assert f"| fault x{WORLD} | {expected[0]['step']} | {FAULT_RANK} | {expected[0]['kind']} |" in summary
+    assert f"| fault x{WORLD} | {expected[0]['step']} | {FAULT_RANK} | - | - | - | {expected[0]['kind']} |" in summary
     assert f"- sync x{WORLD}: 0 alerts, not available (the run's records have no sketches" in summary
+
+
+def test_report_names_the_host_and_device_of_each_rank_and_of_each_alert(tmp_path, monkeypatch):
+    records = planted_records()
+    identity = [
+        {"global_rank": 4 + r, "group_rank": r, "host": f"node-{r // 2}", "local_rank": r % 2, "pid": 100 + r, "device": f"cuda:{r % 2}",
+         "device_uuid": f"GPU-{r}", "pci_bus_id": None}
+        for r in range(WORLD)
+    ]
+    records[0]["identity"] = identity  # the first record carries the table, as a run's does
+    path = write_run(tmp_path / "run.jsonl", records)
+    expected = detect_run(read_run(path).records)
+    assert expected and expected[0]["host"] == f"node-{FAULT_RANK // 2}" and expected[0]["global_rank"] == 4 + FAULT_RANK
+    _signals_figure(monkeypatch, lambda: report.write_report([str(path)], tmp_path / "out"))
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    first = expected[0]
+    assert (
+        f"| fault x{WORLD} | {first['step']} | {FAULT_RANK} | {4 + FAULT_RANK} | node-{FAULT_RANK // 2} | cuda:{FAULT_RANK % 2} | {first['kind']} | "
+        f"global rank {4 + FAULT_RANK} (rank {FAULT_RANK} of its group) on node-{FAULT_RANK // 2}, cuda:{FAULT_RANK % 2} (GPU-{FAULT_RANK}): "
+        f"rank {FAULT_RANK} "
+    ) in summary
+    assert f"fault x{WORLD}: {WORLD} ranks on {len({r['host'] for r in identity})} host(s)" in summary
+    assert "| 1 | 5 | node-0 | 1 | 101 | cuda:1 | GPU-1 |" in summary
 
 
 # -- over seeds ----------------------------------------------------------------------------------

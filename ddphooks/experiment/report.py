@@ -21,6 +21,8 @@ import math
 import warnings
 from pathlib import Path
 
+from ddphooks.identity import RankTable
+
 SIGNALS = (
     ("loss_mean", "global mean loss"),
     ("loss_std", "loss dispersion (std over ranks)"),
@@ -576,9 +578,33 @@ def _markdown_alerts(runs: list[Run], alerts: list[list[dict]], sources: list[st
     lines += [f"- {run.name}: {len(found)} alert{'' if len(found) == 1 else 's'}, {source}" for run, found, source in zip(runs, alerts, sources)]
     rows = [(run, alert) for run, found in zip(runs, alerts) for alert in found]
     if rows:
-        lines += ["", "| run | step | rank | kind | message |", "|---|---|---|---|---|"]
-        lines += [f"| {run.name} | {_cell(a.get('step'))} | {_cell(a.get('rank'))} | {_cell(a.get('kind'))} | {_cell(a.get('message'))} |" for run, a in rows]
+        lines += ["", "| run | step | rank | global rank | host | device | kind | message |", "|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"| {run.name} | {_cell(a.get('step'))} | {_cell(a.get('rank'))} | {_cell(a.get('global_rank'))} | {_cell(a.get('host'))} | "
+            f"{_cell(a.get('device'))} | {_cell(a.get('kind'))} | {_cell(a.get('message'))} |"
+            for run, a in rows
+        ]
     return lines
+
+
+def _markdown_identities(runs: list[Run], most: int = 64) -> list[str]:
+    """Where each rank of each run ran (the ``identity`` table its records carry), for the first
+    ``most`` ranks of a run; nothing for runs whose records carry none (older ddphooks)."""
+    lines = []
+    for run in runs:
+        table = next((t for record in run.records if (t := RankTable.from_record(record)) is not None), None)
+        if table is None:
+            continue
+        shown = table.identities[:most]
+        lines += ["", f"{run.name}: {len(table.identities)} ranks on {len({i.host for i in table.identities})} host(s)", ""]
+        lines += ["| rank | global rank | host | local rank | pid | device | device UUID |", "|---|---|---|---|---|---|---|"]
+        lines += [
+            f"| {i.group_rank} | {i.global_rank} | {_cell(i.host)} | {_cell(i.local_rank)} | {i.pid} | {_cell(i.device)} | {_cell(i.device_uuid)} |"
+            for i in shown
+        ]
+        if len(table.identities) > most:
+            lines.append(f"| ... | {len(table.identities) - most} more ranks in the records' `identity` | | | | | |")
+    return ["", "## Where the ranks ran", *lines] if lines else []
 
 
 def glance_rows(runs: list[Run], alerts: list[list[dict]]) -> list[dict]:
@@ -751,6 +777,7 @@ def write_report(paths: list[str], out: str | Path, skip: float = 0.1, heatmaps:
     ]
     lines += [f"| {r['run']} | {r['rank']} | {_fmt(r['loss_minus_mean'])} | {_fmt(r['norm_over_mean'])} | {_fmt(r['cosine_to_others'])} |" for r in ranks]
     lines += _markdown_alerts(runs, list(alerts), list(sources))
+    lines += _markdown_identities(runs)
     if repeated:
         lines += _markdown_seeds(groups, comparisons)
     lines += ["", "## Runs", ""]
