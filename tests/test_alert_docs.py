@@ -11,7 +11,8 @@ import torch
 from test_detect import NAMES, _duplicates, _non_finite, _stream
 
 from ddphooks import detect, watchdog
-from ddphooks.detect import Detector, detect_run
+from ddphooks.detect import DetectorConfig, detect_run
+from ddphooks.detect.evidence import Evidence
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "alerts.md"
 ANCHOR = re.compile(r"^#{2,6} .*\{#([A-Za-z0-9_-]+)\}\s*$", re.MULTILINE)
@@ -101,9 +102,7 @@ def real_alerts() -> dict[str, dict]:
 def _kinds_from_code(real_alerts: dict[str, dict]) -> set[str]:
     """Every kind an alert can have: the detector's (LIKELY_CAUSES, whose keys every detector
     alert's message uses; the statistical kinds are the names of its CUSUMs) and the watchdog's."""
-    detector = Detector()
-    detector._start(3)  # W >= 3: every CUSUM, the combined one included
-    statistical = {name for _, name in detector.cusum}
+    statistical = {name for _, name in Evidence(DetectorConfig(), 3).cusum}  # W >= 3: every CUSUM, the combined one included
     assert statistical <= set(detect.LIKELY_CAUSES), statistical - set(detect.LIKELY_CAUSES)
     return set(detect.LIKELY_CAUSES) | {real_alerts["unsynchronised"]["kind"]}
 
