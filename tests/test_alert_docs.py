@@ -3,6 +3,8 @@ watchdog can raise has a section whose anchor is the kind, and every alert's mes
 pointer to that section. The alerts are real ones, from the detector fed the synthetic streams of
 test_detect.py and from the watchdog on a DDP-free stand-in module."""
 
+import importlib
+import inspect
 import re
 from pathlib import Path
 
@@ -139,3 +141,12 @@ def test_each_section_explains_its_kind_with_an_example_and_the_fields_are_docum
         assert re.search(r"^1\. ", section, re.MULTILINE), kind  # what to check first: an ordered list
     for key in {key for alert in real_alerts.values() for key in alert}:
         assert f"| `{key}` |" in text, key  # every field in the table of the alert's fields
+
+
+def test_each_section_names_the_module_that_raises_its_kind():
+    # The reference maps onto the code: each section's "Raised by" is a module whose source raises
+    # that kind (a rule of ddphooks.detect.rules, or the watchdog).
+    for kind, section in _sections().items():
+        found = re.search(r"\*\*Raised by\*\* `([\w.]+)`", section)
+        assert found, kind
+        assert f'"{kind}"' in inspect.getsource(importlib.import_module(found.group(1))), (kind, found.group(1))
