@@ -26,6 +26,7 @@ level                  rank, direction          the log gradient norm minus the 
                                                 only while this CUSUM is at zero); a fall
                                                 counts against a rise (W = 2: one split,
                                                 given to a rank as it alerts)
+=====================  =======================  ============================================  =========  =====  =========
 
 What follows is how each part works, in the module that does it; ``benchmarks/detection.py
 --ablations`` measures what each pooling and setting buys, on held-out runs (benchmarks/README.md).

@@ -17,7 +17,13 @@ Baselines are the median and a standard deviation of the last ``window`` steps:
    close together and then spread out, and a baseline that still remembers the calm steps would
    take the new normal for a fault). Each step's spread is its MAD across ranks, which the one
    rank that is off cannot move, so that rank does not raise its own bar; at W = 2 there is no
-   majority, and the scales are the window's.
+   majority, and the scales are the window's. The combined CUSUM's terms grow with a power of it
+   (``combined_growth``, the square root): a ratio of noisy medians over a few steps, floored at
+   1, also inflates the scales by chance, and the combined CUSUM would divide all of its terms by
+   it.
+
+Scales have floors (1e-3; a sketched signal's, the sketch's noise), so that a constant signal does
+not divide by zero.
 
 Own history: per signal and rank, over the rank's own steps. Across ranks: per signal, pooled over
 every rank and step of the window (healthy ranks are exchangeable). Both are learned never

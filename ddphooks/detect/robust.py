@@ -114,7 +114,7 @@ def _column_medians(values: np.ndarray) -> np.ndarray:
 def _robust(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per column of a 2-D array, the median and ``1.4826 * MAD``, ignoring NaN. With
     ``_shoulders`` and ``_growth``, the definition of the baselines: the detector computes the
-    same numbers from its ring buffers (``Detector._own_baselines``, ``_cross_baselines``;
+    same numbers from its ring buffers (``Baselines.own_baselines``, ``cross_baselines``;
     tests/test_detect_scale.py compares them step by step)."""
     median = _column_medians(values)
     mad = _column_medians(np.abs(values - median))

@@ -5,22 +5,15 @@ direction.
 Per rank ``i`` and step ``t`` it scores, as robust z-scores against baselines learned from the run
 itself:
 
-1. **against the other ranks** (W >= 3), each as the distance from the median over all ranks
-   (robust to the one rank that is off); at W = 2 the two distances are opposite, and only
-   ``cosine_previous``, where a rise alone is suspicious, says which rank it is:
-   - ``loss``: ``log loss_i - median_j log loss_j`` (``loss_scale``: the log while every loss seen
-     is positive, relative changes as for the gradient norm; the loss itself from the first loss
-     <= 0 on),
-   - ``grad_norm``: ``log|g_i| - median_j log|g_j|``,
-   - ``cosine``: the leave-one-out cosine ``cos(s_i, sum_{j != i} s_j)`` minus the median of
-     those (only a drop counts: the rank disagrees with the rest);
-   - ``cosine_previous``: the rank's sketched cosine to its own gradient of the previous step,
-     ``cos(s_i(t), s_i(t-1))``, minus the median of those (only a rise counts: a rank that keeps
-     training on the same batch, a stuck data loader, produces nearly the same gradient again,
-     while healthy ranks draw a new batch every step); at W >= 3, on a step where it rose, its
-     score also counts how far the rank's loss fell below the median rank's (capped at
-     ``repeat_loss_cap``): a rank that keeps training on one batch memorises it, so its loss
-     falls below the others' as its gradient repeats;
+1. **against the other ranks** (W >= 3): each signal's distance from the median rank
+   (``ddphooks.detect.signals``), less the window's median distance, over its scale; a signal
+   counts in its suspicious direction only (``CROSS_DIRECTION``: a drop of ``cosine``, a rise of
+   ``cosine_previous``, either way for ``loss`` and ``grad_norm``, each way in a part of its own).
+   At W = 2 the two distances are opposite, and only ``cosine_previous``, where a rise alone is
+   suspicious, says which rank it is. At W >= 3, on a step where ``cosine_previous`` rose, its
+   score also counts how far the rank's loss fell below the median rank's (capped at
+   ``repeat_loss_cap``): a rank that keeps training on one batch memorises it, so its loss falls
+   below the others' as its gradient repeats;
 2. **against its own history** (every W, the only way to tell which of two ranks changed): the
    rank's loss (only a rise counts), its log gradient norm (either way), its leave-one-out
    cosine (only a drop counts) and its cosine to its previous step (only a rise counts), each
@@ -113,8 +106,8 @@ def score_step(
     combined_terms = []
     loss_fall = np.zeros(world)  # how far each rank's loss fell below the median rank's (W >= 3)
     # Baselines in batched sorts (per kind, over every signal and rank at once), since the
-    # detector runs on every step of every rank; the scales grow with the recent spread (see the
-    # module docstring).
+    # detector runs on every step of every rank; the scales grow with the recent spread (see
+    # ddphooks.detect.baselines).
     own_median, own_scale = baselines.own_baselines()
     crossed = [name for name in SIGNALS if name in deviations]
     if crossed:
