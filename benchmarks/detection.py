@@ -218,7 +218,7 @@ def measure(config: DetectorConfig, keep: bool = False) -> dict:
             if separation is not None:
                 found["dprimes"][(kind, world, fault_step)].append(separation)
         if keep:
-            allowance, cap = (detector.allowance[key], detector.cap[key]) if key is not None else (None, None)
+            allowance, cap = (detector.cusums.allowance[key], detector.cusums.cap[key]) if key is not None else (None, None)
             found["runs"].append({"world": world, "kind": kind, "fault_step": fault_step, "fault_rank": fault_rank, "fired": key, "allowance": allowance, "cap": cap, "prefix_counted": counted, "scores": scores})
         if counted:
             early = [a for a in alerts if a["step"] < fault_step]

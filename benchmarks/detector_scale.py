@@ -5,7 +5,7 @@ log-normal gradient norms, leave-one-out cosines ~0.3, cosines to the previous s
 per-parameter norms (P = 273, the tiny Llama of scale.py), no replicas, nothing non-finite. The
 detector first runs its warm-up (untimed), then ``--steps`` steps are timed one by one. One table:
 W, P, ms per step (median and IQR); with ``--ref REV`` also the detector of that git revision
-(its ``ddphooks/detect.py`` imported from ``git show``), for a before/after.
+(its ``ddphooks/detect`` imported from ``git show``), for a before/after.
 
     python benchmarks/detector_scale.py                          # W = 8, 256, 1024, 4096
     python benchmarks/detector_scale.py --ref main               # and the detector of main, for a before/after
@@ -28,11 +28,24 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_revision(revision: str):
-    """``ddphooks/detect.py`` of a git revision, imported as its own module."""
-    source = subprocess.run(["git", "-C", str(ROOT), "show", f"{revision}:ddphooks/detect.py"], check=True, capture_output=True, text=True).stdout
-    path = Path(tempfile.mkdtemp()) / "detect_reference.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location(f"detect_{revision}", path)
+    """The detector of a git revision, imported as its own module: ``ddphooks/detect/`` (a package
+    since issue 58, its modules importing each other relatively) or, before, ``ddphooks/detect.py``."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(ROOT), *args], check=True, capture_output=True, text=True).stdout
+
+    name = f"detect_{revision}"
+    folder = Path(tempfile.mkdtemp())
+    files = git("ls-tree", "-r", "--name-only", revision, "ddphooks/detect", "ddphooks/detect.py").split()
+    if "ddphooks/detect.py" in files:
+        path, search = folder / "detect_reference.py", None
+        path.write_text(git("show", f"{revision}:ddphooks/detect.py"))
+    else:
+        for file in files:
+            target = folder / name / Path(file).relative_to("ddphooks/detect")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(git("show", f"{revision}:{file}"))
+        path, search = folder / name / "__init__.py", [str(folder / name)]
+    spec = importlib.util.spec_from_file_location(name, path, submodule_search_locations=search)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)

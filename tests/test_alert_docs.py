@@ -3,6 +3,8 @@ watchdog can raise has a section whose anchor is the kind, and every alert's mes
 pointer to that section. The alerts are real ones, from the detector fed the synthetic streams of
 test_detect.py and from the watchdog on a DDP-free stand-in module."""
 
+import importlib
+import inspect
 import re
 from pathlib import Path
 
@@ -11,7 +13,8 @@ import torch
 from test_detect import NAMES, _duplicates, _non_finite, _stream
 
 from ddphooks import detect, watchdog
-from ddphooks.detect import Detector, detect_run
+from ddphooks.detect import DetectorConfig, detect_run
+from ddphooks.detect.evidence import Evidence
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "alerts.md"
 ANCHOR = re.compile(r"^#{2,6} .*\{#([A-Za-z0-9_-]+)\}\s*$", re.MULTILINE)
@@ -101,9 +104,7 @@ def real_alerts() -> dict[str, dict]:
 def _kinds_from_code(real_alerts: dict[str, dict]) -> set[str]:
     """Every kind an alert can have: the detector's (LIKELY_CAUSES, whose keys every detector
     alert's message uses; the statistical kinds are the names of its CUSUMs) and the watchdog's."""
-    detector = Detector()
-    detector._start(3)  # W >= 3: every CUSUM, the combined one included
-    statistical = {name for _, name in detector.cusum}
+    statistical = {name for _, name in Evidence(DetectorConfig(), 3).cusum}  # W >= 3: every CUSUM, the combined one included
     assert statistical <= set(detect.LIKELY_CAUSES), statistical - set(detect.LIKELY_CAUSES)
     return set(detect.LIKELY_CAUSES) | {real_alerts["unsynchronised"]["kind"]}
 
@@ -140,3 +141,12 @@ def test_each_section_explains_its_kind_with_an_example_and_the_fields_are_docum
         assert re.search(r"^1\. ", section, re.MULTILINE), kind  # what to check first: an ordered list
     for key in {key for alert in real_alerts.values() for key in alert}:
         assert f"| `{key}` |" in text, key  # every field in the table of the alert's fields
+
+
+def test_each_section_names_the_module_that_raises_its_kind():
+    # The reference maps onto the code: each section's "Raised by" is a module whose source raises
+    # that kind (a rule of ddphooks.detect.rules, or the watchdog).
+    for kind, section in _sections().items():
+        found = re.search(r"\*\*Raised by\*\* `([\w.]+)`", section)
+        assert found, kind
+        assert f'"{kind}"' in inspect.getsource(importlib.import_module(found.group(1))), (kind, found.group(1))

@@ -347,7 +347,7 @@ def test_detection_measures_delay_and_false_alarms(tmp_path):
         detector = Detector(config)
         for record in records:
             detector.update(Observation.from_record(record))
-            for key, levels in detector.cusum.items():
+            for key, levels in detector.cusums.cusum.items():
                 highest = max(highest, levels.max() / level_one.get(key, config.threshold))
     assert 0.1 < highest < 1.25 and result["peaks"] == {"4": round(highest, 3)}
     # --levels: per alert level, false alarms pooled per world size and the delay against the bound

@@ -14,6 +14,7 @@ import pytest
 from ddphooks import detect
 from ddphooks.detect import Detector, DetectorConfig, Observation
 from ddphooks.detect import detect_run as _detect_run
+from ddphooks.detect.evidence import Evidence
 from ddphooks.experiment.report import read_run
 
 # These tests exercise the detector's mechanisms at alert level 1 (threshold 20), where their delays
@@ -149,26 +150,22 @@ def test_the_compact_wires_layer_levels_are_the_detectors_layer_cusums():
 
 
 def test_the_cusum_of_some_ranks_rows_is_the_cusum_of_every_rank_on_those_rows():
-    """``_accumulate`` with ``rows`` (the compact wire's sampled ranks) updates those ranks' parts
-    as the whole update does, and leaves the other ranks' parts and levels as they were."""
+    """``Evidence.accumulate`` with ``rows`` (the compact wire's sampled ranks) updates those ranks'
+    parts as the whole update does, and leaves the other ranks' parts and levels as they were."""
     rng = np.random.default_rng(3)
-    whole, part = Detector(), Detector()
-    for detector in (whole, part):
-        detector._start(6)
+    whole, part, every = (Evidence(DetectorConfig(), 6) for _ in range(3))
     key = ("own", "layer")
     z = [rng.normal(1.0, 3.0, size=(6, 5)).astype(np.float32) for _ in range(8)]
     for step, values in enumerate(z):
-        whole._accumulate(key, values, step)
+        whole.accumulate(key, values, step)
         before = None if key not in part.parts else part.parts[key].copy()
         rows = np.array([step % 6, (step + 3) % 6])
-        part._accumulate(key, values[rows], step, rows)
+        part.accumulate(key, values[rows], step, rows)
         others = np.setdiff1d(np.arange(6), rows)
         if before is not None:
             np.testing.assert_array_equal(part.parts[key][others], before[others])
-    every = Detector()
-    every._start(6)
     for step, values in enumerate(z):
-        every._accumulate(key, values, step, np.arange(6))  # every rank's rows: the whole update
+        every.accumulate(key, values, step, np.arange(6))  # every rank's rows: the whole update
     np.testing.assert_array_equal(every.parts[key], whole.parts[key])
     np.testing.assert_array_equal(every.cusum[key], whole.cusum[key])
     np.testing.assert_array_equal(every.rising_since[key], whole.rising_since[key])
@@ -200,7 +197,7 @@ def test_per_parameter_scores_match_a_step_by_step_reference(world):
                 expected = rise / (scale / (1 - 0.9**seen) + 1e-3)
                 # float32 (PARAMETER_DTYPE), the norms' own precision: a rise of a few 1e-7 in a log
                 # norm, over a scale of a few 1e-2, differs by about 1e-5 standard deviations
-                np.testing.assert_allclose(detector.parameter_change, expected, rtol=1e-4, atol=1e-4)
+                np.testing.assert_allclose(detector.attribution.parameter_change, expected, rtol=1e-4, atol=1e-4)
         typical = 1.4826 * np.median(np.abs(rise), axis=0) if world >= 3 else math.sqrt(math.pi / 2) * np.abs(rise)
         scale = 0.9 * scale + 0.1 * typical
         level = 0.9 * level + 0.1 * d
@@ -236,7 +233,7 @@ def test_a_rank_whose_whole_gradient_grows_is_no_layer_fault_and_one_layer_still
         assert alerts[0]["parameters"][0] == NAMES[3]
         # Without removing the common factor, the whole gradient's growth passes for a layer fault,
         # and the one parameter that is off is lost in its rank's noise.
-        monkeypatch.setattr(detect, "COMMON_FACTOR_PARAMETERS", 10**6)
+        monkeypatch.setattr(detect.attribution, "COMMON_FACTOR_PARAMETERS", 10**6)
         assert [a["kind"] for a in detect_run(whole)] == ["layer"], seed
         assert not any(a["rank"] == 1 and a["parameters"][:1] == [NAMES[3]] for a in detect_run(one)), seed
         monkeypatch.undo()
@@ -480,7 +477,7 @@ def test_a_rank_kept_out_of_its_baseline_for_a_whole_window_is_not_scored_agains
         alerts = [(a["step"], a["rank"], a["kind"]) for a in detect_run(records, config)]
         assert alerts == [(45, 2, "layer")], alerts  # a rise of 4-7 sigma gains 1.75-2.75 a step (capped at 5) over the allowance
     # Scored against a median of one or two steps and the scale's floor, its next steps "diverge".
-    monkeypatch.setattr(detect, "MIN_BASELINE_STEPS", 0)
+    monkeypatch.setattr(detect.baselines, "MIN_BASELINE_STEPS", 0)
     assert len(detect_run(records, uncapped)) > 1
 
 
@@ -708,7 +705,7 @@ def test_a_step_without_losses_warns_nothing_and_leaves_the_warning_filters_alon
         for record in records:
             detector.update(Observation.from_record(record))
     assert touched == []
-    assert np.isnan(detector.raw["loss"].values[-1]).all()
+    assert np.isnan(detector.baselines.raw["loss"].values[-1]).all()
 
 
 def test_the_others_change_is_the_median_of_the_other_ranks():
@@ -1041,8 +1038,9 @@ def test_a_loss_that_turns_negative_is_read_linearly_from_then_on():
         warnings.simplefilter("error")
         for record in negative(_stream(4, 320, seed=5)):
             assert detector.update(Observation.from_record(record)) == [], record["step"]
-            assert detector.log_losses == (max(record["losses"]) > 0 and min(record["losses"]) > 0 if record["step"] < 150 else detector.log_losses)
-    assert not detector.log_losses
+            log_losses = detector.baselines.log_losses
+            assert log_losses == (max(record["losses"]) > 0 and min(record["losses"]) > 0 if record["step"] < 150 else log_losses)
+    assert not detector.baselines.log_losses
     alerts = detect_run(negative(_stream(4, 320, seed=5, fault_rank=2, fault_step=260)))
     assert alerts and alerts[0]["rank"] == 2 and 260 <= alerts[0]["step"] <= 268, alerts[:1]
 
@@ -1142,9 +1140,9 @@ def test_at_two_ranks_a_split_that_builds_up_leaves_both_ranks_baselines_learnin
         detector = Detector(config)
         for record in _scaled(seed, 2, 1.5, 1e9)[:112]:
             detector.update(Observation.from_record(record))
-        level = detector.cusum[detect.LEVEL] / detector.limit[detect.LEVEL]
+        level = detector.cusums.cusum[detect.LEVEL] / detector.cusums.limit[detect.LEVEL]
         assert not detector.alerts and (level > 0.5).all() and level[0] == pytest.approx(level[1]), (seed, level)
-        assert (detector.own_history.known[: len(detect.SIGNALS), 0] == config.window).all(), detector.own_history.known
+        assert (detector.baselines.own_history.known[: len(detect.SIGNALS), 0] == config.window).all(), detector.baselines.own_history.known
 
 
 @pytest.mark.parametrize("seed", [0, 3, 5])
@@ -1270,7 +1268,7 @@ def test_the_level_scores_match_a_slow_reference():
     compared = 0
     out, longest = np.zeros(4, int), 0  # steps each rank has been left out in a row, the most
     for record in records:
-        before = detector.parts.get(detect.LEVEL) if detector.world else None
+        before = detector.cusums.parts.get(detect.LEVEL) if detector.world else None
         quiet = np.ones(4, bool) if before is None else ~(before > 0).any(axis=1)
         logs = np.log(record["grad_norms"])
         detector.update(Observation.from_record(record))
@@ -1289,7 +1287,7 @@ def test_the_level_scores_match_a_slow_reference():
             np.testing.assert_allclose(detector.step_scores[detect.LEVEL], np.maximum(np.stack([z, -z], axis=1), -config.level_cap), rtol=1e-9, atol=1e-12)
             compared += 1
         suspect = detector.evidence() > 0.5
-        suspect[list(detector.episodes)] = True
+        suspect[list(detector.divergence.episodes)] = True
         for rank, ring in enumerate(slots):
             ring.append(logs[rank] - np.median(logs) if quiet[rank] and not suspect[rank] else ring[0])
         out = np.where(quiet & ~suspect, 0, out + 1)

@@ -11,6 +11,7 @@ import pytest
 
 from ddphooks import detect
 from ddphooks.detect import SIGNALS, Detector, DetectorConfig, Observation, detect_run
+from ddphooks.detect.signals import cross_deviations, signal_values
 from tests.test_detect import NAMES, _stream
 
 WORLD = 1024
@@ -38,7 +39,7 @@ def _reference_baselines(detector: Detector, deviations: dict, levels: np.ndarra
     (steps x W, oldest first), which the level's spread across ranks reads, its held ranks too."""
     config = detector.config
     recent, quantile = config.recent, config.scale_quantile
-    own = np.stack([detector.raw[name].values for name in SIGNALS] + [detector.level.values])  # signals and the level x steps x W
+    own = np.stack([detector.baselines.raw[name].values for name in SIGNALS] + [detector.baselines.level.values])  # signals and the level x steps x W
     own_median, own_scale = detect._robust(own.transpose(1, 0, 2).reshape(own.shape[1], -1))
     own_median, own_scale = own_median.reshape(len(own), -1), own_scale.reshape(len(own), -1)
     own_scale = np.maximum(own_scale, detect._shoulders(own, own_median, quantile)[:, None])
@@ -48,7 +49,7 @@ def _reference_baselines(detector: Detector, deviations: dict, levels: np.ndarra
         across[-1] = levels
         own_scale = own_scale * detect._growth(across - own_median[:, None, :], recent)[:, None]
     crossed = [name for name in SIGNALS if name in deviations]
-    cross = np.stack([detector.cross[name].values for name in crossed])
+    cross = np.stack([detector.baselines.cross[name].values for name in crossed])
     cross_median, cross_scale = detect._robust(cross.reshape(len(crossed), -1).T)
     cross_scale = np.maximum(cross_scale, detect._shoulders(cross, cross_median[:, None], quantile))
     cross_median[np.sum(np.isfinite(cross), axis=(1, 2)) < detect.MIN_BASELINE_STEPS] = np.nan
@@ -86,12 +87,13 @@ def test_the_baselines_equal_their_definitions_step_by_step(world, quantile):
         obs = Observation.from_record(record)
         if detector.world is not None and detector.seen >= config.warmup:
             losses = np.where(np.isfinite(obs.losses), obs.losses, np.nan)
-            losses = np.log(losses) if detector.log_losses else losses
-            deviations = detector._deviations(detector._values(obs, losses, np.log(obs.grad_norms)))
+            baselines = detector.baselines
+            losses = np.log(losses) if baselines.log_losses else losses
+            deviations = cross_deviations(signal_values(obs, losses, np.log(obs.grad_norms)))
             crossed = [SIGNALS.index(name) for name in SIGNALS if name in deviations]
-            fast = (*detector._own_baselines(), *detector._cross_baselines(crossed))
+            fast = (*baselines.own_baselines(), *baselines.cross_baselines(crossed))
             for index, (got, expected) in enumerate(zip(fast, _reference_baselines(detector, deviations, np.array(levels[-config.window :])))):
-                # the own scale's growth at W >= 3 is taken in float32 (see _own_baselines)
+                # the own scale's growth at W >= 3 is taken in float32 (see Baselines.own_baselines)
                 rtol = 1e-5 if index == 1 and world >= 3 else 1e-12
                 np.testing.assert_allclose(got, expected, rtol=rtol, atol=0, equal_nan=True)
             compared += 1
