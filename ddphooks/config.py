@@ -112,8 +112,11 @@ class SilentConfig:
 
     sampled_ranks: int = 16
     """With the compact wire, the ranks per instrumented step whose per-parameter norms travel
-    (the detector's and the detail records' layer view): a window that moves on every step, so
-    each rank's every ``ceil(W / sampled_ranks)`` steps."""
+    (the detector's and the detail records' layer view): half a window that moves on every step
+    (each rank's every ``ceil(2 W / sampled_ranks)`` steps whatever happens), half the ranks whose
+    layer levels stood out, equal levels from a second moving window (on healthy steps each
+    rank's within ``ceil(W / sampled_ranks)`` steps, for an even value); see
+    ``ddphooks.fleet.choose_sampled``."""
 
     max_pending_records: int = 1024
     """Records waiting for the sink writer thread at most; when a sink is slower than training,

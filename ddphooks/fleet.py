@@ -18,9 +18,10 @@ buffer, each part summed over the ranks (a rank writes zeros where it has nothin
    and the parameter in one number (small integers: exact);
 2. the per-parameter squared norms ``|g_{i,p}|^2`` of ``sampled`` ranks (a gather of
    ``sampled`` rows; ``choose_sampled``): half a window of consecutive ranks that moves on every
-   instrumented step (every rank's layer view every ``ceil(2 W / sampled)`` steps), half the
-   ranks whose layer ``level`` was highest on the previous step (a rank whose layer keeps
-   standing out is sampled on every step); chosen from what every rank holds (the step number,
+   instrumented step (every rank's layer view every ``ceil(2 W / sampled)`` steps whatever the
+   levels), half the ranks whose layer ``level`` was highest on the previous step (a rank whose
+   layer keeps standing out is sampled on every step), equal levels taken from a second moving
+   window (on healthy steps every rank within ``ceil(W / sampled)`` steps, sampled even); chosen from what every rank holds (the step number,
    the previous step's rows), so every rank builds the same layout;
 3. sums over the ranks: ``sum_i |g_{i,p}|^2`` and ``sum_i |g_{i,p}|`` per parameter,
    ``sum_i |g_{i,b}|`` per bucket (the exact weighted mean cosines of every layer), the number n
@@ -129,14 +130,22 @@ def choose_sampled(world: int, sampled: int, index: int, previous_layer: np.ndar
     """The ranks whose per-parameter norms travel on the ``index``-th instrumented step:
     ``sampled_ranks(world, ceil(sampled / 2), index)``, then the ranks with the highest layer
     levels ``previous_layer`` (W, NaN: unknown; the levels the previous instrumented step's rows
-    carried) among the others, highest first (the lower rank between equals); without them,
-    ``sampled_ranks(world, sampled, index)``.
+    carried) among the others, highest first; without them, ``sampled_ranks(world, sampled, index)``.
     Every rank where ``world <= sampled``. The same on every rank: it reads only what every rank
     holds.
+
+    Between equal levels (on a healthy step every level is 0) the order starts at a second window
+    that moves ``sampled - ceil(sampled / 2)`` ranks a step, half the ranks away from the first:
+    so the whole budget rotates, and on healthy steps every rank is sampled within
+    ``ceil(W / (2 floor(sampled / 2)))`` steps, ``ceil(W / sampled)`` for an even budget (by the
+    first window alone, whatever the levels, every ``ceil(2 W / sampled)``). Ties broken by rank number instead sampled the same lowest ranks on
+    every healthy step, half the budget spent on no information.
 
     Example::
         >>> choose_sampled(8, 4, 0, np.array([0, 0, 0, 0, 0, 3.0, 0, 5.0]))
         [0, 1, 7, 5]
+        >>> choose_sampled(64, 16, 1, np.zeros(64))   # a healthy step: two windows
+        [8, 9, 10, 11, 12, 13, 14, 15, 40, 41, 42, 43, 44, 45, 46, 47]
     """
     if world <= sampled:
         return list(range(world))
@@ -145,11 +154,13 @@ def choose_sampled(world: int, sampled: int, index: int, previous_layer: np.ndar
     window = sampled_ranks(world, math.ceil(sampled / 2), index)
     scores = np.where(np.isfinite(previous_layer), previous_layer, -np.inf)
     chosen = set(window)
-    # The first `sampled` of the order hold at least `sampled - len(window)` ranks outside the
-    # window: only those are read (a loop over all W ranks cost 0.75 ms a step at W = 4096).
-    order = np.argsort(-scores, kind="stable")[:sampled]  # unknown scores last, by rank
+    rest = sampled - len(window)
+    ties = (np.arange(world) - (index * rest + world // 2)) % world  # the second window's order between equals
+    # The first `sampled` of the order hold at least `rest` ranks outside the window: only those
+    # are read (a loop over all W ranks cost 0.75 ms a step at W = 4096).
+    order = np.lexsort((ties, -scores))[:sampled]  # highest first, unknown scores last
     others = [int(r) for r in order if int(r) not in chosen]
-    return window + others[: sampled - len(window)]
+    return window + others[:rest]
 
 
 def sampled_ranks(world: int, sampled: int, index: int) -> list[int]:

@@ -260,7 +260,8 @@ def test_choose_sampled_takes_half_a_window_and_the_highest_layer_scores():
     assert fleet.choose_sampled(10, 4, 0, None) == [0, 1, 2, 3]  # the first step: the window alone
     assert fleet.choose_sampled(10, 4, 0, scores) == [0, 1, 2, 5]  # rank 2 is in the window already: then 5
     assert fleet.choose_sampled(10, 4, 1, scores) == [2, 3, 5, 6]
-    assert fleet.choose_sampled(10, 5, 4, np.full(10, np.nan)) == [2, 3, 4, 0, 1]  # unknown scores: the lowest ranks
+    # Unknown scores: from the second window, half the ranks away from the first (4 * 2 + 10 // 2 = 13: rank 3 on)
+    assert fleet.choose_sampled(10, 5, 4, np.full(10, np.nan)) == [2, 3, 4, 5, 6]
     assert fleet.choose_sampled(4, 16, 3, scores[:4]) == [0, 1, 2, 3]
 
 
@@ -273,10 +274,22 @@ def test_choose_sampled_at_large_w_matches_the_choice_made_over_every_rank():
         levels = rng.choice([0.0, 0.5, 1.0, 7.0, np.nan], size=world, p=[0.5, 0.2, 0.2, 0.05, 0.05])
         window = fleet.sampled_ranks(world, sampled // 2, index)
         levels[window[: index % 5]] = 99.0  # some of the highest are in the window already
+        tie = lambda r: (r - (index * (sampled - len(window)) + world // 2)) % world  # noqa: E731  (the second window's order)
         known = [r for r in range(world) if np.isfinite(levels[r])]
-        order = sorted(known, key=lambda r: (-levels[r], r)) + [r for r in range(world) if not np.isfinite(levels[r])]
+        order = sorted(known, key=lambda r: (-levels[r], tie(r))) + sorted((r for r in range(world) if not np.isfinite(levels[r])), key=tie)
         expected = window + [r for r in order if r not in window][: sampled - len(window)]
         assert fleet.choose_sampled(world, sampled, index, levels) == expected
+
+
+@pytest.mark.parametrize("world, sampled", [(64, 16), (4096, 16), (100, 7)])
+def test_on_healthy_steps_the_whole_budget_rotates_over_every_rank(world, sampled):
+    # Every level 0 (a healthy run): ties broken by rank number sampled ranks 0-7 on every step.
+    steps = math.ceil(world / (2 * (sampled // 2)))  # ceil(W / sampled) for an even budget
+    seen = [fleet.choose_sampled(world, sampled, index, np.zeros(world)) for index in range(steps)]
+    assert all(len(set(rows)) == sampled for rows in seen)
+    assert set().union(*seen) == set(range(world))  # every rank within those steps
+    assert set().union(*seen[:-1]) != set(range(world))  # and not sooner: the bound is the bound
+    assert np.bincount(np.concatenate(seen), minlength=world).max() <= 2
 
 
 def test_compact_wire_lists_the_rank_and_parameters_of_a_non_finite_gradient():
