@@ -30,11 +30,22 @@ warm-up, so it scores):
   detector ms      its thread: Detector.update on the step (reading the step's statistics included)
   statistics bytes what the statistics add to the step's all-reduce (the W slots, W x slot x 4 B,
                    or the compact wire), and that against the gradient bytes; "with replica
-                   steps": averaged with one replica-check step in check_replicas_every (100),
-                   whose fingerprints add 8 B per parameter and buffer and rank (measured on
-                   step 0, a replica-check step)
-  record bytes     RecordBuilder.build on the last step's SilentStats (with its cosine_previous),
-                   serialised as JsonlSink writes it: compact, and detail (one every 100 steps)
+                   and detail steps": averaged with one replica-check step in
+                   check_replicas_every (100), whose fingerprints add 8 B per parameter and
+                   buffer and rank (measured on step 0, a replica-check and detail step, less
+                   the detail step's share), and one detail step in detail_every (100), whose
+                   cosine matrix adds to the compact wire W x k x 4 B up to detail_max_world
+                   ranks, H x (k + 1) x 4 B above (H hosts: the identity table names 8 ranks a
+                   host on the fake group); in brackets that share of the average (measured on
+                   a detail step after the timed ones; the timed steps are ordinary steps)
+  record bytes     RecordBuilder.build on the last step's SilentStats (with its cosine_previous,
+                   a detail step), serialised as JsonlSink writes it: compact, and detail (one
+                   every 100 steps), built as the state's writer builds it: with the identity
+                   table (its bytes in brackets) and the cosine matrix (W x W up to
+                   detail_max_world, the host-by-host cosine_hosts above; its bytes)
+  detail build ms  building and serialising that detail record (the writer thread's work, off the
+                   training thread), median of 5; in brackets the thread's CPU time (numpy's
+                   BLAS threads left out), what it costs where other work shares the cores
   kept MB          everything the state keeps between steps (ddphooks.memory.retained_bytes: sign
                    tables, buffers, plans, the latest statistics, the detector's windows)
   replica check    replica_differences on W x (the model's parameters and buffers) fingerprints
@@ -51,8 +62,9 @@ parameter padded to a multiple of W rows: it grows with W on a small model), the
 pass reads (the bands of rows and columns that hold gradient, FSDP2's padding left out) and its
 time per element read, what the statistics add to the step's communication (the W rows of slot and
 reduced shard norms, W x (slot + parameters) x 4 B, or the compact wire with its P reduced
-norms; "with replica steps" averages in step 0, a replica-check step, with HSDP's all-reduce of
-the parameters' histograms over each replica group), the state's kept memory (as above), and the step (forward and backward, no
+norms; "with replica and detail steps" averages in step 0, a replica-check step, with HSDP's
+all-reduce of the parameters' histograms over each replica group, and a detail step's cosine
+matrix, as the DDP table), the state's kept memory (as above), and the step (forward and backward, no
 communication) for scale.
 
     python benchmarks/scale.py                  # W = 8, 64, 256, 1024, 4096, a 16 M-parameter tiny Llama (273 tensors)
@@ -70,6 +82,7 @@ communication) for scale.
 
 import argparse
 import copy
+import dataclasses
 import gc
 import importlib
 import json
@@ -94,6 +107,7 @@ from ddphooks import fleet
 from ddphooks.config import SilentConfig
 from ddphooks.detect import DetectorConfig
 from ddphooks.hook import silent_hook
+from ddphooks.identity import RankIdentity
 from ddphooks.memory import retained_bytes, retained_tensors
 from ddphooks.models import parameter_count, tiny_llama
 from ddphooks.records import RecordBuilder
@@ -110,6 +124,8 @@ QUICK_MODEL = dict(vocab_size=512, hidden=64, layers=2, heads=4)
 BATCH, TOKENS = 2, 64
 STEPS, QUICK_STEPS = 9, 3  # timed steps, after the warm-up
 WARMUP = DetectorConfig().warmup + 2  # DDP rebuilds its buckets after step 0; the detector scores from its warm-up on
+RANKS_PER_HOST = 8  # the identity table's hosts on the fake group: 8-accelerator nodes
+BUILDS = 5  # detail records built to time one (median)
 DEFAULTS = SilentConfig()
 # What a real all-reduce would leave in the other ranks' slots (see the docstring).
 LOSS_SPREAD, NORM_SPREAD, SKETCH_SHARED = 0.02, 0.1, 0.4
@@ -138,7 +154,16 @@ class FakeCollectives:
         dist.all_reduce, dist.all_gather_object = self._all_reduce, self._all_gather_object
 
     def all_gather_object(self, output: list, obj, group=None) -> None:
-        """Every rank agrees (binding compares the settings across ranks)."""
+        """Every rank agrees (binding compares the settings across ranks); the identity table
+        names ``RANKS_PER_HOST`` ranks a host (``node0000``, ...), as a job of 8-accelerator nodes
+        would (on the fake group every rank is this process, on one host)."""
+        if isinstance(obj, tuple) and len(obj) == 3 and isinstance(obj[2], RankIdentity):
+            settings, problem, identity = obj
+            output[:] = [
+                (settings, problem, dataclasses.replace(identity, global_rank=r, group_rank=r, host=f"node{r // RANKS_PER_HOST:04d}", local_rank=r % RANKS_PER_HOST))
+                for r in range(len(output))
+            ]  # fmt: skip
+            return
         output[:] = [obj] * len(output)
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op: bool = False):
@@ -205,6 +230,19 @@ class FakeCollectives:
         for name in ("sketch_sum", "unit_sum"):
             wire[layout.part(name)] *= 1 + SKETCH_SHARED * (self.world - 1)
         wire[layout.part("fingerprints")] *= self.world  # every rank's fingerprint in rank 0's bins
+        if layout.matrix_rows:  # a detail step: every rank's sketch, or each host's unit sketches summed
+            rows = wire[layout.part("matrix")].view(layout.matrix_rows, layout.bins)
+            shared, rest = SKETCH_SHARED**0.5, (1 - SKETCH_SHARED) ** 0.5
+            if not layout.host_form:
+                own = rows[0].clone()
+                rows[1:] = shared * own + rest * own.norm() / layout.bins**0.5 * normal(self.world - 1, layout.bins)
+            else:
+                hosts = self.state.hosts
+                own = rows[hosts.of_rank[0]].clone()  # rank 0's unit sketch, alone in its row
+                counts = torch.bincount(torch.tensor(hosts.of_rank), minlength=layout.matrix_rows).to(wire.dtype)
+                units = shared * own + rest * normal(layout.matrix_rows, layout.bins) / layout.bins**0.5
+                rows.copy_(counts[:, None] * units)
+                wire[layout.part("matrix_present")] = counts
 
 
 class _DoneWork:
@@ -294,6 +332,32 @@ def record_bytes(record: dict) -> int:
     return len(json.dumps(record, allow_nan=False).encode()) + 1
 
 
+def _detail_record(stats, state) -> tuple[dict, dict, float]:
+    """The detail record of a detail step's statistics as the state's writer builds it (with the
+    identity table and the hosts; ``BUILDS`` builds, the median time of building and
+    serialising one, off the training thread in a run), its bytes, and those of its parts: the
+    identity table and the cosine matrix (``cosine``, or ``cosine_hosts`` above
+    ``detail_max_world``)."""
+    builder = RecordBuilder(1, 1, DEFAULTS.detail_max_world, identity=state.ranks.to_list(), hosts=state.hosts)
+    times, cpu = [], []
+    for _ in range(BUILDS):
+        start, start_cpu = time.perf_counter(), time.thread_time()
+        record = builder.build(stats)
+        line = json.dumps(record, allow_nan=False)
+        times.append(time.perf_counter() - start)
+        cpu.append(time.thread_time() - start_cpu)
+    matrix = record.get("cosine") or record.get("cosine_hosts")
+    sizes = {
+        "detail_record_bytes": len(line.encode()) + 1,
+        "detail_identity_bytes": record_bytes(record["identity"]) - 1,
+        "detail_matrix_bytes": 0 if matrix is None else record_bytes(matrix) - 1,
+        "detail_matrix": "cosine" if record.get("cosine") else "cosine_hosts" if matrix else None,
+        # this thread's CPU time: what the build costs where the machine is shared
+        "detail_build_cpu_ms": 1e3 * statistics.median(cpu),
+    }
+    return record, sizes, 1e3 * statistics.median(times)
+
+
 def measure(world: int, model_args: dict, steps: int, gather_max_world: int | None = None, device: str = "cpu") -> dict:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
@@ -316,7 +380,9 @@ def _measure(world: int, model_args: dict, steps: int, collectives: FakeCollecti
     registered = ATTACH.silent_hook
     ATTACH.silent_hook = timer.wrap("silent", silent_hook)  # attach registers the timed wrapper
     try:
-        state = ddphooks.attach(instrumented, gather_max_world=gather_max_world)
+        # Detail steps: step 0 (also a replica-check step) and one more after the timed steps, whose
+        # wire and records are measured (the timed steps are ordinary ones, as 99 in 100 are).
+        state = ddphooks.attach(instrumented, gather_max_world=gather_max_world, detail_every=WARMUP + steps)
     finally:
         ATTACH.silent_hook = registered
     collectives.state = state
@@ -348,7 +414,7 @@ def _measure(world: int, model_args: dict, steps: int, collectives: FakeCollecti
     state._pipeline._detect = timed_detect
     generator = torch.Generator().manual_seed(1)
     slots = []
-    for step in range(WARMUP + steps):
+    for step in range(WARMUP + steps + 1):
         tokens = torch.randint(0, model_args["vocab_size"], (BATCH, TOKENS), generator=generator).to(device)
         for model in (plain, instrumented) if step % 2 else (instrumented, plain):  # alternate which runs first
             model(input_ids=tokens, labels=tokens).loss.backward()
@@ -356,16 +422,17 @@ def _measure(world: int, model_args: dict, steps: int, collectives: FakeCollecti
         collectives.state.flush()  # the detector on this step, before the next one is timed
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # the GPU's queue empty: each step's host time starts alike
-        timed = step >= WARMUP
+        timed = WARMUP <= step < WARMUP + steps
         timer.end_step(timed)
-        if step == 0:  # a replica-check step (the check runs on instrumented step 0, then every 100)
-            replica_wire = collectives.wire
+        if step == 0:  # a replica-check step (the check runs on instrumented step 0, then every 100), and a detail step
+            first_wire = collectives.wire
         if timed:
             slots.append(collectives.wire)
-    detector_s = detector_s[WARMUP:]
+    detail_wire = collectives.wire  # the last step: a detail step, not a replica-check one
+    detector_s = detector_s[WARMUP : WARMUP + steps]
     stats = state.latest
     compact = RecordBuilder(1, DEFAULTS.detail_every, DEFAULTS.detail_max_world).build(stats)
-    detail = RecordBuilder(1, 1, DEFAULTS.detail_max_world).build(stats)
+    detail, detail_bytes, build_ms = _detail_record(stats, state)
     # Above per_rank_max_world the compact record carries each per-rank signal over the ranks.
     previous = compact["cosine_previous" if compact["per_rank"] else "cosine_previous_over_ranks"]
     assert not compact["detail"] and detail["detail"] and previous is not None
@@ -373,6 +440,8 @@ def _measure(world: int, model_args: dict, steps: int, collectives: FakeCollecti
     gradient_bytes = 4 * parameter_count(module)
     beyond = [s - a for s, a in zip(timer.samples["silent"], timer.samples["allreduce"])]
     slot_bytes = 4 * statistics.median(slots)
+    detail_extra = 4 * detail_wire - slot_bytes  # the cosine matrix's part of a detail step
+    replica_wire = first_wire - detail_extra / 4  # step 0 less its matrix: a replica-check step
     result = {
         "world_size": world,
         "wire": "whole slots" if gather_max_world is None or world <= gather_max_world else "compact",
@@ -390,11 +459,15 @@ def _measure(world: int, model_args: dict, steps: int, collectives: FakeCollecti
         "wire_numel": statistics.median(slots),
         "slot_bytes_per_step": slot_bytes,
         "replica_step_bytes": 4 * replica_wire,
-        # Ordinary steps and one replica-check step in check_replicas_every, averaged per step.
-        "amortised_bytes_per_step": slot_bytes + (4 * replica_wire - slot_bytes) / DEFAULTS.check_replicas_every,
+        "detail_step_bytes": 4 * detail_wire,
+        "detail_bytes_per_step": detail_extra / DEFAULTS.detail_every,
+        # Ordinary steps, one replica-check step in check_replicas_every and one detail step in
+        # detail_every, averaged per step.
+        "amortised_bytes_per_step": slot_bytes + (4 * replica_wire - slot_bytes) / DEFAULTS.check_replicas_every + detail_extra / DEFAULTS.detail_every,
         "slot_fraction_of_gradient_bytes": slot_bytes / gradient_bytes,
         "compact_record_bytes": record_bytes(compact),
-        "detail_record_bytes": record_bytes(detail),
+        **detail_bytes,
+        "detail_build_ms": build_ms,
         "kept_bytes": retained_bytes(state),
         "replica_check_ms": 1e3 * replica_check_s(world, len(state._replica_tensors.names)),
         "replica_tensors": len(state._replica_tensors.names),
@@ -425,7 +498,8 @@ def measure_fsdp(world: int, model_args: dict, steps: int, gather_max_world: int
         # Only the statistics' own work is timed here: the other ranks' slots stay empty on the
         # fake group, so the detector (which would score them) is off; the replica check runs at
         # its default steps (step 0 here, its bytes counted) and finds the empty slots different.
-        state = ddphooks.attach(model, detect=False, gather_max_world=gather_max_world)
+        # Detail steps (the cosine matrix in the compact wire): step 0 and one after the timed steps.
+        state = ddphooks.attach(model, detect=False, gather_max_world=gather_max_world, detail_every=WARMUP + steps)
         spent, elements, gathered, wire = [], [], [], []
         measure_group, gather = state._measure, state._gather
 
@@ -459,7 +533,7 @@ def measure_fsdp(world: int, model_args: dict, steps: int, gather_max_world: int
         generator = torch.Generator().manual_seed(1)
         step_s = []
         try:
-            for _ in range(WARMUP + steps):
+            for _ in range(WARMUP + steps + 1):
                 spent.append(0.0)
                 gathered.append(0.0)
                 elements.append(0)
@@ -472,12 +546,16 @@ def measure_fsdp(world: int, model_args: dict, steps: int, gather_max_world: int
         finally:
             dist.all_reduce = all_reduce
         stats = state.latest
+        wire_first = wire[0]
         kept = retained_bytes(state)
         read = sum(band.plan.numel for entry in state._entries.values() for band in entry.bands)  # FSDP2's padding left out
         state.close()
-        replica_step_bytes = 4 * wire[0]  # step 0 checks the replicas
-        spent, gathered, step_s, wire = spent[WARMUP:], gathered[WARMUP:], step_s[WARMUP:], wire[WARMUP:]
+        detail_step_bytes = 4 * wire[-1]  # the last step: a detail step, not a replica-check one
+        timed = slice(WARMUP, WARMUP + steps)
+        spent, gathered, step_s, wire = spent[timed], gathered[timed], step_s[timed], wire[timed]
         slot_bytes = 4 * statistics.median(wire)
+        detail_extra = detail_step_bytes - slot_bytes
+        replica_step_bytes = 4 * wire_first - detail_extra  # step 0 checks the replicas (and is a detail step)
         return {
             "world_size": world,
             "replicas": replicas,
@@ -491,7 +569,9 @@ def measure_fsdp(world: int, model_args: dict, steps: int, gather_max_world: int
             "wire_numel": statistics.median(wire),
             "slot_bytes_per_step": slot_bytes,
             "replica_step_bytes": replica_step_bytes,
-            "amortised_bytes_per_step": slot_bytes + (replica_step_bytes - slot_bytes) / DEFAULTS.check_replicas_every,
+            "detail_step_bytes": detail_step_bytes,
+            "detail_bytes_per_step": detail_extra / DEFAULTS.detail_every,
+            "amortised_bytes_per_step": slot_bytes + (replica_step_bytes - slot_bytes) / DEFAULTS.check_replicas_every + detail_extra / DEFAULTS.detail_every,
             "slot_fraction_of_gradient_bytes": slot_bytes / (4 * parameter_count(model)),
             "kept_bytes": kept,
             "step_ms": 1e3 * statistics.median(step_s),
@@ -545,8 +625,9 @@ def main() -> None:
         print("in-hook: median [IQR] per step of ddphooks' calls less allreduce_hook's (their medians in brackets; slots: the\n"
               "last bucket's buffer and slot, its callback with the copy of the W slots, and building SilentStats)\n")
         print("| W | wire | DDP in-hook ms beyond allreduce_hook | detector ms (its thread) | statistics bytes/step (% of gradient bytes) "
-              "| with replica steps | compact record bytes | detail record bytes | kept MB | replica check ms |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+              "| with replica and detail steps (the matrix's share) | compact record bytes | detail record bytes (identity; matrix) | detail build ms (CPU) "
+              "| kept MB | replica check ms |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for world in worlds if args.only != "fsdp2" else []:
         for gather_max_world in (None, 1):  # every rank's whole slot; the compact wire (ddphooks.fleet)
@@ -554,8 +635,10 @@ def main() -> None:
             rows.append(r)
             q1, q3 = r["in_hook_ms_beyond_allreduce_iqr"]
             print(f"| {world} | {wire_label(r['wire'], world)} | {r['in_hook_ms_beyond_allreduce']:.1f} [{q1:.1f}, {q3:.1f}] ({r['silent_hook_ms']:.1f} - {r['allreduce_hook_ms']:.1f}; slots {r['slot_parts_ms']:.1f}) "
-                  f"| {r['detector_ms']:.2f} | {r['slot_bytes_per_step']:,.0f} ({100 * r['slot_fraction_of_gradient_bytes']:.3f}%) | {r['amortised_bytes_per_step']:,.0f} "
-                  f"| {r['compact_record_bytes']:,d} | {r['detail_record_bytes']:,d} | {r['kept_bytes'] / 2**20:.1f} | {r['replica_check_ms']:.1f} |", flush=True)  # fmt: skip
+                  f"| {r['detector_ms']:.2f} | {r['slot_bytes_per_step']:,.0f} ({100 * r['slot_fraction_of_gradient_bytes']:.3f}%) "
+                  f"| {r['amortised_bytes_per_step']:,.0f} ({r['detail_bytes_per_step']:,.0f}) | {r['compact_record_bytes']:,d} "
+                  f"| {r['detail_record_bytes']:,d} ({r['detail_identity_bytes']:,d}; {r['detail_matrix'] or 'no matrix'} {r['detail_matrix_bytes']:,d}) "
+                  f"| {r['detail_build_ms']:.1f} ({r['detail_build_cpu_ms']:.1f}) | {r['kept_bytes'] / 2**20:.1f} | {r['replica_check_ms']:.1f} |", flush=True)  # fmt: skip
     if rows:
         last = rows[-1]
         print(f"\n{last['parameters'] / 1e6:.1f} M parameters, {last['tensors']} tensors, {last['buckets']} buckets, transport "
@@ -566,7 +649,7 @@ def main() -> None:
         print(f"\nFSDP2 (fully_shard per decoder layer and the root, {mesh}): the statistics pass inside the reduce-scatters, "
               "median [IQR] per step; the end of backward (pack, all-reduce, statistics)\n")
         print("| W | wire | FSDP2 statistics pass ms/step | end of backward ms | reduce-scatter input elements/step | elements read | ns per element read "
-              "| statistics bytes/step (% of gradient bytes) | with replica steps | kept MB | step ms (no communication) |")
+              "| statistics bytes/step (% of gradient bytes) | with replica and detail steps | kept MB | step ms (no communication) |")
         print("|---|---|---|---|---|---|---|---|---|---|---|")
     fsdp_rows = []
     for world in worlds if args.only != "ddp" else []:

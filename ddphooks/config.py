@@ -83,11 +83,15 @@ class SilentConfig:
     the detail on demand). The default keeps a 10,000-step run at W = 8 with 272 parameters
     around 60 MB instead of 1 GB while still sampling the layer view every 100 steps."""
 
-    detail_max_world: int = 64
-    """Largest world size whose detail records carry W x W and per-rank tables (the cosine
-    matrix, per-rank norms of every bucket and parameter). Above it those tables grow as W^2 or
+    detail_max_world: int = 256
+    """Largest world size whose detail records carry W x W and per-rank tables (the sketched
+    cosine matrix, per-rank norms of every bucket and parameter), whatever the wire: above
+    ``gather_max_world`` the compact wire sends every rank's sketch on detail steps for it
+    (W x sketch_dim numbers, one step in ``detail_every``). Above it those tables grow as W^2 or
     W x parameters (26 MB a record at W = 1024 with 272 parameters), so detail records keep
-    per-parameter summaries (mean, max and the rank with the max) instead."""
+    per-parameter summaries (mean, max and the rank with the max) and a host-by-host cosine
+    matrix (``cosine_hosts``, ``ddphooks.hosts``: the compact wire then sends each host's sum of
+    its ranks' unit sketches, H x sketch_dim numbers) instead."""
 
     per_rank_max_world: int = 256
     """Largest world size whose compact records carry one value per rank of each per-rank signal
@@ -105,8 +109,9 @@ class SilentConfig:
     the compact wire (``ddphooks.fleet``): 24 bytes per rank plus sums over the ranks and
     ``sampled_ranks`` ranks' per-parameter norms, 122 KB a step at W = 4096; the per-rank
     cosines, layer levels (each rank's own layer CUSUM) and the replica check's verdict then
-    arrive one instrumented step late, there is no W x W cosine matrix, and a rank's layer view
-    travels on the steps it is sampled. 16 (the default) keeps the whole slot on up to two
+    arrive one instrumented step late, the W x W cosine matrix (or above ``detail_max_world`` the
+    host-by-host one) travels on detail steps only, and a rank's layer view travels on the steps
+    it is sampled. 16 (the default) keeps the whole slot on up to two
     8-accelerator nodes, where it is at most 34 KB a step with 273 parameters; None: the whole
     slot at any W. DDP, FSDP2 and HSDP (``ddphooks.fsdp``); DeepSpeed sends the whole slot at any W."""
 
@@ -184,7 +189,7 @@ class SilentConfig:
             raise ValueError(f"detail_every={self.detail_every} must be >= 0 (0: no detail records, 1: every record, 100: default)")
         _check_int("detail_max_world", self.detail_max_world)
         if self.detail_max_world < 1:
-            raise ValueError(f"detail_max_world={self.detail_max_world} must be >= 1 (64 is the default)")
+            raise ValueError(f"detail_max_world={self.detail_max_world} must be >= 1 (256 is the default)")
         _check_int("per_rank_max_world", self.per_rank_max_world)
         if self.per_rank_max_world < 1:
             raise ValueError(f"per_rank_max_world={self.per_rank_max_world} must be >= 1 (256 is the default)")

@@ -184,7 +184,7 @@ class DeepSpeedSilentState(BaseSilentState):
         chunk_elems: int | None = None,
         stats_kernel: str = "auto",
         detail_every: int = 100,
-        detail_max_world: int = 64,
+        detail_max_world: int = 256,
         per_rank_max_world: int = 256,
         max_pending_records: int = 1024,
         detect: bool | DetectorConfig = True,

@@ -55,7 +55,14 @@ buffer, each part summed over the ranks (a rank writes zeros where it has nothin
 6. under FSDP2 and HSDP only (``FleetLayout.reduced``), per parameter the squared norm of the
    rank's shard of the averaged gradient: their sum is ``|gbar_p|^2`` (R times it under HSDP,
    whose R replicas hold the same shards: the transport divides by R), which no rank holds
-   whole (DDP computes it from its own averaged buckets and sends no such part).
+   whole (DDP computes it from its own averaged buckets and sends no such part);
+7. on detail steps (``ddphooks.records.is_detail_step``: every ``detail_every``-th instrumented
+   step, known to every rank from the step number), the cosine matrix: up to
+   ``detail_max_world`` ranks every rank's sketch in its own row (W x k, a gather: the W x W
+   matrix of the whole slots), above it per host (``ddphooks.hosts.HostBlocks``, from the
+   identity table every rank holds) the sum of its ranks' unit sketches and their count
+   (H x (k + 1): the host-by-host matrix, ``ddphooks.hosts``). After every other part, so that
+   the other steps' wire keeps its size and every offset.
 
 Per rank and step: 24 B x W plus 4 (sampled x P + 4P + B + 1 + 2k) B (FSDP2: 4P B more): 122 KB at W = 4096 (P =
 273, k = 256, 16 sampled ranks; #42's budget 64 KB + 16 B x W holds up to W = 5203), against
@@ -67,7 +74,14 @@ over the replica group (71 KB), whatever the number of shards: on 2 replicas of 
 on 512 of 8 (a histogram per parameter and shard in one all-reduce over the whole mesh would be
 145 MB and 568 KB).
 
-What it leaves out: the W x W cosine matrix and each rank's mean cosine to the others (no rank
+A detail step adds 4 W k B (up to ``detail_max_world``) or 4 H (k + 1) B: averaged over
+``detail_every`` (100), 0.32 KB a step at W = 32, 2.6 KB at W = 256, 1.3 KB at W = 1024 on 128
+hosts and 2.6 KB at W = 4096 on 512 hosts (two a block: ``ddphooks.hosts.MAX_BLOCKS``; k = 251,
+the default sketch's bins): at W = 4096 the wire, its replica-check and detail steps averaged in,
+stays within #42's budget (125 KB against 131 KB, P = 273).
+
+What it leaves out: the W x W cosine matrix on the steps that are not detail steps, and each
+rank's mean cosine to the others (no rank
 holds every sketch; the step's mean cosine ``(|U|^2 - n) / (n (n - 1))`` is exact), and each
 rank's layer view on the steps it is not sampled (the records show the sampled rows against the
 other ranks' exact mean norms; the detector reads every rank's layer level). The per-rank
@@ -85,6 +99,7 @@ import numpy as np
 import torch
 
 from ddphooks.detect import PARAMETER_RATE, DetectorConfig
+from ddphooks.hosts import RANK_DECIMALS, HostBlocks, HostMatrix, block_cosines, rounded_rows
 from ddphooks.stats import (
     FINGERPRINT_WIDTH,
     MAX_NONFINITE_LISTED,
@@ -191,7 +206,13 @@ class FleetLayout:
     shards, which only the ranks holding the same shard must agree on: their histograms are
     summed over each replica group apart (``count_shards``), and this wire carries their
     ``shard_checks`` instead (``SHARD_CHECK`` numbers each); the other tensors (buffers) have
-    one histogram each here, over the whole mesh. 0 elsewhere (one histogram per tensor)."""
+    one histogram each here, over the whole mesh. 0 elsewhere (one histogram per tensor).
+
+    ``matrix_rows``: on a detail step (``ddphooks.records.is_detail_step``), rows of ``bins``
+    numbers for the cosine matrix (7 in the module docstring): ``world`` rows, each rank's sketch
+    in its own row (the W x W matrix, up to ``detail_max_world``), or with ``host_form`` one row
+    per block of ``ddphooks.hosts.HostBlocks``, each host's ranks' unit sketches summed, and as
+    many counts of the ranks summed (the host-by-host matrix). 0 on other steps."""
 
     world: int
     n_params: int
@@ -201,6 +222,8 @@ class FleetLayout:
     fingerprinted: int = 0
     reduced: int = 0
     sharded: int = 0
+    matrix_rows: int = 0
+    host_form: bool = False
 
     @property
     def rows(self) -> int:
@@ -228,6 +251,8 @@ class FleetLayout:
             "fingerprints": self.histogram_rows * (FINGERPRINT_BINS + 1),
             "shard_checks": self.sharded * SHARD_CHECK,
             "reduced_sq": self.reduced,
+            "matrix": self.matrix_rows * self.bins,
+            "matrix_present": self.matrix_rows if self.host_form else 0,
         }
         bounds, begin = {}, 0
         for name, size in sizes.items():
@@ -241,7 +266,7 @@ class FleetLayout:
 
     @property
     def size(self) -> int:
-        return self._bounds["reduced_sq"][1]
+        return self._bounds["matrix_present"][1]
 
 
 def pack(
@@ -258,6 +283,7 @@ def pack(
     differs: torch.Tensor | None = None,
     layer: LayerState | None = None,
     shard_checks: torch.Tensor | None = None,
+    matrix_row: int | None = None,
 ) -> torch.Tensor:
     """Write this rank's part of the compact wire into ``out`` (zeroed, ``layout.size`` fp32):
     its row (from ``head`` = [loss_sum, loss_count, status]: its mean loss and status, with
@@ -268,7 +294,10 @@ def pack(
     previous step (``own_values``, for the pooled scale); on a replica-check step its one in each
     tensor's histogram (``fingerprint_bins``; under HSDP the buffers', and on a shard's first
     replica its group's ``shard_checks``); after one, ``differs`` (``replica_differs``: 1 or 0)
-    sets ``REPLICA_DIFFERS`` in its status. Returns the rank's P squared norms in one tensor
+    sets ``REPLICA_DIFFERS`` in its status. On a detail step (``layout.matrix_rows``) its sketch
+    in row ``matrix_row`` (its rank) of the matrix part, or with ``layout.host_form`` its unit
+    sketch added to row ``matrix_row`` (its block) and a one to that block's count (0 for a zero
+    sketch): one or two more ops. Returns the rank's P squared norms in one tensor
     (``own_values`` reads them after the all-reduce). Device ops only: nothing synchronises."""
     param_sq = torch.cat(local_sq) if len(local_sq) > 1 else local_sq[0]
     row = out[layout.part("per_rank")].view(layout.world, PER_RANK)[rank]
@@ -300,6 +329,13 @@ def pack(
         norm = torch.linalg.vector_norm(sketch)
         # A zero sketch (no gradient on this rank) adds nothing to U, not 0/0.
         torch.div(sketch, torch.where(norm > 0, norm, torch.ones_like(norm)), out=out[layout.part("unit_sum")])
+        if layout.matrix_rows and matrix_row is not None:
+            rows = out[layout.part("matrix")].view(layout.matrix_rows, layout.bins)
+            if layout.host_form:  # this rank's unit sketch into its host's sum, and a one into its count
+                rows[matrix_row] = out[layout.part("unit_sum")]
+                torch.sign(norm, out=out[layout.part("matrix_present")][matrix_row])
+            else:
+                rows[matrix_row] = sketch
     if fingerprint is not None:
         compared = fingerprint[FINGERPRINT_WIDTH * layout.sharded :]  # the parameter shards' went to count_shards
         index = torch.arange(layout.histogram_rows, device=out.device) * (FINGERPRINT_BINS + 1) + fingerprint_bins(compared)
@@ -488,7 +524,10 @@ class FleetStats(SilentStats):
 
     - ``cosine_loo``, ``cosine_previous`` and ``layer_scores``: each rank's values of the
       previous instrumented step, ``cosines_step`` (None on the first: no values);
-    - ``cosine`` (the W x W matrix) and ``cosine_to_others``: None;
+    - ``cosine`` (the W x W matrix): on detail steps up to ``detail_max_world`` only (every
+      rank's sketch travels then), from the same sketches as the whole slots'; above it
+      ``cosine_hosts`` on detail steps, from each host's sum of unit sketches; None on the others;
+    - ``cosine_to_others``: None;
     - ``param_sq``: the rows of ``sampled_ranks`` only, NaN elsewhere;
     - ``replicas``: the verdict of the replica check of the instrumented step before
       (``checked_step``), on the step after it, naming the ranks that flagged themselves
@@ -503,6 +542,8 @@ class FleetStats(SilentStats):
         cosines_step: the step the per-rank cosines belong to (None: none yet).
         replica_check: the statistics of the previous instrumented step where it checked the
             replicas (its histograms), None otherwise.
+        hosts: with ``layout.host_form``, the blocks its host-by-host matrix is summed over (the
+            state's ``hosts``), for the record's labels.
     """
 
     def __init__(
@@ -518,6 +559,7 @@ class FleetStats(SilentStats):
         fingerprinted: list[str] | None = None,
         divided_by_present: bool = False,
         replica_check: "FleetStats | None" = None,
+        hosts: HostBlocks | None = None,
     ) -> None:
         per_rank = reduced_wire[layout.part("per_rank")].view(layout.world, PER_RANK)
         super().__init__(step, layout.world, buckets, per_rank, reduced_sq, layout.bins, transport, fingerprinted, divided_by_present=divided_by_present)
@@ -525,6 +567,7 @@ class FleetStats(SilentStats):
         self.sampled = list(sampled)
         self.parameter_rows = self.sampled
         self.cosines_step = cosines_step
+        self.hosts = hosts
         if reduced_wire.numel() != layout.size:
             raise ValueError(f"the compact wire has {reduced_wire.numel()} numbers, its layout {layout.size}")
         self._rest_host = PendingHost([reduced_wire[layout.part("per_rank").stop :]])
@@ -607,9 +650,44 @@ class FleetStats(SilentStats):
         return int(round(float(self._part("present")[0])))
 
     @property
-    def cosine(self) -> None:
-        """No W x W matrix in the compact wire (no rank holds every sketch)."""
+    def _sketches(self) -> np.ndarray:
+        """W x k: every rank's sketch, on a detail step up to ``detail_max_world`` (the matrix part)."""
+        return self._part("matrix").reshape(self.world_size, self.bins)
+
+    @property
+    def _rank_matrix(self) -> bool:
+        """Whether every rank's sketch travelled on this step (a detail step up to ``detail_max_world``)."""
+        return bool(self.bins) and self.layout.matrix_rows == self.world_size and not self.layout.host_form
+
+    @property
+    def cosine(self) -> np.ndarray | None:
+        """The W x W sketched cosine matrix on a detail step up to ``detail_max_world`` (every
+        rank's sketch travels then: the whole slots' matrix); None on other steps, where no rank
+        holds every sketch."""
+        return super().cosine if self._rank_matrix else None
+
+    def cosine_hosts(self, blocks: HostBlocks | None = None) -> HostMatrix | None:
+        """The host-by-host matrix on a detail step: above ``detail_max_world`` from the hosts'
+        sums of unit sketches that travelled (``blocks`` may be left out), up to it from every
+        rank's sketch (``blocks`` needed); None on other steps."""
+        if self.bins and self.layout.host_form:
+            counts = self._part("matrix_present")
+            return HostMatrix(block_cosines(self._part("matrix").reshape(self.layout.matrix_rows, self.bins), counts), counts.copy())
+        if self._rank_matrix and blocks is not None:
+            return super().cosine_hosts(blocks)
         return None
+
+    def _cosine_rows(self) -> list[list[float | None]] | None:
+        """The record's ``cosine``, rounded to ``RANK_DECIMALS`` (at W = 256, 460 KB instead of 1.4 MB)."""
+        cosine = self.cosine
+        return None if cosine is None else rounded_rows(cosine, RANK_DECIMALS)
+
+    def _cosine_hosts_record(self, hosts: HostBlocks | None) -> dict | None:
+        blocks = self.hosts or hosts
+        if blocks is None or (self.layout.host_form and blocks.count != self.layout.matrix_rows):
+            return None
+        matrix = self.cosine_hosts(blocks)
+        return None if matrix is None else matrix.to_record(blocks)
 
     def _own_value(self, column: int, sketch: bool = True) -> np.ndarray | None:
         if (sketch and not self.bins) or self.cosines_step is None:
@@ -701,11 +779,12 @@ class FleetStats(SilentStats):
         buckets = [{"grad_norm_mean": _float(bucket_mean[b]), "grad_norms_sampled": _floats(np.sqrt(bucket_sampled[:, b]))} for b in range(len(self.buckets))]
         return params, buckets
 
-    def to_dict(self, detail: bool = True, detail_max_world: int = 64, alerts: list[dict] = (), per_rank: bool = True) -> dict:
+    def to_dict(self, detail: bool = True, detail_max_world: int = 256, alerts: list[dict] = (), per_rank: bool = True, hosts: HostBlocks | None = None) -> dict:
         """``SilentStats.to_dict`` plus what the compact wire changes: ``wire`` ("compact"),
         ``cosines_step``, ``sampled_ranks``, and per rank (where the record keeps per-rank values)
-        its layer level and parameter on ``cosines_step`` (``layer_levels``, ``layer_parameters``)."""
-        record = super().to_dict(detail, detail_max_world, alerts, per_rank)
+        its layer level and parameter on ``cosines_step`` (``layer_levels``, ``layer_parameters``);
+        the cosine matrix only on detail steps (rounded to ``RANK_DECIMALS``)."""
+        record = super().to_dict(detail, detail_max_world, alerts, per_rank, hosts)
         record.update(wire="compact", cosines_step=self.cosines_step, sampled_ranks=list(self.sampled))
         if per_rank:
             levels, parameters = self.layer_scores, self.layer_parameters

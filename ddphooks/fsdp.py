@@ -164,7 +164,7 @@ class ShardedSilentState(BaseSilentState):
         chunk_elems: int | None = None,
         stats_kernel: str = "auto",
         detail_every: int = 100,
-        detail_max_world: int = 64,
+        detail_max_world: int = 256,
         per_rank_max_world: int = 256,
         gather_max_world: int | None = 16,
         sampled_ranks: int = 16,

@@ -121,7 +121,8 @@ class SilentState(BaseSilentState):
             torch path), "torch" (every device) or "triton" (one Triton kernel per bucket, CUDA
             only; see ``SilentConfig``).
         detail_every: every N-th instrumented step writes a detail record (see ``SilentConfig``).
-        detail_max_world: largest world size whose detail records keep per-rank tables (see ``SilentConfig``).
+        detail_max_world: largest world size whose detail records keep per-rank tables and the W x W
+            cosine matrix (256; above it a host-by-host matrix; see ``SilentConfig``).
         per_rank_max_world: largest world size whose compact records keep one value per rank of
             each per-rank signal; above it, quantiles over ranks and the ranks that stand out (see
             ``SilentConfig``).
@@ -169,7 +170,7 @@ class SilentState(BaseSilentState):
         chunk_elems: int | None = None,
         stats_kernel: str = "auto",
         detail_every: int = 100,
-        detail_max_world: int = 64,
+        detail_max_world: int = 256,
         per_rank_max_world: int = 256,
         gather_max_world: int | None = 16,
         sampled_ranks: int = 16,

@@ -9,10 +9,18 @@ from __future__ import annotations
 import math
 
 from ddphooks.config import SilentConfig
+from ddphooks.hosts import HostBlocks, host_blocks
 from ddphooks.stats import SilentStats, _float
 
 #: Weight of the past in the smoothed noise scale: about 1 / (1 - 0.95) = 20 records.
 NOISE_SCALE_DECAY = 0.95
+
+
+def is_detail_step(step: int, every: int, detail_every: int) -> bool:
+    """Whether instrumented step ``step`` writes a detail record: every ``detail_every``-th
+    instrumented step, counted from step 0 (what every rank knows: the compact wire sends the
+    cosine matrix's sketches on these steps)."""
+    return detail_every > 0 and (step // every) % detail_every == 0
 
 
 class RecordBuilder:
@@ -39,9 +47,12 @@ class RecordBuilder:
         identity: who and where each rank of the group is (``RankTable.to_list()``): the first
             record built and every detailed one carry it as ``identity``, so a reader of any
             stretch of a run file finds it within ``detail_every`` steps.
+        hosts: the ranks by host for the host-by-host cosine matrix of detail records above
+            ``detail_max_world`` (None: ``host_blocks`` of ``identity``'s hosts, as the state
+            builds it; no such matrix from whole slots without either).
 
     Example::
-        >>> builder = RecordBuilder(every=1, detail_every=100, detail_max_world=64)
+        >>> builder = RecordBuilder(every=1, detail_every=100, detail_max_world=256)
         >>> record = builder.build(state.latest, alerts=[])
     """
 
@@ -53,8 +64,12 @@ class RecordBuilder:
         global_ranks: list[int] | None = None,
         per_rank_max_world: int = SilentConfig.per_rank_max_world,
         identity: list[dict] | None = None,
+        hosts: HostBlocks | None = None,
     ) -> None:
         self.identity = identity
+        if hosts is None and identity:
+            hosts = host_blocks([str(row.get("host")) for row in identity])
+        self.hosts = hosts
         self._identity_written = False
         self.global_ranks = global_ranks
         self.per_rank_max_world = per_rank_max_world
@@ -65,14 +80,14 @@ class RecordBuilder:
         self.signal_average = 0.0
 
     def is_detailed(self, step: int) -> bool:
-        return self.detail_every > 0 and (step // self.every) % self.detail_every == 0
+        return is_detail_step(step, self.every, self.detail_every)
 
     def build(self, stats: SilentStats, alerts: list[dict] = ()) -> dict:
         """The record of one step, with the alerts the pipeline found on it (and those raised
         outside the detector since the last record)."""
         detailed = self.is_detailed(stats.step)
         per_rank = detailed or stats.world_size <= self.per_rank_max_world
-        record = stats.to_dict(detail=detailed, detail_max_world=self.detail_max_world, alerts=alerts, per_rank=per_rank)
+        record = stats.to_dict(detail=detailed, detail_max_world=self.detail_max_world, alerts=alerts, per_rank=per_rank, hosts=self.hosts)
         record["noise_scale_smoothed"] = _float(self._smoothed_noise_scale(*stats.noise_scale_terms))
         if self.global_ranks is not None:  # a subgroup of the job: which group, which global ranks
             record["global_ranks"] = self.global_ranks

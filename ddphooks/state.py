@@ -18,10 +18,11 @@ import torch.distributed as dist
 from ddphooks import fleet
 from ddphooks.config import SilentConfig
 from ddphooks.detect import Detector, DetectorConfig
+from ddphooks.hosts import host_blocks
 from ddphooks.identity import RankTable, local_identity
 from ddphooks.loss import LossTracker
 from ddphooks.pipeline import StepPipeline
-from ddphooks.records import RecordBuilder
+from ddphooks.records import RecordBuilder, is_detail_step
 from ddphooks.sinks import Sink
 from ddphooks.sinks.base import bind_sink
 from ddphooks.sketch import BucketStatsKernel, SignTable, sketch_bins
@@ -113,6 +114,10 @@ class BaseSilentState:
         self.ranks = ranks
         """Who and where each rank of the group is (``ddphooks.identity.RankTable``): the same on
         every rank; records carry it, alerts are named with it."""
+        self.hosts = host_blocks([identity.host for identity in ranks.identities])
+        """The ranks by host (``ddphooks.hosts.HostBlocks``, from ``ranks``: the same on every
+        rank): the blocks of the host-by-host cosine matrix of detail steps above
+        ``detail_max_world``."""
         self.bins = sketch_bins(self.config.sketch_dim)
         self._kernels: dict[torch.device, BucketStatsKernel] = {}
         self._sketch: torch.Tensor | None = None  # this step's sketch accumulator (fp32, bins)
@@ -132,8 +137,9 @@ class BaseSilentState:
             for sink in self.sinks:
                 bind_sink(sink, self.rank, dist.get_rank())
             self._records = RecordBuilder(
-                self.config.every, self.config.detail_every, self.config.detail_max_world, self.global_ranks, self.config.per_rank_max_world, ranks.to_list()
-            )
+                self.config.every, self.config.detail_every, self.config.detail_max_world, self.global_ranks, self.config.per_rank_max_world, ranks.to_list(),
+                hosts=self.hosts,
+            )  # fmt: skip
             if getattr(self, "_restored_records", None):
                 self._records.load_state_dict(self._restored_records)
             records = self._records  # the writer thread must not hold the state itself
@@ -429,10 +435,24 @@ class BaseSilentState:
         if limit is None or self.world_size <= limit:
             return None
         fingerprinted = len(record.fingerprinted)
+        detail = is_detail_step(record.step, self.config.every, self.config.detail_every)
+        matrix_rows, host_form = self._detail_matrix() if detail else (0, False)
         return fleet.FleetLayout(
             self.world_size, n_params, len(record.layouts), self.bins, self.config.sampled_ranks, fingerprinted, reduced,
-            sharded=self._sharded_fingerprints() if fingerprinted else 0,
+            sharded=self._sharded_fingerprints() if fingerprinted else 0, matrix_rows=matrix_rows, host_form=host_form,
         )  # fmt: skip
+
+    def _detail_matrix(self) -> tuple[int, bool]:
+        """What the compact wire sends on a detail step for the cosine matrix: ``(rows, host_form)``,
+        W rows (every rank's sketch: the W x W matrix) up to ``detail_max_world``, else one row per
+        block of ``hosts`` (each host's sum of its ranks' unit sketches: the host-by-host
+        matrix); ``(0, False)`` without a sketch. From W, the settings and the identity table:
+        the same on every rank."""
+        if not self.bins:
+            return 0, False
+        if self.world_size <= self.config.detail_max_world:
+            return self.world_size, False
+        return self.hosts.count, True
 
     def _sharded_fingerprints(self) -> int:
         """``FleetLayout.sharded``: how many of the fingerprinted tensors (the first ones) are
@@ -441,9 +461,12 @@ class BaseSilentState:
         return 0
 
     def _fleet_capacity(self, layout: fleet.FleetLayout) -> int:
-        """The size of ``layout``'s buffer on a replica-check step: what the persistent buffer is
-        sized for at once, so that a check's wider wire does not reallocate it."""
-        return replace(layout, fingerprinted=len(self._replica_tensors or ()), sharded=self._sharded_fingerprints()).size
+        """The size of ``layout``'s buffer on a replica-check detail step: what the persistent
+        buffer is sized for at once, so that a check's or a detail step's wider wire does not
+        reallocate it."""
+        rows, host_form = self._detail_matrix() if self.config.detail_every else (0, False)
+        widest = replace(layout, fingerprinted=len(self._replica_tensors or ()), sharded=self._sharded_fingerprints(), matrix_rows=rows, host_form=host_form)
+        return widest.size
 
     def _pack_or_fail(self, record: StepRecord, slots: torch.Tensor, slot: int, status: int) -> None:
         """Zero ``slots`` and write this rank's share of the step into them (the transport's
@@ -500,9 +523,10 @@ class BaseSilentState:
         # This rank's rises of its previous step, for the layer CUSUMs' pooled scale.
         layer = self._layer_state_of(record.layouts)
         sketch = self._sketch if self.bins else None
+        matrix_row = self.hosts.of_rank[self.rank] if record.fleet.host_form else self.rank
         record.param_sq = fleet.pack(
             record.fleet, record.sampled, self.rank, self._head(status, out.device), record.local_sq, sketch, own, fingerprint,
-            record.absent, out, differs, layer, record.shard_checks,
+            record.absent, out, differs, layer, record.shard_checks, matrix_row,
         )  # fmt: skip
 
     def _keep_fleet(self, record: StepRecord, reduced: torch.Tensor) -> None:
@@ -550,6 +574,7 @@ class BaseSilentState:
             record.fingerprinted,
             divided_by_present=record.divided_by_present,
             replica_check=record.replica_check,
+            hosts=self.hosts if record.fleet.host_form else None,
         )
 
     def _publish(self, step: int, result: SilentStats | BaseException) -> None:

@@ -49,6 +49,7 @@ import numpy as np
 import torch
 
 from ddphooks.devices import recorded_event
+from ddphooks.hosts import HostBlocks, HostMatrix, block_cosines, unit_sums
 
 LOSS_SUM = 0
 LOSS_COUNT = 1
@@ -616,6 +617,14 @@ class SilentStats:
             return None
         return self._over_present(cosine_from_sketches, matrix=True)
 
+    def cosine_hosts(self, blocks: HostBlocks) -> HostMatrix | None:
+        """The host-by-host matrix (``ddphooks.hosts``): per pair of ``blocks`` (hosts), the mean
+        sketched cosine between their ranks, from every rank's sketch; None without a sketch."""
+        if not self.bins or blocks.world != self.world_size:
+            return None
+        sums, counts = unit_sums(self._sketches, ~self.absent, blocks)
+        return HostMatrix(block_cosines(sums, counts), counts)
+
     @cached_property
     def cosine_to_others(self) -> np.ndarray | None:
         """Per rank, its mean sketched cosine to the other ranks; None without a sketch."""
@@ -774,7 +783,7 @@ class SilentStats:
         return gradients, int(len(bad[0]))
 
     # -- output --------------------------------------------------------------------------------
-    def to_dict(self, detail: bool = True, detail_max_world: int = 64, alerts: list[dict] = (), per_rank: bool = True) -> dict:
+    def to_dict(self, detail: bool = True, detail_max_world: int = 256, alerts: list[dict] = (), per_rank: bool = True, hosts: HostBlocks | None = None) -> dict:
         """A JSON-serialisable record of the step (strict JSON: non-finite values are null).
 
         The same whenever it is called: nothing is added to a step once it is complete. The
@@ -786,11 +795,14 @@ class SilentStats:
                 Without it the record is the compact summary, O(W) numbers.
             detail_max_world: above this world size, the detail keeps per-parameter and
                 per-bucket summaries over ranks (mean, max, the rank with the max) instead of a
-                value per rank, and leaves out the W x W matrix.
+                value per rank, and gives the host-by-host matrix (``cosine_hosts``, where
+                ``hosts`` is given) instead of the W x W one.
             alerts: the step's alerts, for the ``alerts`` key (the record builder passes them).
             per_rank: give each per-rank signal (``PER_RANK_KEYS``) one value per rank; False:
                 ``<key>_over_ranks`` instead (``over_ranks``: quantiles over ranks and the ranks
                 farthest from the median), O(1) in W. ``per_rank`` says which.
+            hosts: the ranks by host (``ddphooks.hosts.host_blocks`` of the identity table), for
+                the host-by-host matrix above ``detail_max_world``.
         """
         summary = self.summary()
 
@@ -821,13 +833,24 @@ class SilentStats:
             "detail": detail,
         }
         if detail:
-            record.update(self._detail(detail_max_world))
+            record.update(self._detail(detail_max_world, hosts))
         return record
 
-    def _detail(self, detail_max_world: int) -> dict:
-        """The layer view: cosine matrix, per-bucket and per-parameter norms and cosines."""
+    def _cosine_rows(self) -> list[list[float | None]] | None:
+        """The record's ``cosine``: the W x W matrix as JSON rows (None without one)."""
+        cosine = self.cosine
+        return None if cosine is None else [_floats(row) for row in cosine]
+
+    def _cosine_hosts_record(self, hosts: HostBlocks | None) -> dict | None:
+        """The record's ``cosine_hosts`` (``HostMatrix.to_record``), None without one."""
+        matrix = None if hosts is None else self.cosine_hosts(hosts)
+        return None if matrix is None else matrix.to_record(hosts)
+
+    def _detail(self, detail_max_world: int, hosts: HostBlocks | None = None) -> dict:
+        """The layer view: cosine matrix (W x W up to ``detail_max_world``, host by host above
+        it), per-bucket and per-parameter norms and cosines."""
         per_rank = self.world_size <= detail_max_world
-        cosine = self.cosine if per_rank else None
+        matrix = {"cosine": self._cosine_rows()} if per_rank else {"cosine": None, "cosine_hosts": self._cosine_hosts_record(hosts)}
         reduced_param_sq, reduced_bucket_sq = self.reduced_param_sq, self.reduced_bucket_sq
         param_wmc, bucket_wmc = self._layer_cosines()
         param_norms, bucket_norms = self._layer_norms(per_rank)
@@ -847,7 +870,7 @@ class SilentStats:
                 )
                 p += 1
         return {
-            "cosine": None if cosine is None else [_floats(row) for row in cosine],
+            **matrix,
             "buckets": [
                 {
                     "index": bucket.index,

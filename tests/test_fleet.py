@@ -8,6 +8,7 @@ cosines equal to the full path's (one step late); the sampled ranks' per-paramet
 The DDP runs (compact wire against whole slots, same data) are in ``tests/test_hook.py``.
 """
 
+import json
 import math
 
 import numpy as np
@@ -16,6 +17,8 @@ import torch
 
 from ddphooks import fleet
 from ddphooks.config import SilentConfig
+from ddphooks import hosts as fleet_hosts
+from ddphooks.hosts import host_blocks, matrix_from_record
 from ddphooks.stats import ABSENT, BucketLayout, SilentStats, slot_size
 
 BUCKETS = [BucketLayout(0, ("a", "b"), (30, 20)), BucketLayout(1, ("c", "d", "e"), (10, 40, 5))]
@@ -499,7 +502,7 @@ def test_the_default_wire_is_the_whole_slot_up_to_16_ranks_and_the_compact_wire_
     from ddphooks.hook import SilentState
 
     assert SilentConfig().gather_max_world == 16
-    record = SimpleNamespace(layouts=BUCKETS, fingerprinted=[])
+    record = SimpleNamespace(step=1, layouts=BUCKETS, fingerprinted=[])  # not a detail step (step 0 is)
     default, whole = SilentState(), SilentState(gather_max_world=None)
     for world, compact in ((2, False), (16, False), (17, True), (4096, True)):
         default.world_size = whole.world_size = world
@@ -531,12 +534,176 @@ def test_hsdp_check_steps_carry_the_shards_checks_whatever_the_shards_and_the_bu
     sizes = []
     for replicas, shards in ((4, 2), (2, 2048)):
         state.world_size, state.bins, state._shards, state._replicas = replicas * shards, BINS, shards, replicas  # set when binding
-        plain = state._fleet_layout(SimpleNamespace(layouts=BUCKETS, fingerprinted=[]), N_PARAMS, reduced=N_PARAMS)
-        check = state._fleet_layout(SimpleNamespace(layouts=BUCKETS, fingerprinted=state._replica_tensors.names), N_PARAMS, reduced=N_PARAMS)
+        state.hosts = host_blocks([f"node{r // 8}" for r in range(replicas * shards)])
+        plain = state._fleet_layout(SimpleNamespace(step=1, layouts=BUCKETS, fingerprinted=[]), N_PARAMS, reduced=N_PARAMS)
+        check = state._fleet_layout(SimpleNamespace(step=1, layouts=BUCKETS, fingerprinted=state._replica_tensors.names), N_PARAMS, reduced=N_PARAMS)
         assert (plain.sharded, plain.histogram_rows) == (0, 0)
         assert (check.sharded, check.histogram_rows) == (2, 1)  # weight and bias checked within the replica groups; the mask
-        assert check.size == plain.size + (fleet.FINGERPRINT_BINS + 1) + 2 * fleet.SHARD_CHECK == state._fleet_capacity(plain)
+        assert check.size == plain.size + (fleet.FINGERPRINT_BINS + 1) + 2 * fleet.SHARD_CHECK
+        # The buffer's capacity: a check on a detail step (step 0), whose matrix part is W rows
+        # (8 ranks) or one row and count per block (4096 ranks on 512 hosts, two a block).
+        detail = state._fleet_layout(SimpleNamespace(step=0, layouts=BUCKETS, fingerprinted=state._replica_tensors.names), N_PARAMS, reduced=N_PARAMS)
+        rows = 8 if replicas * shards == 8 else 256
+        assert detail.size == check.size + rows * (BINS + detail.host_form) == state._fleet_capacity(plain)
         sizes.append(check.size - plain.size)
     assert sizes[0] == sizes[1]
     state._replicas = 1  # plain FSDP2: the same tensors, one histogram each over the mesh
-    assert state._fleet_layout(SimpleNamespace(layouts=BUCKETS, fingerprinted=state._replica_tensors.names), N_PARAMS).histogram_rows == 3
+    assert state._fleet_layout(SimpleNamespace(step=1, layouts=BUCKETS, fingerprinted=state._replica_tensors.names), N_PARAMS).histogram_rows == 3
+
+
+# -- the cosine matrix on detail steps (issue 56) ------------------------------------------------
+def _compact_detail(layout: fleet.FleetLayout, ranks: list[dict], blocks=None) -> torch.Tensor:
+    """Every rank's part of a detail step's compact wire, summed: its sketch in its row (the rank
+    form), or its unit sketch in its host's row (``blocks``: the host form)."""
+    total = torch.zeros(layout.size)
+    for rank, r in enumerate(ranks):
+        out = torch.zeros(layout.size)
+        row = blocks.of_rank[rank] if layout.host_form else rank
+        fleet.pack(layout, [0, 1], rank, r["head"], r["local_sq"], r["sketch"], torch.full((fleet.OWN_VALUES,), math.nan), None, r["absent"], out, matrix_row=row)
+        total += out
+    return total
+
+
+def _block_means(cosine: np.ndarray, blocks, present: np.ndarray) -> np.ndarray:
+    """The slow way: each pair of hosts' mean over their present ranks' pairs of ``cosine``
+    (W x W), distinct ranks only; NaN where there is no such pair."""
+    size = blocks.count
+    result = np.full((size, size), np.nan)
+    for a in range(size):
+        for b in range(size):
+            pairs = [cosine[i, j] for i in blocks.ranks[a] for j in blocks.ranks[b] if i != j and present[i] and present[j]]
+            if pairs:
+                result[a, b] = sum(pairs) / len(pairs)
+    return result
+
+
+@pytest.mark.parametrize("absent", [(), (2,)])
+def test_a_detail_step_carries_every_ranks_sketch_and_the_whole_slots_matrix(absent):
+    """Up to ``detail_max_world`` a detail step's compact wire carries each rank's sketch (a
+    gather): the W x W matrix is the whole slots' (to fp32 rounding; the record's rounded to 3
+    decimals), an absent rank's row and column NaN; the step's other statistics are unchanged."""
+    world = 6
+    layout = fleet.FleetLayout(world, N_PARAMS, len(BUCKETS), BINS, sampled=4, matrix_rows=world)
+    plain = fleet.FleetLayout(world, N_PARAMS, len(BUCKETS), BINS, sampled=4)
+    assert layout.size == plain.size + world * BINS and layout.part("matrix").start == plain.size  # after every other part
+    ranks, reduced_sq = _ranks(world, 21, absent), torch.rand(N_PARAMS) + 0.05
+    full = _full_stats(0, ranks, reduced_sq)
+    wire = _compact_detail(layout, ranks)
+    stats = fleet.FleetStats(0, BUCKETS, layout, wire, reduced_sq, "piggyback", [0, 1], None)
+    np.testing.assert_allclose(stats.cosine, full.cosine, rtol=1e-5, atol=1e-6)
+    assert np.isnan(stats.cosine[list(absent)]).all() and np.isnan(stats.cosine[:, list(absent)]).all()
+    without = fleet.FleetStats(0, BUCKETS, plain, torch.cat([wire[: plain.size]]), reduced_sq, "piggyback", [0, 1], None)
+    assert without.cosine is None and without.summary() == pytest.approx(stats.summary(), nan_ok=True)
+    record = stats.to_dict(detail=True)
+    matrix = np.array([[np.nan if v is None else v for v in row] for row in record["cosine"]])
+    np.testing.assert_allclose(matrix, full.cosine, atol=5e-4 + 1e-6)
+    assert all(v is None or round(v, 3) == v for row in record["cosine"] for v in row)
+    assert "cosine_hosts" not in record and record["cosine"][0][0] == 1.0
+    assert stats.to_dict(detail=False).get("cosine") is None
+
+
+@pytest.mark.parametrize("absent", [(), (5,)])
+def test_above_detail_max_world_a_detail_step_carries_each_hosts_unit_sketches_and_their_block_means(absent):
+    """Above ``detail_max_world`` the wire carries each host's sum of its ranks' unit sketches:
+    the host-by-host matrix is each block's mean of the W x W matrix (the slow way, from every
+    rank's sketch), with the within-host mean on its diagonal; whole slots give the same from
+    their sketches. Hosts need not be contiguous; an absent rank is left out."""
+    world = 12
+    hosts = [f"node{(r * 5) % 4}" for r in range(world)]  # 3 ranks a host, not in rank order
+    blocks = host_blocks(hosts)
+    assert blocks.count == 4 and blocks.labels == ("node0", "node1", "node2", "node3") and blocks.ranks[1] == [1, 5, 9]
+    layout = fleet.FleetLayout(world, N_PARAMS, len(BUCKETS), BINS, sampled=4, matrix_rows=blocks.count, host_form=True)
+    ranks, reduced_sq = _ranks(world, 22, absent), torch.rand(N_PARAMS) + 0.05
+    full = _full_stats(0, ranks, reduced_sq)
+    wire = _compact_detail(layout, ranks, blocks)
+    stats = fleet.FleetStats(0, BUCKETS, layout, wire, reduced_sq, "piggyback", [0, 1], None, hosts=blocks)
+    assert stats.cosine is None
+    slow = _block_means(full.cosine, blocks, ~full.absent)
+    got = stats.cosine_hosts()
+    np.testing.assert_allclose(got.cosine, slow, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(full.cosine_hosts(blocks).cosine, slow, rtol=1e-9, atol=1e-12)
+    assert got.present.tolist() == [3.0 - sum(1 for r in absent if blocks.of_rank[r] == b) for b in range(4)]
+    record = stats.to_dict(detail=True, detail_max_world=8)
+    entry = record["cosine_hosts"]
+    assert record["cosine"] is None and entry["hosts"] == list(blocks.labels) and entry["ranks"] == blocks.ranks
+    assert [len(row) for row in entry["hundredths"]] == [1, 2, 3, 4] and all(isinstance(v, int) for row in entry["hundredths"] for v in row)
+    np.testing.assert_allclose(matrix_from_record(entry), slow, atol=0.005 + 1e-6)
+    # Whole slots above detail_max_world: the same record from every rank's sketch.
+    whole = full.to_dict(detail=True, detail_max_world=8, hosts=blocks)["cosine_hosts"]
+    assert whole["hosts"] == entry["hosts"] and whole["present"] == entry["present"]
+    np.testing.assert_allclose(matrix_from_record(whole), matrix_from_record(entry), atol=0.01 + 1e-9)
+    json.dumps(record, allow_nan=False)
+
+
+def test_host_blocks_follow_the_identity_tables_hosts_and_merge_beyond_the_limit():
+    assert host_blocks(["b", "b", "a", "a"]).labels == ("b", "a")  # in the order of each host's first rank
+    merged = host_blocks([f"n{r // 2:03d}" for r in range(24)], max_blocks=4)  # 12 hosts, 4 blocks of 3
+    assert merged.labels == ("n000..n002", "n003..n005", "n006..n008", "n009..n011") and merged.ranks[0] == [0, 1, 2, 3, 4, 5]
+    same = host_blocks(["fake"] * 1024)  # one host for every rank (the fake process group): blocks of 8 ranks
+    assert same.count == 128 and same.labels[1] == "ranks 8-15" and same.of_rank[1023] == 127
+    assert host_blocks(["x"] * 8192).count == 256 and host_blocks(["x"]).count == 1
+    big = host_blocks([f"node{r // 8:04d}" for r in range(4096)])  # 512 hosts: two a block
+    assert big.count == fleet_hosts.MAX_BLOCKS == 256 and big.labels[1] == "node0002..node0003" and big.ranks[1] == list(range(16, 32))
+
+
+def _sketch_rows(gradients: torch.Tensor, bins: int) -> torch.Tensor:
+    """Each row's CountSketch with the hook's kernel and sign table (seed 0)."""
+    from ddphooks.sketch import BucketPlan, BucketStatsKernel, SignTable
+
+    kernel = BucketStatsKernel(bins, torch.device("cpu"), SignTable(0, bins, torch.device("cpu")))
+    plan = BucketPlan([gradients.shape[1]], bins, 0, torch.device("cpu"), 1 << 17)
+    sketches = torch.zeros(len(gradients), bins)
+    for row, g in zip(sketches, gradients):
+        kernel.run(g.clone(), plan, row, torch.empty(1))
+    return sketches
+
+
+def test_the_matrices_against_the_exact_cosines_of_the_gradients():
+    """The accuracy of both forms against exact cosines (float64, from the full gradients), at
+    the default sketch (251 bins): 32 ranks on 4 hosts, hosts 0-1 and 2-3 on two different data
+    distributions (two shared directions and noise). RMS error within ``1/sqrt(bins)``."""
+    from ddphooks.sketch import sketch_bins
+
+    bins, world, dim = sketch_bins(256), 32, 200_000
+    generator = torch.Generator().manual_seed(3)
+    shared = torch.randn(2, dim, generator=generator, dtype=torch.float64)
+    group = torch.tensor([0] * 16 + [1] * 16)
+    gradients = shared[group] + 1.2 * torch.randn(world, dim, generator=generator, dtype=torch.float64)
+    unit = gradients / gradients.norm(dim=1, keepdim=True)
+    exact = (unit @ unit.T).numpy()
+    sketches = _sketch_rows(gradients.float(), bins)
+    blocks = host_blocks([f"node{r // 8}" for r in range(world)])
+    ranks = [{"head": torch.tensor([1.0, 1.0, 0.0]), "local_sq": [torch.ones(2), torch.ones(3)], "sketch": s, "absent": False} for s in sketches]
+    bound = 1 / math.sqrt(bins)
+    rank_layout = fleet.FleetLayout(world, N_PARAMS, len(BUCKETS), bins, sampled=4, matrix_rows=world)
+    rank_stats = fleet.FleetStats(0, BUCKETS, rank_layout, _compact_detail(rank_layout, ranks), torch.ones(N_PARAMS), "piggyback", [0, 1], None)
+    off = ~np.eye(world, dtype=bool)
+    rank_rms = float(np.sqrt(np.mean((rank_stats.cosine - exact)[off] ** 2)))
+    host_layout = fleet.FleetLayout(world, N_PARAMS, len(BUCKETS), bins, sampled=4, matrix_rows=blocks.count, host_form=True)
+    host_stats = fleet.FleetStats(0, BUCKETS, host_layout, _compact_detail(host_layout, ranks, blocks), torch.ones(N_PARAMS), "piggyback", [0, 1], None, hosts=blocks)
+    reference = _block_means(exact, blocks, np.ones(world, dtype=bool))
+    host_rms = float(np.sqrt(np.mean((host_stats.cosine_hosts().cosine - reference) ** 2)))
+    print(f"rank-by-rank RMS {rank_rms:.4f}, host-by-host RMS {host_rms:.4f}, bound 1/sqrt({bins}) = {bound:.4f}")
+    assert rank_rms < bound and host_rms < bound
+    # The two data distributions: within a group well above across groups, in both forms.
+    matrix = host_stats.cosine_hosts().cosine
+    assert min(matrix[0, 1], matrix[2, 3]) > max(matrix[0, 2], matrix[1, 3]) + 0.2
+
+
+def test_detail_steps_keep_the_compact_wire_within_its_budget_averaged_over_detail_every():
+    """#42's budget, 64 KB + 16 B x W a step, averaged over ``detail_every`` (100) and
+    ``check_replicas_every`` (100): the 16 M tiny Llama of the scale benchmark (273 parameters,
+    275 tensors checked, 4 buckets, the default sketch's 251 bins), 8 ranks a host. A detail step
+    adds W x 251 x 4 B up to 256 ranks (2.6 KB a step averaged at W = 256), H x 252 x 4 B above
+    (2.6 KB at W = 4096 on 512 hosts, two a block)."""
+    bins, config = 251, SilentConfig()
+    for world in (32, 256, 1024, 4096):
+        hosts = host_blocks([f"node{r // 8}" for r in range(world)])
+        rows, host_form = (world, False) if world <= config.detail_max_world else (hosts.count, True)
+        plain = fleet.FleetLayout(world, 273, 4, bins, config.sampled_ranks)
+        detail = fleet.FleetLayout(world, 273, 4, bins, config.sampled_ranks, matrix_rows=rows, host_form=host_form)
+        check = fleet.FleetLayout(world, 273, 4, bins, config.sampled_ranks, fingerprinted=275)
+        averaged = 4 * (plain.size + (detail.size - plain.size) / config.detail_every + (check.size - plain.size) / config.check_replicas_every)
+        assert averaged <= 64 * 1024 + 16 * world, world
+        extra = 4 * (detail.size - plain.size) / config.detail_every
+        assert extra == pytest.approx({32: 321.3, 256: 2570.2, 1024: 1290.2, 4096: 2580.5}[world], abs=0.1), world

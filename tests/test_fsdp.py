@@ -308,6 +308,9 @@ def _check_compact_wire(rank: int, world: int, mesh_shape: tuple | None = None, 
         np.testing.assert_allclose(compact.param_sq[compact.sampled], full.param_sq[compact.sampled], rtol=1e-5)
         if previous is None:
             assert compact.cosines_step is None and compact.cosine_loo is None and compact.layer_scores is None
+            # Step 0, a detail step: every rank's sketch travelled, the W x W matrix is the whole slots'
+            np.testing.assert_allclose(compact.cosine, full.cosine, rtol=1e-4, atol=1e-5)
+            np.testing.assert_allclose(np.array(compact.to_dict()["cosine"], dtype=float), full.cosine, atol=5e-4 + 1e-5)  # 3 decimals
         else:  # this rank's values of the previous step, computed on each rank
             assert compact.cosines_step == step - 1 and compact.cosine_to_others is None and compact.cosine is None
             np.testing.assert_allclose(compact.cosine_loo, previous.cosine_loo, rtol=1e-4, atol=1e-5)
@@ -572,7 +575,8 @@ def test_fsdp2_compact_wire_gives_the_whole_slots_statistics_and_unchanged_train
     bins, params, groups = compact[0]["bins"], 6, 3  # _Net: inp, hidden (their own groups), out with the root
     # rows of 6, 2 sampled ranks' norms, 4 sums per parameter, the groups, the count, 2 sketch sums, the reduced part
     size = 6 * 3 + 2 * params + 4 * params + groups + 1 + 2 * bins + params
-    assert [r["sizes"] for r in compact] == [[size] * 4] * 3 and bins > 0
+    detail = size + 3 * bins  # step 0, a detail step: each rank's sketch for the W x W matrix
+    assert [r["sizes"] for r in compact] == [[detail] + [size] * 3] * 3 and bins > 0
     assert [(r["transport"], r["unchanged"]) for r in compact] == [("separate", True)] * 3  # bitwise plain FSDP2
 
 
@@ -603,7 +607,8 @@ def test_hsdp_compact_wire_gives_the_whole_slots_statistics_and_unchanged_traini
     # as plain FSDP2's on 4 ranks, and on every (check) step each parameter's checks within its
     # replica groups (their histograms summed over each group apart); the model has no buffers
     size = 6 * 4 + 2 * params + 4 * params + groups + 1 + 2 * bins + params + params * 3
-    assert [r["sizes"] for r in compact] == [[size] * 4] * 4 and bins > 0
+    detail = size + 4 * bins  # step 0, a detail step: each rank's sketch for the W x W matrix
+    assert [r["sizes"] for r in compact] == [[detail] + [size] * 3] * 4 and bins > 0
     assert [(r["transport"], r["unchanged"]) for r in compact] == [("separate", True)] * 4  # bitwise plain HSDP
 
 
@@ -656,7 +661,8 @@ def test_fsdp2_at_64_ranks_sends_the_compact_wire_by_default(mesh_shape):
     assert record["cosines_step"] == 0 and len(record["sampled_ranks"]) == 16
     size = 6 * world + 16 * 6 + 4 * 6 + 3 + 1 + 2 * state.bins + 6  # as on 3 ranks, 16 sampled
     check = 6 * 3 if len(mesh_shape) == 2 else 0  # plain FSDP2: no tensor two ranks hold (_Net has no buffers)
-    assert sizes == [size + check, size] and size + check < world * (3 + 6 + state.bins)  # less than the whole slots without their reduced part
+    # step 0 checks the replicas and is a detail step: each rank's sketch travels for the W x W matrix
+    assert sizes == [size + check + world * state.bins, size] and size + check < world * (3 + 6 + state.bins)  # less than the whole slots without their reduced part
     # the 8 replicas of each shard: 6 histograms of 65 counts, on the check step only
     assert shard_counts == ([(6 * 65, world // shards)] if check else [])
     if check:  # this rank alone in every histogram: the most common bin of each shard, nobody differs

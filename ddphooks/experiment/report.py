@@ -89,6 +89,9 @@ def _check_record(path: Path, number: int, record: object) -> dict:
     cosine = record.get("cosine")
     if cosine is not None and not (isinstance(cosine, list) and all(isinstance(row, list) for row in cosine)):
         raise ValueError(f"{path}:{number}: 'cosine' must be a list of rows or null")
+    hosts = record.get("cosine_hosts")
+    if hosts is not None and not (isinstance(hosts, dict) and isinstance(hosts.get("hundredths"), list) and isinstance(hosts.get("hosts"), list)):
+        raise ValueError(f"{path}:{number}: 'cosine_hosts' must be an object with 'hosts' and 'hundredths' lists, or null")
     alerts = record.get("alerts")
     if alerts is not None and not (isinstance(alerts, list) and all(isinstance(alert, dict) for alert in alerts)):
         raise ValueError(f"{path}:{number}: 'alerts' must be a list of objects or null")
@@ -475,33 +478,124 @@ def _plot_signals(plt, runs: list[Run], out: Path, window: int, alerts: list[lis
     return path
 
 
-def _plot_cosines(plt, run: Run, out: Path, count: int, window: int) -> Path | None:
-    """Rank x rank cosine matrices, each averaged over ``window`` steps ending at a chosen step
-    (single steps are noisy). Fault runs show the window before the fault and windows after it."""
+#: Up to this many ranks a rank-by-rank heatmap labels every rank; above it, the hosts.
+RANK_TICKS = 16
+#: Most tick labels on a heatmap axis (hosts beyond it: every n-th labelled).
+MAX_TICK_LABELS = 32
+
+
+def _hosts_by_rank(run: Run, world: int) -> list[str] | None:
+    """Each rank's host from the run's identity table (the first record that carries one of
+    ``world`` ranks), None where the records carry none."""
+    for record in run.records:
+        rows = record.get("identity")
+        if isinstance(rows, list) and len(rows) == world and all(isinstance(row, dict) for row in rows):
+            return [str(row.get("host")) for row in rows]
+    return None
+
+
+def _host_order(hosts: list[str] | None, world: int) -> tuple[list[int], list[tuple[str, int, int]]]:
+    """The ranks ordered by host (hosts in the order of their first rank, ranks in order within
+    each) and the hosts' spans ``(host, first, end)`` along that order; one span without hosts."""
+    if not hosts:
+        return list(range(world)), [("", 0, world)]
+    names = list(dict.fromkeys(hosts))
+    order = sorted(range(world), key=lambda rank: (names.index(hosts[rank]), rank))
+    spans, begin = [], 0
+    for name in names:
+        size = sum(1 for host in hosts if host == name)
+        spans.append((name, begin, begin + size))
+        begin += size
+    return order, spans
+
+
+def _label_axes(axis, labels: list[tuple[float, str]], spans: list[tuple[str, int, int]] | None, size: int) -> None:
+    """Tick labels at ``labels`` (position, text), every n-th where there are too many to read,
+    and thin lines between the hosts' ``spans``."""
+    step = max(1, math.ceil(len(labels) / MAX_TICK_LABELS))
+    shown = labels[::step]
+    fontsize = 7 if len(shown) <= 16 else 5
+    axis.set_xticks([p for p, _ in shown])
+    axis.set_xticklabels([t for _, t in shown], rotation=90, fontsize=fontsize)
+    axis.set_yticks([p for p, _ in shown])
+    axis.set_yticklabels([t for _, t in shown], fontsize=fontsize)
+    if spans and 1 < len(spans) <= 64:
+        for _, begin, _ in spans[1:]:
+            axis.axhline(begin - 0.5, color="black", lw=0.4, alpha=0.5)
+            axis.axvline(begin - 0.5, color="black", lw=0.4, alpha=0.5)
+    axis.set_xlim(-0.5, size - 0.5)
+    axis.set_ylim(size - 0.5, -0.5)
+
+
+def _cosine_matrices(run: Run) -> tuple[str, list[dict], list, list, list | None] | None:
+    """The run's cosine matrices for the heatmaps: ``("rank", records, matrices, labels, spans)``
+    with the W x W matrices ordered by host (the identity table's), or ``("host", ...)`` with the
+    host-by-host ones (detail records above ``detail_max_world``); None where there are none."""
     import numpy as np
 
+    from ddphooks.hosts import matrix_from_record
+
     with_cosine = [r for r in run.records if r.get("cosine")]
-    if not with_cosine:
+    if with_cosine:
+        world = len(with_cosine[0]["cosine"])
+        with_cosine = [r for r in with_cosine if len(r["cosine"]) == world]
+        order, spans = _host_order(_hosts_by_rank(run, world), world)
+        matrices = [np.array([[np.nan if v is None else v for v in row] for row in r["cosine"]], dtype=float)[np.ix_(order, order)] for r in with_cosine]
+        if world <= RANK_TICKS:
+            labels = [(i, str(rank)) for i, rank in enumerate(order)]
+        elif len(spans) > 1:
+            labels = [((begin + end - 1) / 2, name) for name, begin, end in spans]
+        else:
+            labels = [(i, str(rank)) for i, rank in enumerate(order) if i % math.ceil(world / RANK_TICKS) == 0]
+        return "rank", with_cosine, matrices, labels, spans
+    with_hosts = [r for r in run.records if isinstance(r.get("cosine_hosts"), dict)]
+    if not with_hosts:
         return None
-    steps = [r["step"] for r in with_cosine]
+    names = with_hosts[-1]["cosine_hosts"]["hosts"]
+    with_hosts = [r for r in with_hosts if r["cosine_hosts"]["hosts"] == names]
+    matrices = [matrix_from_record(r["cosine_hosts"]) for r in with_hosts]
+    return "host", with_hosts, matrices, list(enumerate(names)), None
+
+
+def _plot_cosines(plt, run: Run, out: Path, count: int, window: int) -> Path | None:
+    """Cosine matrices, each averaged over ``window`` steps ending at a chosen step (single steps
+    are noisy). Fault runs show the window before the fault and windows after it. Rank by rank
+    (up to ``detail_max_world`` ranks: the records' ``cosine``), the ranks ordered by host and
+    labelled by host above 16 ranks; host by host above (``cosine_hosts``: the mean cosine
+    between the ranks of each pair of hosts, the diagonal within a host)."""
+    import numpy as np
+
+    found = _cosine_matrices(run)
+    if found is None:
+        return None
+    form, records, matrices, labels, spans = found
+    steps = [r["step"] for r in records]
     if run.fault_step is not None and steps[0] < run.fault_step <= steps[-1]:
         ends = [run.fault_step - 1] + [steps[round(i * (len(steps) - 1) / max(count - 1, 1))] for i in range(1, count)]
         ends = [e for e in ends if e < run.fault_step] + [e for e in ends if e >= run.fault_step + window - 1] or ends
     else:
         ends = [steps[round(i * (len(steps) - 1) / max(count - 1, 1))] for i in range(count)]
     ends = sorted(set(ends))
-    figure, axes = plt.subplots(1, len(ends), figsize=(2.7 * len(ends) + 0.8, 2.8), squeeze=False)
+    size = matrices[0].shape[0]
+    panel = 2.7 if size <= RANK_TICKS else 5.0
+    figure, axes = plt.subplots(1, len(ends), figsize=(panel * len(ends) + 0.8, panel + 0.3), squeeze=False)
     for axis, end in zip(axes[0], ends):
-        chosen = [r for r in with_cosine if end - window < r["step"] <= end]
-        matrices = np.array([[[np.nan if v is None else v for v in row] for row in r["cosine"]] for r in chosen], dtype=float)
-        image = axis.imshow(np.nanmean(matrices, axis=0), vmin=-1, vmax=1, cmap="RdBu_r")
-        axis.set_title(f"steps {chosen[0]['step']}-{end}", fontsize=9)
-        size = matrices.shape[1]
-        axis.set_xticks(range(size))
-        axis.set_yticks(range(size))
+        chosen = [m for r, m in zip(records, matrices) if end - window < r["step"] <= end]
+        first = next(r["step"] for r in records if end - window < r["step"] <= end)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # a cell null on every step of the window
+            mean = np.nanmean(np.array(chosen), axis=0)
+        image = axis.imshow(mean, vmin=-1, vmax=1, cmap="RdBu_r", interpolation="nearest")
+        axis.set_title(f"steps {first}-{end}", fontsize=9)
+        _label_axes(axis, labels, spans, size)
     figure.colorbar(image, ax=axes[0].tolist(), shrink=0.8)
     fault = f", fault from step {run.fault_step}" if run.fault_step is not None else ""
-    figure.suptitle(f"rank x rank gradient cosine (mean over each window), {run.name}{fault}", fontsize=9)
+    if form == "rank":
+        by_host = " (ranks ordered by host)" if spans and len(spans) > 1 else ""
+        title = f"rank x rank gradient cosine{by_host}\n(mean over each window) {run.name}{fault}"
+    else:
+        title = f"host x host gradient cosine, {size} hosts\n(mean over their ranks' pairs and each window)\n{run.name}{fault}"
+    figure.suptitle(title, fontsize=9)
     path = out / f"cosine-{run.name.replace(' ', '-')}.png"
     figure.savefig(path, dpi=90)
     plt.close(figure)
