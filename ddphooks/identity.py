@@ -128,15 +128,45 @@ class RankTable:
 
     @classmethod
     def from_record(cls, record: dict) -> RankTable | None:
-        """The table a record carries (``identity``), None where it carries none."""
-        rows = record.get("identity")
-        if not isinstance(rows, list) or not rows:
+        """The table a record carries (``identity``: the columns ``to_record`` writes, or a list
+        of ``RankIdentity`` dicts), None where it carries none or cannot be read."""
+        carried = record.get("identity")
+        try:
+            if isinstance(carried, dict):
+                identities = _from_columns(carried)
+            elif isinstance(carried, list) and carried:
+                identities = [RankIdentity.from_dict(row) for row in carried]
+            else:
+                return None
+        except (TypeError, ValueError, IndexError, KeyError):  # a malformed table names no rank, never breaks a reader
             return None
-        identities = [RankIdentity.from_dict(row) for row in rows]
+        if not identities:
+            return None
         return cls(identities, subgroup=any(i.global_rank != i.group_rank for i in identities) or "global_ranks" in record)
 
-    def to_list(self) -> list[dict]:
-        return [identity.to_dict() for identity in self.identities]
+    def to_record(self) -> dict:
+        """The table as a record carries it: one list per field, in group order, the strings that
+        repeat (hosts, devices, PCI bus ids) as indices into a list of the distinct values. At
+        W = 4096 it is about 120 KB on CPUs (with GPU UUIDs, about 300 KB) where a dict per rank
+        was 620 KB; ``from_record`` reads it back.
+
+        Example::
+            >>> RankTable([RankIdentity(0, 0, "a", 0, 7, "cpu"), RankIdentity(1, 1, "a", 1, 8, "cpu")], False).to_record()["host"]
+            [0, 0]
+        """
+        columns: dict = {}
+        for name in ("global_rank", "local_rank", "pid", "device_uuid"):
+            columns[name] = [getattr(identity, name) for identity in self.identities]
+        for name, values in (("host", "hosts"), ("device", "devices"), ("pci_bus_id", "pci_bus_ids")):
+            distinct = list(dict.fromkeys(getattr(identity, name) for identity in self.identities if getattr(identity, name) is not None))
+            where = {value: index for index, value in enumerate(distinct)}
+            columns[values] = distinct
+            columns[name] = [where.get(getattr(identity, name)) for identity in self.identities]
+        return columns
+
+    def hosts(self) -> list[str]:
+        """Each rank's host, in group order."""
+        return [identity.host for identity in self.identities]
 
     def describe(self, rank: int) -> str | None:
         """Rank ``rank`` of the group for a person (None where the table has no such rank)."""
@@ -169,3 +199,19 @@ class RankTable:
 
     def _holds(self, rank: object) -> bool:
         return isinstance(rank, int) and not isinstance(rank, bool) and 0 <= rank < len(self.identities)
+
+
+def _from_columns(columns: dict) -> list[RankIdentity]:
+    """``RankTable.to_record``'s columns back into one ``RankIdentity`` per rank."""
+    def looked_up(name: str, values: str) -> list:
+        table = columns[values]
+        return [None if index is None else table[index] for index in columns[name]]
+
+    hosts, devices, buses = looked_up("host", "hosts"), looked_up("device", "devices"), looked_up("pci_bus_id", "pci_bus_ids")
+    return [
+        RankIdentity(global_rank, group_rank, host, local_rank, pid, device, uuid, bus)
+        for group_rank, (global_rank, host, local_rank, pid, device, uuid, bus) in enumerate(
+            zip(columns["global_rank"], hosts, columns["local_rank"], columns["pid"], devices, columns["device_uuid"], buses, strict=True)
+        )
+    ]
+

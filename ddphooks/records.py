@@ -10,6 +10,7 @@ import math
 
 from ddphooks.config import SilentConfig
 from ddphooks.hosts import HostBlocks, host_blocks
+from ddphooks.identity import RankTable
 from ddphooks.stats import SilentStats, _float
 
 #: Weight of the past in the smoothed noise scale: about 1 / (1 - 0.95) = 20 records.
@@ -44,11 +45,12 @@ class RecordBuilder:
             each of its ranks: every record carries it as ``global_ranks``.
         per_rank_max_world: see ``SilentConfig.per_rank_max_world``: above it, a compact
             record summarises each per-rank signal over the ranks (detailed ones never do).
-        identity: who and where each rank of the group is (``RankTable.to_list()``): the first
-            record built and every detailed one carry it as ``identity``, so a reader of any
-            stretch of a run file finds it within ``detail_every`` steps.
+        ranks: who and where each rank of the group is (``ddphooks.identity.RankTable``): the
+            first record built and every detailed one carry it as ``identity``
+            (``RankTable.to_record``), so a reader of any stretch of a run file finds it within
+            ``detail_every`` steps.
         hosts: the ranks by host for the host-by-host cosine matrix of detail records above
-            ``detail_max_world`` (None: ``host_blocks`` of ``identity``'s hosts, as the state
+            ``detail_max_world`` (None: ``host_blocks`` of ``ranks``' hosts, as the state
             builds it; no such matrix from whole slots without either).
 
     Example::
@@ -63,12 +65,12 @@ class RecordBuilder:
         detail_max_world: int,
         global_ranks: list[int] | None = None,
         per_rank_max_world: int = SilentConfig.per_rank_max_world,
-        identity: list[dict] | None = None,
+        ranks: RankTable | None = None,
         hosts: HostBlocks | None = None,
     ) -> None:
-        self.identity = identity
-        if hosts is None and identity:
-            hosts = host_blocks([str(row.get("host")) for row in identity])
+        self.identity = None if ranks is None else ranks.to_record()  # built once, written as it is
+        if hosts is None and ranks is not None:
+            hosts = host_blocks(ranks.hosts())
         self.hosts = hosts
         self._identity_written = False
         self.global_ranks = global_ranks

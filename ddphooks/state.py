@@ -137,7 +137,7 @@ class BaseSilentState:
             for sink in self.sinks:
                 bind_sink(sink, self.rank, dist.get_rank())
             self._records = RecordBuilder(
-                self.config.every, self.config.detail_every, self.config.detail_max_world, self.global_ranks, self.config.per_rank_max_world, ranks.to_list(),
+                self.config.every, self.config.detail_every, self.config.detail_max_world, self.global_ranks, self.config.per_rank_max_world, ranks,
                 hosts=self.hosts,
             )  # fmt: skip
             if getattr(self, "_restored_records", None):

@@ -25,6 +25,7 @@ import ddphooks
 from ddphooks import JsonlSink
 from ddphooks.experiment.report import read_run, write_report
 from ddphooks.hosts import matrix_from_record
+from ddphooks.identity import RankTable
 from ddphooks.launch import spawn
 from ddphooks.sketch import sketch_bins
 
@@ -150,7 +151,7 @@ def test_w20_detail_records_carry_the_matrix_that_shows_the_two_groups(twenty_ra
         assert host_rms < bound, (record["step"], host_rms)
         assert min(hosts[0, 1], hosts[2, 3]) > max(hosts[0, 2], hosts[1, 3]) + 0.3
         print(f"step {record['step']}: rank-by-rank RMS {rms:.4f}, host-by-host RMS {host_rms:.4f} (bound {bound:.4f})")
-    assert [r["identity"][7]["host"] for r in (by_rank[0], by_host[0])] == ["node1", "node1"]
+    assert [RankTable.from_record(r).identities[7].host for r in (by_rank[0], by_host[0])] == ["node1", "node1"]
 
 
 def test_the_report_draws_the_w20_matrices_by_host(twenty_ranks):

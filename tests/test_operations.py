@@ -84,10 +84,12 @@ def test_one_path_per_group_works_as_written_and_the_alert_names_global_rank_3(t
         records = _read(folder / "per_group" / f"group{group}.jsonl")
         assert [r["step"] for r in records] == list(range(45))  # nothing lost, nothing torn
         assert all(r["global_ranks"] == [first, first + 1] for r in records)
-        identity = records[0]["identity"]
-        assert [row["global_rank"] for row in identity] == [first, first + 1] and [row["group_rank"] for row in identity] == [0, 1]
-        assert [row["pid"] for row in identity] == [results[first]["pid"], results[first + 1]["pid"]]
-        assert all(row["host"] == results[0]["host"] and row["device"] == "cpu" for row in identity)
+        identity = RankTable.from_record(records[0]).identities
+        assert [i.global_rank for i in identity] == [first, first + 1] and [i.group_rank for i in identity] == [0, 1]
+        assert [i.pid for i in identity] == [results[first]["pid"], results[first + 1]["pid"]]
+        assert all(i.host == results[0]["host"] and i.device == "cpu" for i in identity)
+        assert records[0]["identity"]["hosts"] == [results[0]["host"]] and records[0]["identity"]["host"] == [0, 0]  # the columns
+        assert all("identity" not in r for r in records[1:] if not r["detail"])  # once, then on detail records
     # The fault is on global rank 3, rank 1 of the second group: named so, with its host.
     for rank in (2, 3):
         alerts = results[rank]["alerts"]["per_group"]
@@ -200,5 +202,8 @@ def test_an_alert_is_named_by_the_table_and_kept_as_it_is_where_the_table_cannot
     assert duplicate["message"] == "global ranks 4, 5 (ranks 0, 1 of its group) on node-a, node-b: every rank ..." and duplicate["global_ranks"] == [4, 5]
     whole = RankTable(table.identities, subgroup=False)
     assert whole.describe(1) == "global rank 5 on node-b, cuda:1"
-    record = {"identity": table.to_list(), "global_ranks": [4, 5]}
-    assert RankTable.from_record(record).describe(0) == table.describe(0) and RankTable.from_record({}) is None
+    record = {"identity": table.to_record(), "global_ranks": [4, 5]}
+    assert RankTable.from_record(record).identities == table.identities and RankTable.from_record(record).describe(0) == table.describe(0)
+    rows = {"identity": [identity.to_dict() for identity in table.identities]}  # a dict per rank reads the same
+    assert RankTable.from_record(rows).identities == table.identities
+    assert RankTable.from_record({}) is None and RankTable.from_record({"identity": {"hosts": []}}) is None

@@ -16,6 +16,7 @@ from test_detect_cli import FAULT_RANK, WORLD, planted_records, write_run
 from ddphooks.detect import detect_run
 from ddphooks.experiment import report
 from ddphooks.experiment.report import read_run
+from ddphooks.identity import RankIdentity, RankTable
 
 
 LOSSES = [3.0, 2.6, 2.4, 2.1, 2.0, 1.8, 1.9, 1.7, 1.6, 1.5]
@@ -169,7 +170,8 @@ def test_report_names_the_host_and_device_of_each_rank_and_of_each_alert(tmp_pat
          "device_uuid": f"GPU-{r}", "pci_bus_id": None}
         for r in range(WORLD)
     ]
-    records[0]["identity"] = identity  # the first record carries the table, as a run's does
+    table = RankTable([RankIdentity.from_dict(row) for row in identity], subgroup=True)
+    records[0]["identity"] = table.to_record()  # the first record carries the table, as a run's does
     path = write_run(tmp_path / "run.jsonl", records)
     expected = detect_run(read_run(path).records)
     assert expected and expected[0]["host"] == f"node-{FAULT_RANK // 2}" and expected[0]["global_rank"] == 4 + FAULT_RANK

@@ -488,9 +488,9 @@ def _hosts_by_rank(run: Run, world: int) -> list[str] | None:
     """Each rank's host from the run's identity table (the first record that carries one of
     ``world`` ranks), None where the records carry none."""
     for record in run.records:
-        rows = record.get("identity")
-        if isinstance(rows, list) and len(rows) == world and all(isinstance(row, dict) for row in rows):
-            return [str(row.get("host")) for row in rows]
+        table = RankTable.from_record(record)
+        if table is not None and len(table.identities) == world:
+            return table.hosts()
     return None
 
 

@@ -22,6 +22,7 @@ from importlib import resources
 
 import numpy as np
 
+from ddphooks.identity import RankTable
 from ddphooks.sinks.base import Sink
 from ddphooks.sinks.scalars import DEFAULT_MAX_RANKS, PER_RANK, SIGNALS, record_scalars
 from ddphooks.stats import OVER_RANKS_QUANTILES, over_ranks
@@ -334,8 +335,9 @@ class PrometheusSink(Sink):
         elif self._closed:
             raise ValueError(f"{self.name} is closed")
         m = self._metrics
-        if record.get("identity"):
-            self._identity = list(record["identity"])
+        table = RankTable.from_record(record)
+        if table is not None:
+            self._identity = [identity.to_dict() for identity in table.identities]
         if record.get("global_ranks"):
             self._global_ranks = list(record["global_ranks"])
         step = int(record["step"])
