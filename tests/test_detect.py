@@ -311,7 +311,9 @@ def test_at_two_ranks_a_stuck_rank_memorising_its_batch_does_not_get_the_other_r
     # loss then rises as much: that rise is not counted while rank 1's cosine is raised.
     for seed in range(40, 44):
         alerts = detect_run(_mild_stuck_pair(seed, 120, loss_fall=0.6))
-        assert alerts and (alerts[0]["rank"], alerts[0]["kind"]) == (1, "cosine_previous"), (seed, alerts[:1])
+        # The stuck rank's own cosine-to-previous baseline is held while its evidence builds (the
+        # lasting repeat never becomes its new normal), so its combined own-history CUSUM may name it first.
+        assert alerts and alerts[0]["rank"] == 1 and alerts[0]["kind"] in ("cosine_previous", "combined"), (seed, alerts[:1])
         assert {a["rank"] for a in alerts} == {1}, (seed, alerts)
 
 
@@ -1127,7 +1129,7 @@ def test_at_two_ranks_the_level_names_the_rank_that_changed_under_any_trend(fact
         for alert in [a for a in alerts if a["kind"] == "grad_norm"]:
             assert "with two ranks the split is certain" in alert["message"], alert
             levels += 1
-    assert levels >= 3
+    assert levels >= 2  # the rest named first by the combined score (the norm's own baseline held while it builds)
 
 
 def test_at_two_ranks_a_split_that_builds_up_leaves_both_ranks_baselines_learning():
@@ -1161,7 +1163,11 @@ def test_at_two_ranks_a_split_while_one_rank_is_under_alert_is_that_ranks(seed):
         if stuck:
             assert alerts[0]["rank"] == 1 and alerts[0]["step"] < 110 and level == [], alerts
         else:
-            assert len(level) == 1 and level[0][1] == 0 and 130 < level[0][0] < 150, alerts
+            # Rank 0 is named, by the level or (its own grad-norm baseline held while its
+            # evidence builds) by its own combined score first.
+            first = [a for a in alerts if a["rank"] == 0 and a["step"] > 130]
+            assert first and first[0]["kind"] in ("grad_norm", "combined") and 130 < first[0]["step"] < 150 and len(level) <= 1, alerts
+            assert not [a for a in alerts if a["rank"] == 1], alerts
 
 
 def _stuck_then(seed: int, steps: int, recovered: int | None = None) -> list[dict]:

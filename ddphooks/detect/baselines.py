@@ -144,6 +144,12 @@ class Baselines:
         self.level = _Signal(self.own_history, LEVEL_ROW)
         self.cross = {name: _Signal(self.cross_history, index) for index, name in enumerate(SIGNALS)}
         self.pair_history = _History(window, world) if world == 2 else None
+        # At W = 2, each rank's partner at the same steps: in rank i's slot of a window, the other
+        # rank's value on the step rank i's slot holds (kept, held and left out with rank i's), so
+        # that the other rank's change is read over the steps rank i's own baseline holds
+        # (``partner_medians``): a shared trend cancels however many steps either rank left out.
+        self.partner_history = _History(window, world, len(SIGNALS) + 1) if world == 2 else None
+        self.pair_partner = _History(window, world) if world == 2 else None
         self.log_losses = config.loss_scale == "log"  # until a loss <= 0 (see loss_scale)
 
     def loss_scale(self, losses: np.ndarray) -> np.ndarray:
@@ -154,7 +160,7 @@ class Baselines:
         if self.log_losses and (losses <= 0).any():
             self.log_losses = False
             loss = SIGNALS.index("loss")
-            for history, signal in ((self.own_history, loss), (self.cross_history, loss), (self.pair_history, 0)):
+            for history, signal in ((self.own_history, loss), (self.cross_history, loss), (self.pair_history, 0), (self.partner_history, loss), (self.pair_partner, 0)):
                 if history is not None:
                     history.clear(signal)
         if not self.log_losses:
@@ -162,14 +168,26 @@ class Baselines:
         with np.errstate(divide="ignore", invalid="ignore"):
             return np.log(losses)
 
-    def learn(self, values: dict, deviations: dict, relative_norms: np.ndarray, losses: np.ndarray, suspect: np.ndarray, level_quiet: np.ndarray) -> None:
+    def learn(
+        self, values: dict, deviations: dict, relative_norms: np.ndarray, losses: np.ndarray, suspect: np.ndarray, level_quiet: np.ndarray,
+        signal_quiet: np.ndarray | None = None,
+    ) -> None:
         """One step into the windows: every rank's values, but a ``suspect`` rank's (left out), and
         the level's relative norm of a rank only where its level CUSUM was at zero
-        (``level_quiet``; held, not aged out, elsewhere)."""
-        if self.pair_history is not None:
-            self.pair_history.push(losses, ~suspect)
+        (``level_quiet``; held, not aged out, elsewhere). At W = 2, ``signal_quiet`` (signals x W):
+        a rank's step of a signal is learned only where that signal's own CUSUM and the rank's
+        combined one were at zero before it, and every step a rank leaves out is held, not aged
+        out (its partner's with it, see ``partner_medians``): a lasting shift that is still under
+        the evidence of a suspect rank never becomes that rank's new normal."""
+        pair = self.pair_history is not None
         keep = np.repeat(~suspect[None], len(SIGNALS) + 1, axis=0)
         keep[LEVEL_ROW] &= level_quiet
+        if pair and signal_quiet is not None:
+            keep[: len(SIGNALS)] &= signal_quiet
+        if pair:
+            loss_keep = keep[SIGNALS.index("loss")]
+            self.pair_history.push(losses, loss_keep, np.ones(2, dtype=bool))
+            self.pair_partner.push(losses[::-1], loss_keep, np.ones(2, dtype=bool))
         # The level's baseline is held while the rank is left out of it, not aged out: read
         # against the median rank, a trend cancels, so an old baseline stays valid, and a shift
         # too small to alert within a window would otherwise outlive its baseline, score nothing
@@ -179,7 +197,11 @@ class Baselines:
         # cancel: their baselines age out as before.
         hold = np.zeros_like(keep)
         hold[LEVEL_ROW] = True
-        self.own_history.push(np.stack([values[name] for name in SIGNALS] + [relative_norms]), keep, hold)
+        rows = np.stack([values[name] for name in SIGNALS] + [relative_norms])
+        if pair:  # every row held: the partner's history holds the same steps, so a trend cancels
+            hold[:] = True
+            self.partner_history.push(rows[:, ::-1], keep, hold)
+        self.own_history.push(rows, keep, hold)
         unknown = np.full(len(suspect), np.nan)  # a signal not compared across ranks (W = 2)
         self.cross_history.push(np.stack([deviations.get(name, unknown) for name in SIGNALS]), ~suspect)
 
@@ -213,6 +235,25 @@ class Baselines:
             per_step = _spreads(work.reshape(signals * steps, world), infinite).reshape(signals, steps)
             scale = scale * _growth_ratio(per_step, history.slots(self.config.recent))[:, None]
         return median, scale
+
+    def partner_medians(self) -> np.ndarray:
+        """At W = 2, per signal and rank (signals x 2), the median of the other rank's values over
+        the steps this rank's own window holds: the other rank's change is its value now less
+        this, read over the same steps as this rank's own change (``ddphooks.detect.scores``)."""
+        history = self.partner_history
+        signals, world, steps = history.data.shape
+        rows = history.data.reshape(signals * world, steps)
+        median = _sorted_quantiles(np.sort(rows, axis=1), history.known.reshape(-1), 0.5).reshape(signals, world)
+        median[history.finite < MIN_BASELINE_STEPS] = np.nan
+        return median
+
+    def pair_moves(self, losses: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """At W = 2, per rank, how far its loss moved against its trailing median, and how far the
+        other rank's moved over the same steps (``pair_partner``)."""
+        own = _sorted_quantiles(np.sort(self.pair_history.data[0], axis=1), self.pair_history.known[0], 0.5)
+        partner = _sorted_quantiles(np.sort(self.pair_partner.data[0], axis=1), self.pair_partner.known[0], 0.5)
+        with np.errstate(invalid="ignore"):
+            return np.abs(losses - own), np.abs(losses[::-1] - partner)
 
     def cross_baselines(self, crossed: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray | float]:
         """Per signal compared across ranks (indices ``crossed`` into SIGNALS), the median and scale

@@ -29,7 +29,7 @@ from .rules.nonfinite import NonfiniteRule
 from .rules.pair import PairSplit
 from .rules.replica import ReplicaRule
 from .scores import score_step
-from .signals import LEVEL, _relative_to_median, cross_deviations, signal_values
+from .signals import LEVEL, SIGNALS, _relative_to_median, cross_deviations, signal_values
 
 
 class Detector:
@@ -106,6 +106,10 @@ class Detector:
         # a healthy step, independent of the steps before it, is kept or left out by chance alone.
         level = self.cusums.parts.get(LEVEL)
         level_quiet = np.ones(self.world, dtype=bool) if level is None else ~(level > 0).any(axis=1)
+        # At W = 2 so does each signal's own baseline: a rank's step is learned only where that
+        # signal's own CUSUM and the rank's combined one were at zero before it (held, with the
+        # partner's step, elsewhere: Baselines.learn).
+        signal_quiet = self._signal_quiet() if self.world == 2 else None
         if _partial_layer_view(obs):  # the compact wire above sampled_ranks: every rank ran its layer CUSUM itself
             scores.pop(("own", "layer"), None)
             self.cusums.take_layer_levels(obs, obs.parameter_names or self.attribution.parameter_names)
@@ -120,11 +124,23 @@ class Detector:
         # (its own level baseline is held by level_quiet either way).
         suspect = self.evidence(without=LEVEL if self.world == 2 else None) > 0.5
         suspect[list(self.divergence.episodes)] = True
-        self.baselines.learn(values, deviations, relative_norms, losses, suspect, level_quiet)
+        self.baselines.learn(values, deviations, relative_norms, losses, suspect, level_quiet, signal_quiet)
         self.seen += 1
         self.attribution.learn(obs, suspect)
         self.alerts.extend(alerts)
         return alerts
+
+    def _signal_quiet(self) -> np.ndarray:
+        """Per signal and rank (signals x W), whether its own CUSUM (every part) is at zero. Not
+        the combined CUSUM's: with its lower allowance it is above zero on many healthy steps, and
+        holding every signal of a rank while it is made a slow healthy wander of one rank's norm
+        against the other's add up (a false alarm on the nanoGPT client at W = 2)."""
+        quiet = np.ones((len(SIGNALS), self.world), dtype=bool)
+        for index, name in enumerate(SIGNALS):
+            parts = self.cusums.parts.get(("own", name))
+            if parts is not None:
+                quiet[index] = ~(parts > 0).any(axis=1)
+        return quiet
 
     def evidence(self, without: tuple[str, str] | None = None) -> np.ndarray:
         """Per rank, its highest statistical CUSUM as a fraction of that CUSUM's alert level (an

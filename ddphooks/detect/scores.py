@@ -109,6 +109,7 @@ def score_step(
     # detector runs on every step of every rank; the scales grow with the recent spread (see
     # ddphooks.detect.baselines).
     own_median, own_scale = baselines.own_baselines()
+    partner_median = baselines.partner_medians() if world == 2 else None
     crossed = [name for name in SIGNALS if name in deviations]
     if crossed:
         cross_median, cross_scale, growth = baselines.cross_baselines([SIGNALS.index(name) for name in crossed])
@@ -120,8 +121,18 @@ def score_step(
         change = values[name] - median
         if name in SKETCHED:
             change = np.where(np.abs(change) < ignored, 0.0, change)
-        sides = [_nan_to_zero(side / scale) for side in _sides(change, OWN_DIRECTION[name])]
-        scores[("own", name)] = np.stack([np.maximum(z - _others_change(np.maximum(z, 0.0)), 0.0) for z in sides], axis=1)
+        if partner_median is None:
+            sides = [_nan_to_zero(side / scale) for side in _sides(change, OWN_DIRECTION[name])]
+            scores[("own", name)] = np.stack([np.maximum(z - _others_change(np.maximum(z, 0.0)), 0.0) for z in sides], axis=1)
+        else:
+            # W = 2: the other rank's change over the steps this rank's own baseline holds, in the
+            # signal's own units: what both ranks show in the same direction is the run's trend,
+            # and it cancels as it is, whatever either rank's spread or the steps it left out.
+            other = values[name][::-1] - partner_median[index]
+            if name in SKETCHED:
+                other = np.where(np.abs(other) < ignored, 0.0, other)
+            pairs = zip(_sides(change, OWN_DIRECTION[name]), _sides(other, OWN_DIRECTION[name]))
+            scores[("own", name)] = np.stack([np.maximum(_nan_to_zero((side - np.maximum(_nan_to_zero(shared), 0.0)) / scale), 0.0) for side, shared in pairs], axis=1)
         if name in deviations:
             position = crossed.index(name)
             median, scale = cross_median[position], max(cross_scale[position], floors[name])
@@ -154,8 +165,9 @@ def score_step(
         # it falls on the other: it counts only for the rank whose own loss moved the more
         # against its trailing median (a rank given easier data, or memorising a batch it keeps
         # seeing, does not get the other rank named).
-        moved = np.abs(_nan_to_zero(losses - _column_medians(baselines.pair_history.steps())))
-        scores[("own", "loss")] = np.where((moved >= moved[::-1])[:, None], scores[("own", "loss")], 0.0)
+        # Both read over the steps this rank's baseline holds (Baselines.pair_moves).
+        moved, partner_moved = (_nan_to_zero(move) for move in baselines.pair_moves(losses))
+        scores[("own", "loss")] = np.where((moved >= partner_moved)[:, None], scores[("own", "loss")], 0.0)
         # So does the level, but a step's own moves are no guide to which rank's norm split
         # from the other's: a shared trend moves both more than a lasting x1.5 does. The
         # pair's split accumulates on both (a rise of one is the fall of the other, one CUSUM

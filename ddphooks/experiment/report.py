@@ -704,7 +704,9 @@ def _markdown_identities(runs: list[Run], most: int = 64) -> list[str]:
 def glance_rows(runs: list[Run], alerts: list[list[dict]]) -> list[dict]:
     """Per run (healthy runs first), what a reader wants first: healthy or which fault, how many
     alerts, and for a fault run the first alert that names the faulty rank at or after the fault step (its step, the delay
-    in steps, its kind and first parameter) with the parameter the fault hit where it was one.
+    in steps, its kind and first parameter) with the parameter the fault hit where it was one; a
+    fault not named says the best d' of the detector's scores and the delay bound it allows
+    (``ddphooks.experiment.information``): whether any detector could have named it.
 
     Example::
 
@@ -727,7 +729,10 @@ def glance_rows(runs: list[Run], alerts: list[list[dict]]) -> list[dict]:
             row.update(named_step=first["step"], delay=first["step"] - fault_step, kind=first.get("kind"), parameter=(first.get("parameters") or [None])[0])
             row["verdict"] = f"named rank {rank} after {row['delay']} step{'s' * (row['delay'] != 1)}"
         else:
-            row["verdict"] = "not named"
+            # Whether any detector could have named it: the records' best d' and its delay bound.
+            from .information import missed_reason, separation
+
+            row["verdict"] = missed_reason(separation(run.records, fault_step, rank) if isinstance(rank, int) else None)
         rows.append(row)
     return sorted(rows, key=lambda row: row["fault"] is not None)  # healthy runs first, each group in the given order
 
