@@ -338,7 +338,7 @@ def _detail_record(stats, state) -> tuple[dict, dict, float]:
     serialising one, off the training thread in a run), its bytes, and those of its parts: the
     identity table and the cosine matrix (``cosine``, or ``cosine_hosts`` above
     ``detail_max_world``)."""
-    builder = RecordBuilder(1, 1, DEFAULTS.detail_max_world, identity=state.ranks.to_list(), hosts=state.hosts)
+    builder = RecordBuilder(1, 1, DEFAULTS.detail_max_world, ranks=state.ranks, hosts=state.hosts)
     times, cpu = [], []
     for _ in range(BUILDS):
         start, start_cpu = time.perf_counter(), time.thread_time()

@@ -48,6 +48,7 @@ from collections.abc import Callable
 import torch
 
 from ddphooks.detect import reference
+from ddphooks.detect.messages import first_check
 
 CAUSES = (
     "DDP's gradient hooks were lost because the wrapped module's parameters were converted or moved after wrapping "
@@ -158,7 +159,7 @@ class SyncWatchdog:
             return  # one alert per episode
         self.episode_since, self._episode_count = step, 1
         self._raise_alert(
-            {
+            first_check({
                 "step": step,
                 "rank": self._rank,
                 "kind": "unsynchronised",
@@ -173,5 +174,5 @@ class SyncWatchdog:
                     f"statistics, alerts or replica checks come from ddphooks until DDP synchronises again. "
                     f"Likely causes: {CAUSES}; {reference('unsynchronised')}"
                 ),
-            }
+            })
         )

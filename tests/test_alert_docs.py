@@ -150,3 +150,11 @@ def test_each_section_names_the_module_that_raises_its_kind():
         found = re.search(r"\*\*Raised by\*\* `([\w.]+)`", section)
         assert found, kind
         assert f'"{kind}"' in inspect.getsource(importlib.import_module(found.group(1))), (kind, found.group(1))
+
+
+def test_every_alert_message_starts_with_what_to_check_first_as_the_table_says(real_alerts):
+    table = dict(re.findall(r"^\| \[`(\w+)`\]\(#\w+\) \| [^|]+ \| ([^|]+?) \|$", PAGE.read_text(encoding="utf-8"), re.MULTILINE))
+    assert table == detect.FIRST_CHECK  # the message says what the reference's table says
+    for kind, alert in real_alerts.items():
+        check = detect.FIRST_CHECK[kind].replace("`since`", str(alert["since"]))
+        assert alert["check_first"] == check and alert["message"].startswith(f"check {check} first: "), alert["message"]

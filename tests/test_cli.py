@@ -26,10 +26,10 @@ def test_demo_shows_the_fault_in_the_statistics_and_the_detector_names_the_rank(
     before = [r["loss_std"] for r in records[:28]]
     after = [r["loss_std"] for r in records[28:]]
     assert min(after) > 5 * max(before), (before, after)
-    alerts = re.findall(r"^  step (\d+): global rank \d+ on [^:]+: rank (\d+) has diverged since step (\d+)", result.stdout, re.MULTILINE)
+    alerts = re.findall(r"^  step (\d+): global rank \d+ on [^:]+: check [^:]+ first: rank (\d+) has diverged since step (\d+)", result.stdout, re.MULTILINE)
     assert alerts and alerts[0][1] == "1" and 28 <= int(alerts[0][0]) <= 31 and int(alerts[0][2]) >= 27, result.stdout
     assert "<- alert: rank 1 (" in result.stdout
-    assert "ddphooks alert: global rank 1 on " in result.stderr and ", cpu: rank 1 has diverged" in result.stderr  # logged by the log rank as it came
+    assert "ddphooks alert: global rank 1 on " in result.stderr and " first: rank 1 has diverged" in result.stderr  # logged by the log rank as it came
 
 
 def test_demo_says_when_the_fault_is_inside_the_detectors_warm_up():

@@ -604,7 +604,7 @@ def test_the_rank_that_went_non_finite_first_is_named_once_it_poisons_every_rank
     assert [(a["step"], a["rank"], a["kind"], a["since"], a["parameters"]) for a in alerts] == [(6, 1, "nonfinite", 5, [NAMES[2]])]
     others = ", ".join(str(r) for r in range(world) if r != 1)
     assert alerts[0]["message"] == (
-        f"rank 1's loss and local gradient went non-finite (NaN or Inf) at step 5 while rank(s) {others} had finite values, "
+        f"check that rank's batch at step 5 first: rank 1's loss and local gradient went non-finite (NaN or Inf) at step 5 while rank(s) {others} had finite values, "
         f"in {NAMES[2]}; at step 6 every rank's values are not finite; typical of {detect.LIKELY_CAUSES['nonfinite']}; "
         "see docs/alerts.md#nonfinite"
     )
@@ -780,7 +780,7 @@ def test_ranks_on_the_same_data_are_named_from_step_0_at_any_world_size(world):
     alert = _kinds(alerts)[0]
     assert alert["signals"] == ["loss", "grad_norm", "cosine"] and alert["parameters"] == []
     assert alert["message"] == (
-        f"every rank (all {world}) computed the same loss and gradient on every step since step 0 (3 steps; their losses agreed exactly "
+        f"check the data sampler's rank first: every rank (all {world}) computed the same loss and gradient on every step since step 0 (3 steps; their losses agreed exactly "
         "and their gradient norms exactly; their gradient cosines to the sum of the others were all 1): they train on the same data, "
         f"and the work of {world - 1} of these {world} ranks is wasted; typical of {detect.LIKELY_CAUSES['duplicate_data']}; "
         "see docs/alerts.md#duplicate_data"
@@ -798,7 +798,7 @@ def test_a_group_of_ranks_on_the_same_data_is_named_and_stays_one_episode():
     alerts = _kinds(detect_run(records))
     assert [(a["step"], a["rank"], a["since"], a["ranks"]) for a in alerts] == [(12, 0, 10, [0, 2])], alerts
     assert alerts[0]["message"].startswith(
-        "ranks 0, 2 computed the same loss and gradient on every step since step 10 (3 steps; their losses agreed exactly and their "
+        "check the data sampler's rank first: ranks 0, 2 computed the same loss and gradient on every step since step 10 (3 steps; their losses agreed exactly and their "
         "gradient norms to 3e-07 relative; their gradient cosines to the sum of the others agreed exactly): "
     ), alerts[0]["message"]
     assert "the work of 1 of these 2 ranks is wasted" in alerts[0]["message"]
@@ -923,7 +923,7 @@ def test_without_losses_the_gradient_norms_and_cosines_decide_and_the_norms_alon
     alerts = _kinds(detect_run(records))
     assert [(a["step"], a["since"], a["signals"]) for a in alerts] == [(2, 0, ["grad_norm", "cosine"])], alerts
     assert alerts[0]["message"].startswith(
-        "every rank (all 2) computed the same gradient on every step since step 0 (3 steps; their gradient norms agreed exactly; "
+        "check the data sampler's rank first: every rank (all 2) computed the same gradient on every step since step 0 (3 steps; their gradient norms agreed exactly; "
         "their gradient cosines to the sum of the others were all 1): "
     ), alerts[0]["message"]
     detector = Detector()  # online without a sketch either: the gradient norms alone, twice as many steps

@@ -144,7 +144,7 @@ def test_the_rank_whose_loss_went_nan_first_is_named_on_every_rank_and_a_skipped
         assert scale == 8.0  # the scaler saw the overflow of step 3 and skipped that step
         assert [(a["step"], a["rank"], a["kind"], a["since"]) for a in alerts] == [(11, 1, "nonfinite", 10)], alerts
         where = f"global rank 1 on {socket.gethostname()}, cpu"  # named with the host and device
-        assert alerts[0]["message"].startswith(f"{where}: rank 1's loss and local gradient went non-finite (NaN or Inf) at step 10 while rank(s) 0 had")
+        assert alerts[0]["message"].startswith(f"{where}: check that rank's batch at step 10 first: rank 1's loss and local gradient went non-finite (NaN or Inf) at step 10 while rank(s) 0 had")
         assert set(alerts[0]["parameters"]) <= {name for name, _ in _Net().named_parameters()} and alerts[0]["parameters"]
 
 
@@ -335,7 +335,7 @@ def test_ranks_that_draw_the_same_batches_are_named_on_every_rank_at_two_and_thr
     for rank, (same, distinct, same_pair) in enumerate(results):
         duplicate = [a for a in same if a["kind"] == "duplicate_data"]
         assert [(a["step"], a["since"], a["ranks"]) for a in duplicate] == [(2, 0, [0, 1, 2])], (rank, same)
-        expected = f"global ranks 0, 1, 2 on {socket.gethostname()}: every rank (all 3) computed the same loss and gradient on every step since step 0"
+        expected = f"global ranks 0, 1, 2 on {socket.gethostname()}: check the data sampler's rank first: every rank (all 3) computed the same loss and gradient on every step since step 0"
         assert duplicate[0]["message"].startswith(expected), duplicate[0]
         assert same == results[0][0]  # the same alerts on every rank
         assert [a for a in distinct if a["kind"] == "duplicate_data"] == [], (rank, distinct)

@@ -4,6 +4,7 @@ observations: the alerts it raises are the ones the whole ``Detector`` raises of
 import numpy as np
 
 from ddphooks.detect import Detector, DetectorConfig, Observation
+from ddphooks.detect.messages import first_check
 from ddphooks.detect.rules.duplicate_data import DuplicateDataRule
 from ddphooks.detect.rules.nonfinite import NonfiniteRule
 from ddphooks.detect.rules.replica import ReplicaRule
@@ -34,7 +35,8 @@ def _detector_alerts(observations: list[Observation], kind: str) -> list[dict]:
 
 
 def _rule_alerts(rule, observations: list[Observation]) -> list[dict]:
-    return [alert for obs in observations for alert in rule.update(obs)]
+    """The rule's alerts as the detector gives them: what to check first put before each message."""
+    return [first_check(alert) for obs in observations for alert in rule.update(obs)]
 
 
 def test_the_replica_rule_names_a_rank_each_time_a_check_newly_flags_it():

@@ -97,7 +97,8 @@ def test_one_path_per_group_works_as_written_and_the_alert_names_global_rank_3(t
         first = alerts[0]
         assert (first["rank"], first["global_rank"], first["host"], first["device"]) == (1, 3, results[3]["host"], "cpu")
         assert FAULT_STEP <= first["step"] <= FAULT_STEP + 10, first
-        assert first["message"].startswith(f"global rank 3 (rank 1 of its group) on {results[3]['host']}, cpu: rank 1 "), first["message"]
+        assert first["message"].startswith(f"global rank 3 (rank 1 of its group) on {results[3]['host']}, cpu: check "), first["message"]
+        assert " first: rank 1 has diverged since step " in first["message"], first["message"]
     assert results[2]["alerts"]["per_group"] == results[3]["alerts"]["per_group"]
     assert results[0]["alerts"]["per_group"] == results[1]["alerts"]["per_group"] == []  # the healthy group
     logged = [m for m in results[2]["messages"] if m.startswith("ddphooks alert")]

@@ -181,7 +181,7 @@ def test_report_names_the_host_and_device_of_each_rank_and_of_each_alert(tmp_pat
     assert (
         f"| fault x{WORLD} | {first['step']} | {FAULT_RANK} | {4 + FAULT_RANK} | node-{FAULT_RANK // 2} | cuda:{FAULT_RANK % 2} | {first['kind']} | "
         f"global rank {4 + FAULT_RANK} (rank {FAULT_RANK} of its group) on node-{FAULT_RANK // 2}, cuda:{FAULT_RANK % 2} (GPU-{FAULT_RANK}): "
-        f"rank {FAULT_RANK} "
+        f"check "
     ) in summary
     assert f"fault x{WORLD}: {WORLD} ranks on {len({r['host'] for r in identity})} host(s)" in summary
     assert "| 1 | 5 | node-0 | 1 | 101 | cuda:1 | GPU-1 |" in summary

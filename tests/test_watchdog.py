@@ -154,7 +154,7 @@ def test_ddp_that_stops_synchronising_is_named_within_two_steps(watched, scenari
         message = result["messages"][0]
         assert "DistributedDataParallel never communicated them" in message and "model.module(...)" in message
     # One warning on the log rank's "ddphooks" logger, none on the others.
-    assert [m for m in watched[0][scenario]["notes"] if m.startswith(f"ddphooks alert: global rank 0 on {socket.gethostname()}, cpu: rank 0: the model received gradients")]
+    assert [m for m in watched[0][scenario]["notes"] if m.startswith(f"ddphooks alert: global rank 0 on {socket.gethostname()}, cpu: check a conversion of the module after wrapping first: rank 0: the model received gradients")]
     assert not [m for m in watched[1][scenario]["notes"] if "received gradients" in m]
     # The reference: where no DDP synchronises, the replicas drift apart; the second wrapper
     # still synchronises, only ddphooks no longer sees it.

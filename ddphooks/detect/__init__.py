@@ -44,8 +44,8 @@ What follows is how each part works, in the module that does it; ``benchmarks/de
 - ``evidence``: the CUSUMs the scores accumulate in;
 - ``rules``: one module per alert rule, ``divergence`` (the statistical kinds) with ``pair``
   (the W = 2 split and mirror), ``replica``, ``nonfinite`` and ``duplicate_data``;
-- ``messages``: what each kind typically means, and its section of the alerts reference
-  (``LIKELY_CAUSES``, ``reference``);
+- ``messages``: what each kind typically means, what to check first (every message starts with
+  it), and its section of the alerts reference (``LIKELY_CAUSES``, ``FIRST_CHECK``, ``reference``);
 - ``detector``: ``Detector``, which composes them step by step; ``offline``: ``detect_run`` on
   a finished run's records.
 
@@ -60,7 +60,7 @@ from .attribution import COMMON_FACTOR_PARAMETERS, PARAMETER_RATE
 from .baselines import MIN_BASELINE_STEPS
 from .config import DetectorConfig
 from .detector import Detector
-from .messages import ALERTS_REFERENCE, LIKELY_CAUSES, reference
+from .messages import ALERTS_REFERENCE, FIRST_CHECK, LIKELY_CAUSES, reference
 from .observation import PARAMETER_DTYPE, Observation
 from .offline import detect_run
 from .rules.pair import PAIR_STEPS
@@ -75,6 +75,6 @@ from .scores import _others_change  # noqa: F401,E402
 from .signals import _relative_to_median  # noqa: F401,E402
 
 __all__ = [
-    "ALERTS_REFERENCE", "COMMON_FACTOR_PARAMETERS", "LEVEL", "LIKELY_CAUSES", "MIN_BASELINE_STEPS", "PAIR_STEPS", "PARAMETER_DTYPE",
+    "ALERTS_REFERENCE", "COMMON_FACTOR_PARAMETERS", "FIRST_CHECK", "LEVEL", "LIKELY_CAUSES", "MIN_BASELINE_STEPS", "PAIR_STEPS", "PARAMETER_DTYPE",
     "PARAMETER_RATE", "SIGNALS", "Detector", "DetectorConfig", "Observation", "detect_run", "reference",
 ]  # fmt: skip

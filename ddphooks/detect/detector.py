@@ -22,6 +22,7 @@ from .attribution import ParameterAttribution
 from .baselines import Baselines
 from .config import DetectorConfig
 from .evidence import Evidence
+from .messages import first_check
 from .observation import Observation, _partial_layer_view
 from .rules.divergence import DivergenceRule
 from .rules.duplicate_data import DuplicateDataRule
@@ -127,6 +128,7 @@ class Detector:
         self.baselines.learn(values, deviations, relative_norms, losses, suspect, level_quiet, signal_quiet)
         self.seen += 1
         self.attribution.learn(obs, suspect)
+        alerts = [first_check(alert) for alert in alerts]
         self.alerts.extend(alerts)
         return alerts
 

@@ -25,6 +25,21 @@ LIKELY_CAUSES = {
         "on every rank, one data seed on every rank)"
     ),
 }
+#: What a person checks first on each kind of alert (the alerts reference's "check first" column,
+#: kept equal to it by tests/test_alert_docs.py): every alert's message starts with it
+#: (``first_check``), so the page an on-call engineer reads opens with what to do.
+FIRST_CHECK = {
+    "replica": "the optimizer's settings on that rank",
+    "nonfinite": "that rank's batch at step `since`",
+    "duplicate_data": "the data sampler's rank",
+    "unsynchronised": "a conversion of the module after wrapping",
+    "layer": "that rank's accelerator",
+    "cosine_previous": "that rank's data loader",
+    "combined": "that rank's data",
+    "loss": "that rank's data and loss function",
+    "grad_norm": "how that rank scales its loss",
+    "cosine": "that rank's data",
+}
 #: The alerts reference, one section per kind with the kind as its anchor (``docs/alerts.md#replica``):
 #: what the alert means, what to check first, its measured false-alarm rate and delay.
 ALERTS_REFERENCE = "docs/alerts.md"
@@ -35,3 +50,9 @@ def reference(kind: str) -> str:
     reference, e.g. ``reference("replica") == "see docs/alerts.md#replica"``."""
     return f"see {ALERTS_REFERENCE}#{kind}"
 
+
+def first_check(alert: dict) -> dict:
+    """``alert`` with what to check first (``check_first``) put at the start of its message:
+    ``check that rank's accelerator first: rank 1 has diverged since step 40: ...``."""
+    check = FIRST_CHECK[alert["kind"]].replace("`since`", str(alert.get("since")))
+    return dict(alert, check_first=check, message=f"check {check} first: {alert['message']}")
