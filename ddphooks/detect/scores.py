@@ -48,7 +48,6 @@ import numpy as np
 
 from .baselines import Baselines
 from .config import DetectorConfig
-from .robust import _column_medians
 from .signals import COMBINED_DIRECTION, CROSS_DIRECTION, LEVEL, LEVEL_ROW, OWN_DIRECTION, SIGNALS, SKETCHED
 
 
