@@ -114,7 +114,7 @@ class BaseSilentState:
         self.ranks = ranks
         """Who and where each rank of the group is (``ddphooks.identity.RankTable``): the same on
         every rank; records carry it, alerts are named with it."""
-        self.hosts = host_blocks([identity.host for identity in ranks.identities])
+        self.hosts = host_blocks(ranks.hosts())
         """The ranks by host (``ddphooks.hosts.HostBlocks``, from ``ranks``: the same on every
         rank): the blocks of the host-by-host cosine matrix of detail steps above
         ``detail_max_world``."""

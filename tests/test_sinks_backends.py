@@ -117,6 +117,24 @@ def test_tensorboard_sink_event_files(tmp_path):
     assert images[0].width == images[0].height == 255  # 3 entries x (256 // 3) pixels
 
 
+def test_tensorboard_draws_the_host_by_host_matrix_above_detail_max_world(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from ddphooks.sinks.tensorboard import TensorBoardSink
+
+    # three hosts' lower triangle in hundredths, as a W = 1024 detail record carries it
+    hosts = {"hosts": ["a", "b", "c"], "ranks": [[0], [1], [2]], "present": [1, 1, 1], "hundredths": [[90], [10, 80], [-50, None, 70]]}
+    sink = TensorBoardSink(tmp_path / "tb")
+    sink.write({"step": 0, "world_size": 1024, "cosine": None, "cosine_hosts": hosts})
+    sink.close()
+    accumulator = EventAccumulator(str(tmp_path / "tb"), size_guidance={"images": 0})
+    accumulator.Reload()
+    assert accumulator.Tags()["images"] == ["ddphooks/cosine_hosts"]
+    [image] = accumulator.Images("ddphooks/cosine_hosts")
+    assert image.step == 0 and image.width == image.height == 255  # 3 hosts x (256 // 3) pixels
+
+
 def test_tensorboard_image_rate_and_colours(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -11,6 +11,7 @@ import warnings
 
 import numpy as np
 
+from ddphooks.hosts import matrix_from_record
 from ddphooks.sinks.base import Sink
 from ddphooks.sinks.scalars import DEFAULT_MAX_RANKS, record_scalars
 
@@ -64,6 +65,8 @@ class TensorBoardSink(Sink):
       gradient-norm dispersion, reduced gradient norm, mean and weighted mean cosine, noise scale);
     - ``ddphooks/rank<r>/loss``, ``ddphooks/rank<r>/grad_norm``, ``ddphooks/rank<r>/cosine_to_others``
       for ranks below ``max_ranks``;
+    - ``ddphooks/cosine_hosts``, above ``detail_max_world``, the host-by-host matrix the same way
+      (``cosine_hosts``; rows and columns in its hosts' order);
     - ``ddphooks/cosine``, the W x W cosine matrix as an image (blue -1, white 0, red +1), from
       records that carry it (detail records, every ``detail_every``-th step of ``SilentState``)
       and at most once per ``image_every`` steps.
@@ -139,10 +142,13 @@ class TensorBoardSink(Sink):
                 "(max_ranks); the JSONL records keep every rank",
                 stacklevel=2,
             )
-        matrix = record.get("cosine")
+        matrix, hosts = record.get("cosine"), record.get("cosine_hosts")
         due = self._last_image_step is None or step - self._last_image_step >= self.image_every
         if matrix and due:
             writer.add_image("ddphooks/cosine", cosine_image(matrix), global_step=step, dataformats="HWC")
+            self._last_image_step = step
+        elif hosts and due:  # above detail_max_world: the host-by-host matrix, in the hosts' order
+            writer.add_image("ddphooks/cosine_hosts", cosine_image(matrix_from_record(hosts)), global_step=step, dataformats="HWC")
             self._last_image_step = step
 
     def flush(self) -> None:
