@@ -161,6 +161,18 @@ def _as_on_accelerator(on: bool) -> None:
         step.__init__ = step._cpu_init
 
 
+def _backward_step(model: torch.nn.Module, state, x: torch.Tensor):
+    """One training step's forward and backward of ``model`` on ``x`` (its loss given to ``state`` where there is one)."""
+
+    def step():
+        loss = model(x).square().mean()
+        if state is not None:
+            state.observe_loss(loss)
+        loss.backward()
+
+    return step
+
+
 def _ddp_extra(rank: int, shape: tuple, hook, settings: dict | None, mode: bool = False) -> tuple:
     """(ops, views) per step of a DDP model of ``shape`` with ``hook`` (or ddphooks with ``settings``)."""
     model = _ddp(*shape)
@@ -169,14 +181,7 @@ def _ddp_extra(rank: int, shape: tuple, hook, settings: dict | None, mode: bool 
         model.register_comm_hook(None, hook)
     else:
         state = ddphooks.attach(model, **settings)
-    x = torch.randn(4, shape[0], generator=torch.Generator().manual_seed(rank))
-
-    def step():
-        loss = model(x).square().mean()
-        if state is not None:
-            state.observe_loss(loss)
-        loss.backward()
-
+    step = _backward_step(model, state, torch.randn(4, shape[0], generator=torch.Generator().manual_seed(rank)))
     for _ in range(WARMUP):
         step()
     if state is not None:
@@ -233,14 +238,7 @@ def _fsdp_extra(rank: int, layers: int, measured: bool) -> tuple:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     state = ddphooks.attach(model) if measured else None
-    x = torch.randn(4, SMALL[0], generator=torch.Generator().manual_seed(rank))
-
-    def step():
-        loss = model(x).square().mean()
-        if state is not None:
-            state.observe_loss(loss)
-        loss.backward()
-
+    step = _backward_step(model, state, torch.randn(4, SMALL[0], generator=torch.Generator().manual_seed(rank)))
     for _ in range(WARMUP):
         step()
     result = count(step)
