@@ -173,6 +173,16 @@ def _backward_step(model: torch.nn.Module, state, x: torch.Tensor):
     return step
 
 
+def _warm_then_count(step, state) -> tuple:
+    """``count(step)`` after WARMUP steps, then the state (if any) closed."""
+    for _ in range(WARMUP):
+        step()
+    result = count(step)
+    if state is not None:
+        state.close()
+    return result
+
+
 def _ddp_extra(rank: int, shape: tuple, hook, settings: dict | None, mode: bool = False) -> tuple:
     """(ops, views) per step of a DDP model of ``shape`` with ``hook`` (or ddphooks with ``settings``)."""
     model = _ddp(*shape)
@@ -239,12 +249,7 @@ def _fsdp_extra(rank: int, layers: int, measured: bool) -> tuple:
     fully_shard(model, mesh=mesh)
     state = ddphooks.attach(model) if measured else None
     step = _backward_step(model, state, torch.randn(4, SMALL[0], generator=torch.Generator().manual_seed(rank)))
-    for _ in range(WARMUP):
-        step()
-    result = count(step)
-    if state is not None:
-        state.close()
-    return result
+    return _warm_then_count(step, state)
 
 
 def _deepspeed_extra(rank: int, layers: int, measured: bool) -> tuple:
@@ -271,12 +276,7 @@ def _deepspeed_extra(rank: int, layers: int, measured: bool) -> tuple:
         engine.backward(engine(x).loss)
         engine.step()
 
-    for _ in range(WARMUP):
-        step()
-    result = count(step)
-    if state is not None:
-        state.close()
-    return result
+    return _warm_then_count(step, state)
 
 
 def _timed(rank: int) -> list[float]:
