@@ -31,12 +31,16 @@ work it interprets is not counted).
 Rows: references that check the counter (a hook that only returns the bucket, allreduce_hook, and
 allreduce_hook with one op in its callback); DDP with 48 buckets of 4 KB (1 parameter each) and 6
 of 1 MB (4 parameters each) for the default torch path on the CPU, the torch path as it runs on an
-accelerator (``BucketStatsKernel(fused=True)`` and the reduced buckets' fused norms, which the code
-picks from the device type, forced here on the CPU; ``chunk_elems=ACCELERATOR_CHUNK_ELEMS``) and
-``sketch_dim=0``; the Triton kernel under ``TRITON_INTERPRET=1`` (4 KB buckets); FSDP2
-(``fully_shard`` per layer) and DeepSpeed ZeRO-2; and the wall time of ``loss.backward()`` on the
-training thread with ddphooks minus with allreduce_hook, per bucket, 64 buckets of 1K elements,
-median over interleaved rounds [IQR] (it includes the callbacks where the backward waits for them).
+accelerator (``BucketStatsKernel(fused=True)``, which the code picks from the device type, forced
+here on the CPU; ``chunk_elems=ACCELERATOR_CHUNK_ELEMS``) and ``sketch_dim=0``; the Triton kernel
+under ``TRITON_INTERPRET=1`` (4 KB buckets); FSDP2 (``fully_shard`` per layer) and DeepSpeed ZeRO-2.
+
+Then the time: the wall time of ``loss.backward()`` with ddphooks minus with allreduce_hook, per
+bucket, 64 buckets of 1K elements, median over interleaved rounds [IQR], on PyTorch's fake process
+group (one process, W = 2, the real DDP reducer, collectives that complete at once, one intra-op
+thread): no peer and no network to wait for, so what is left is the host's own work, the
+callbacks included, as a GPU host pays it. Two rows: the defaults, where the detector's
+background thread shares the GIL with the training thread, and ``detect=False``.
 
     python benchmarks/launches.py            # the table
     python benchmarks/launches.py --quick    # fewer units and timing rounds (tests/test_launches.py)
@@ -66,7 +70,10 @@ SMALL = (32, 1, 48)  # 4 KB buckets: Linear(32, 32) weights, 1 per bucket, 48 bu
 LARGE = (256, 4, 6)  # 1 MB buckets: 4 Linear(256, 256) weights per bucket, 6 buckets
 TRITON_BUCKETS = 4 if QUICK else 8  # the interpreter runs the kernel in numpy
 SHARDED_LAYERS = 4 if QUICK else 8  # FSDP2 reduce-scatters, DeepSpeed gradient hooks
-TIMED_BUCKETS, ROUNDS, REPEAT = 64, 5 if QUICK else 30, 4
+TIMED_BUCKETS, ROUNDS, REPEAT = 64, 5 if QUICK else 40, 4
+# The timed configurations: the defaults (the detector's thread shares the GIL with training) and
+# the same without the detector (the hook, its callbacks and the records alone).
+TIMED = {"default": {}, "no_detector": dict(detect=False)}
 TIMEOUT = 300
 COUNTED = ("aten::", "c10d::", "triton::")
 # Views, allocations and pass-throughs: no kernel of their own on a device.
@@ -147,18 +154,10 @@ class _Fused(ddphooks.sketch.BucketStatsKernel):
 
 
 def _as_on_accelerator(on: bool) -> None:
-    """Force the torch path's device-type branches (the kernel's and the reduced norms') to the accelerator's."""
-    import ddphooks.hook
+    """Force the torch path's device-type branch (the kernel's fused norms) to the accelerator's."""
     import ddphooks.state
 
     ddphooks.state.BucketStatsKernel = _Fused if on else ddphooks.sketch.BucketStatsKernel
-    step = ddphooks.hook._Step
-    if not hasattr(step, "_cpu_init"):
-        step._cpu_init = step.__init__
-    if on:
-        step.__init__ = lambda self, n, device: (step._cpu_init(self, n, device), setattr(self, "fused", True))[0]
-    else:
-        step.__init__ = step._cpu_init
 
 
 def _backward_step(model: torch.nn.Module, state, x: torch.Tensor):
@@ -279,33 +278,64 @@ def _deepspeed_extra(rank: int, layers: int, measured: bool) -> tuple:
     return _warm_then_count(step, state)
 
 
-def _timed(rank: int) -> list[float]:
-    """Per round: (backward with ddphooks - backward with allreduce_hook) / buckets, in seconds."""
-    shape = (SMALL[0], 1, TIMED_BUCKETS)
-    plain, measured = _ddp(*shape), _ddp(*shape)
-    plain.register_comm_hook(None, allreduce_hook)
-    state = ddphooks.attach(measured)
-    x = torch.randn(4, SMALL[0], generator=torch.Generator().manual_seed(rank))
+class _DoneWork:
+    """A completed collective: the fake process group's all-reduce, whose future has no value."""
 
-    def backward(model):  # REPEAT backward passes, each after its forward
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._future = torch.futures.Future()
+        self._future.set_result([tensor])
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+
+def _timed() -> dict[str, list[float]]:
+    """Per round and configuration: (backward with ddphooks - backward with allreduce_hook) /
+    buckets, in seconds, on PyTorch's fake process group (W = 2 in this one process, the real DDP
+    reducer, collectives that complete at once: what is left is the host's work, callbacks
+    included, as on a GPU host). Run in the main process after the workers (no other group)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    all_reduce = dist.all_reduce
+    dist.all_reduce = lambda tensor, op=None, group=None, async_op=False: _DoneWork(tensor)
+    torch.set_num_threads(1)
+    shape = (SMALL[0], 1, TIMED_BUCKETS)
+    models = {name: _ddp(*shape) for name in ("plain", *TIMED)}
+    models["plain"].register_comm_hook(None, allreduce_hook)
+    states = {name: ddphooks.attach(models[name], **settings) for name, settings in TIMED.items()}
+    x = torch.randn(4, SMALL[0], generator=torch.Generator().manual_seed(0))
+
+    def backward(name):  # REPEAT backward passes, each after its forward
         elapsed = 0.0
         for _ in range(REPEAT):
-            loss = model(x).square().mean()
-            if model is measured:
-                state.observe_loss(loss)
+            loss = models[name](x).square().mean()
+            if name in states:
+                states[name].observe_loss(loss)
             start = time.perf_counter()
             loss.backward()
             elapsed += time.perf_counter() - start
         return elapsed / REPEAT
 
-    for _ in range(WARMUP):
-        backward(plain), backward(measured)
-    per_bucket = []
-    for r in range(ROUNDS):
-        order = (plain, measured) if r % 2 else (measured, plain)
-        times = {id(m): backward(m) for m in order}
-        per_bucket.append((times[id(measured)] - times[id(plain)]) / TIMED_BUCKETS)
-    state.close()
+    names = list(models)
+    try:
+        for _ in range(WARMUP):
+            for name in names:
+                backward(name)
+        per_bucket = {name: [] for name in TIMED}
+        for r in range(ROUNDS):
+            order = names[r % len(names) :] + names[: r % len(names)]
+            times = {name: backward(name) for name in order}
+            for name in TIMED:
+                per_bucket[name].append((times[name] - times["plain"]) / TIMED_BUCKETS)
+    finally:
+        for state in states.values():
+            state.close()
+        dist.all_reduce = all_reduce
+        dist.destroy_process_group()
     return per_bucket
 
 
@@ -327,7 +357,6 @@ def _worker(rank: int, world: int) -> dict:
         rows["deepspeed"] = _fit(lambda n: (_deepspeed_extra(rank, n, True), _deepspeed_extra(rank, n, False)), SHARDED_LAYERS)
     except Exception as error:
         rows["deepspeed"] = _skip(error)
-    rows["time"] = _timed(rank)
     return rows
 
 
@@ -401,9 +430,11 @@ if __name__ == "__main__":
             lines.append(f"{name:<58} {unit:<15} skipped: {row or 'not run'}")
             continue
         lines.append(f"{name:<58} {unit:<15} {_cell(row['unit']):<26} {_cell(row['step']):<26} {goal_unit}; {goal_step}")
-    times = sorted(t * 1e6 for t in rows["time"])
-    q = statistics.quantiles(times, n=4) if len(times) > 1 else times * 3
-    timing = f"{statistics.median(times):.1f} us [{q[0]:.1f}-{q[2]:.1f}]"
-    lines.append(f"{f'backward time, {TIMED_BUCKETS} x 4 KB, ddphooks - allreduce_hook':<58} {'bucket':<15} {timing:<26} {'':<26} {GOALS['time']} ({ROUNDS} rounds)")
+    for name, per_bucket in _timed().items():
+        times = sorted(t * 1e6 for t in per_bucket)
+        q = statistics.quantiles(times, n=4) if len(times) > 1 else times * 3
+        timing = f"{statistics.median(times):.1f} us [{q[0]:.1f}-{q[2]:.1f}]"
+        label = f"backward time, {TIMED_BUCKETS} x 4 KB, fake group, {name.replace('_', ' ')}"
+        lines.append(f"{label:<58} {'bucket':<15} {timing:<26} {'':<26} {GOALS['time']} ({ROUNDS} rounds)")
     print("\n".join(lines))
     print(f"({'--quick, ' if QUICK else ''}torch {torch.__version__}, {time.perf_counter() - started:.0f} s)")

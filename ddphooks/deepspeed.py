@@ -279,11 +279,11 @@ class DeepSpeedSilentState(BaseSilentState):
             record = self._current = _Step(self.step, self._instrumented(self.step))
             if record.instrumented:
                 record.seen = [False] * len(self._params)
-                self._reset_sketch(device)
                 if self._local_sq is None or self._local_sq.device != device:
                     self._prepare_device(device)
-                else:
-                    self._local_sq.zero_()
+                    self._reset_sketch(device)
+                else:  # the step's norms and sketch zeroed in one operation
+                    torch._foreach_zero_([self._local_sq, *([self._sketch] if self.bins else [])])
         return record
 
     def _prepare_device(self, device: torch.device) -> None:

@@ -435,11 +435,18 @@ class ShardedSilentState(BaseSilentState):
         self._shard_norms(record, mine[slot:])
 
     def _shard_norms(self, record: _ShardedStep, out: torch.Tensor) -> None:
-        """Per parameter, ``|this rank's shard of gbar_p|^2`` (the reduce-scatters' outputs) into ``out``."""
-        offset = 0
-        for output, lengths in record.outputs:
-            squared_norms(output, lengths, out[offset : offset + len(lengths)], fused=out.device.type != "cpu")
-            offset += len(lengths)
+        """Per parameter, ``|this rank's shard of gbar_p|^2`` (the reduce-scatters' outputs) into
+        ``out``: one multi-tensor norm over every group's shards, a few operations a step whatever
+        the number of groups and parameters (fp64 shards keep fp64 sums, group by group)."""
+        outputs = [output for output, _ in record.outputs]
+        if any(output.dtype == torch.float64 for output in outputs):
+            offset = 0
+            for output, lengths in record.outputs:
+                squared_norms(output, lengths, out[offset : offset + len(lengths)])
+                offset += len(lengths)
+            return
+        segments = [part for output, lengths in record.outputs for part in output.split(lengths)]
+        torch.stack(torch._foreach_norm(segments, 2, dtype=torch.float32), out=out).square_()
 
     def _say_once(self, key: str, message: str, *args) -> None:
         if key not in self._said:

@@ -7,7 +7,6 @@ This is the only module that talks to ``torch.distributed``; the numerical work 
 # No `from __future__ import annotations` here: DDP checks the hook's annotations at runtime
 # (bucket must be dist.GradBucket, the return torch.futures.Future[torch.Tensor]).
 import sys
-import threading
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable
@@ -22,7 +21,7 @@ from ddphooks.devices import match_intra_op_threads
 from ddphooks.identity import model_device
 from ddphooks.replicas import ReplicaTensors
 from ddphooks.sinks import Sink
-from ddphooks.sketch import ACCELERATOR_CHUNK_ELEMS, CPU_CHUNK_ELEMS, BucketPlan, squared_norms
+from ddphooks.sketch import ACCELERATOR_CHUNK_ELEMS, CPU_CHUNK_ELEMS, BucketPlan, BucketStatsKernel, squared_norms
 from ddphooks.state import BaseSilentState, StepRecord, agree_across_ranks, stats_kernel_problem
 from ddphooks.stats import ABSENT, REPLICA_CHECK_REQUESTED, BucketLayout, SilentStats, slot_size
 from ddphooks.watchdog import SyncWatchdog
@@ -68,21 +67,17 @@ class _BucketEntry:
 
 
 class _Step(StepRecord):
-    """One instrumented step, shared between the hook calls and the communication callbacks.
+    """One instrumented step, from its first bucket's hook call to its statistics.
 
-    Bucket futures complete in any order and gloo runs their callbacks on its own threads, so
-    the step is complete only when every bucket has reported; ``lock`` guards the counter.
+    Every bucket but the last returns its communication future unchanged (no callback a bucket);
+    the last bucket's future waits for all of them (``torch.futures.collect_all``), so the step's
+    statistics are built once, in one callback, when every bucket is reduced.
     """
 
-    def __init__(self, step: int, device: torch.device) -> None:
+    def __init__(self, step: int) -> None:
         super().__init__(step)
-        self.reduced_sq: list[torch.Tensor | None] = []
-        self.fused = device.type != "cpu"  # fused multi-tensor norms of the reduced buckets (accelerators)
-        self.kernel: object = None  # the statistics kernel; its ``norms`` (the Triton kernel) takes the reduced norms
+        self.futures: list[torch.futures.Future] = []  # the buckets' communication futures, in bucket order
         self.plans: list[BucketPlan] = []
-        self.n_buckets: int | None = None  # set before the last bucket is launched
-        self.done = 0
-        self.lock = threading.Lock()
 
 
 class SilentState(BaseSilentState):
@@ -421,7 +416,7 @@ class SilentState(BaseSilentState):
         chunk = self.config.chunk_elems or (CPU_CHUNK_ELEMS if buffer.device.type == "cpu" else ACCELERATOR_CHUNK_ELEMS)
         plan = BucketPlan(lengths, self.bins, base, buffer.device, chunk)
         names = tuple(self._names.get(id(p), f"bucket{index}.param{j}") for j, p in enumerate(params))
-        sq = torch.empty(len(lengths), dtype=torch.float32, device=buffer.device)
+        sq = torch.zeros(len(lengths), dtype=torch.float32, device=buffer.device)  # zero: the Triton kernel adds into it
         entry = _BucketEntry(key, plan, BucketLayout(index, names, tuple(lengths)), sq, final, buffer.data_ptr())
         self._buckets[index] = entry
         return entry
@@ -434,11 +429,15 @@ class SilentState(BaseSilentState):
             return
         self._pack_fleet(record, slots, status)
 
-    def _open_step(self, device: torch.device) -> _Step:
-        self._current = _Step(self.step, device)
+    def _open_step(self, device: torch.device, kernel: BucketStatsKernel) -> _Step:
+        """At the step's first instrumented bucket: its record, and the kernel's work before the
+        buckets (zeroing the sketch, or the Triton kernel's sketch copies and norms)."""
+        self._current = _Step(self.step)
         self._current.absent = self._joined
         self._current.divided_by_present = self._divisor is not None
-        self._reset_sketch(device)
+        if self.bins and (self._sketch is None or self._sketch.device != device):
+            self._sketch = torch.zeros(self.bins, dtype=torch.float32, device=device)
+        kernel.start_step(self._sketch if self.bins else None, [entry.sq_norms for entry in self._buckets.values()])
         return self._current
 
     def _end_step(self, last_index: int) -> None:
@@ -452,21 +451,18 @@ class SilentState(BaseSilentState):
             stale = self._buckets.pop(index)
             self._kernel(stale.plan.device).forget(stale.plan)
 
-    def _bucket_done(self, record: _Step) -> None:
-        """Count a reported bucket; the last one to report publishes the step's statistics."""
-        with record.lock:
-            record.done += 1
-            complete = record.n_buckets is not None and record.done == record.n_buckets
-        if not complete:
-            return
+    def _step_reduced(self, record: _Step, reduced: list[torch.Tensor]) -> None:
+        """Every bucket of the step is reduced: build and publish its statistics (a communication
+        callback: nothing raises out of it). ``reduced``: each bucket's averaged gradient."""
         if record.error is None:
             try:
-                result = self._fleet_stats(record, torch.cat(record.reduced_sq)) if record.fleet is not None else SilentStats(
+                reduced_sq = _reduced_norms(reduced, record.layouts)
+                result = self._fleet_stats(record, reduced_sq) if record.fleet is not None else SilentStats(
                     record.step,
                     self.world_size,
                     record.layouts,
                     record.gathered,
-                    torch.cat(record.reduced_sq),
+                    reduced_sq,
                     self.bins,
                     record.transport,
                     record.fingerprinted,
@@ -516,11 +512,13 @@ def silent_hook(state: SilentState, bucket: dist.GradBucket) -> torch.futures.Fu
 
     On an instrumented step (``state.step % every == 0``), for every bucket:
 
-    1. One chunked pass over the local gradient ``g`` computes ``|g_p|^2`` for each parameter
+    1. One chunked pass over the local gradient ``g`` computes ``|g_p|`` for each parameter
        ``p`` and adds the bucket's sketch ``s_c += sum_{i mod P = c} sigma_i g_i`` (P prime, signs
-       shared by every rank) into the step's sketch.
+       shared by every rank) into the step's sketch (three or four operations a bucket on the
+       torch path, one launch with the Triton kernel; the norms of all buckets are squared at
+       once at the last bucket).
     2. Every bucket but the last is averaged like ``allreduce_hook``: divide by W first (to avoid
-       overflow), allreduce (SUM). Its callback computes ``|gbar_p|^2`` of the reduced gradient.
+       overflow), allreduce (SUM); its future is returned as it is, with no callback of ours.
        (With the Triton kernel, step 1's pass divides, where a one-time probe shows it
        bitwise equal to ``torch.div`` on the device.)
     3. The last bucket also carries every rank's slot ``[loss_sum, loss_count, status, |g_p|^2, s]``:
@@ -530,8 +528,9 @@ def silent_hook(state: SilentState, bucket: dist.GradBucket) -> torch.futures.Fu
        follows the bucket's (the "separate" transport). Above ``gather_max_world`` ranks the
        same collective carries the compact wire instead (``ddphooks.fleet``): each rank's few
        numbers, sums over the ranks and the sampled ranks' per-parameter norms.
-    4. When every bucket has reported, ``state.latest`` becomes the step's ``SilentStats``:
-       dispersion of losses and norms, the exact norm-weighted mean cosine from
+    4. The last bucket's future waits for every bucket's (``collect_all``); its one callback
+       takes ``|gbar_p|^2`` of every parameter in one multi-tensor norm, and ``state.latest``
+       becomes the step's ``SilentStats``: dispersion of losses and norms, the exact norm-weighted mean cosine from
        ``sum_{i!=j} <g_i,g_j> = W^2 |gbar|^2 - sum_i |g_i|^2``, and the sketched cosine matrix.
 
     Other steps take the plain ``allreduce_hook`` path with no statistics work. The step counter
@@ -571,34 +570,37 @@ def silent_hook(state: SilentState, bucket: dist.GradBucket) -> torch.futures.Fu
     buffer = bucket.buffer()
     if buffer.is_sparse:
         raise NotImplementedError("silent_hook does not handle sparse gradients (nn.Embedding(sparse=True)); use dense gradients")
-    record = state._current or state._open_step(buffer.device)
     entry = state._entry(bucket, buffer, index)
     kernel = state._kernel(buffer.device)
+    record = state._current or state._open_step(buffer.device, kernel)
     piggyback = last and state._piggybacks(buffer)
     # The Triton kernel divides by W in its pass, bitwise as allreduce_hook would (one launch fewer:
     # on a GPU the host's launches bound the step); the piggyback divides into its own buffer.
     divided = not piggyback and state._divides_in_pass(kernel, buffer)
+    sketch = state._sketch if state.bins else None
     if divided:
         # Not guarded: a pass that failed may or may not have divided the bucket, and training must
         # stay what allreduce_hook gives (the kernel passed its check against torch on this device).
-        kernel.run(buffer, entry.plan, state._sketch, entry.sq_norms, divide_by=state.world_size)
+        kernel.accumulate(buffer, entry.plan, sketch, entry.sq_norms, divide_by=state.world_size)
     else:
         try:  # a statistics bug fails the step's statistics, never the backward (_pack_or_fail)
-            kernel.run(buffer, entry.plan, state._sketch if state.bins else None, entry.sq_norms)
+            kernel.accumulate(buffer, entry.plan, sketch, entry.sq_norms)
         except Exception as error:
             record.error = record.error or error
-    position = len(record.layouts)
-    record.kernel = kernel
     record.plans.append(entry.plan)
     record.layouts.append(entry.layout)
     record.local_sq.append(entry.sq_norms)
-    record.reduced_sq.append(None)
 
     if not last:
         future = _all_reduce_divided(state, buffer) if divided else state._communicate(bucket)
-        return future.then(partial(_reduced_bucket, state, record, position))
+        record.futures.append(future)
+        return future
 
     # The last bucket: every other bucket's statistics are known, pack this rank's slot.
+    try:
+        kernel.finish_step(sketch, record.local_sq)  # the step's squared norms and sketch, once for all buckets
+    except Exception as error:
+        record.error = record.error or error
     world = state.world_size
     if not record.absent and state._losses.first_missing():
         state._warn_no_loss(record.step)
@@ -615,8 +617,6 @@ def silent_hook(state: SilentState, bucket: dist.GradBucket) -> torch.futures.Fu
         widest = state._fleet_capacity(record.fleet)
     record.transport = "piggyback" if piggyback else "separate"
     status = state._slot_status(record)
-    with record.lock:  # before launching: the last callback may run before this call returns
-        record.n_buckets = position + 1
 
     if piggyback:
         numel = buffer.numel()
@@ -626,14 +626,14 @@ def silent_hook(state: SilentState, bucket: dist.GradBucket) -> torch.futures.Fu
         torch.div(buffer, world if state._divisor is None else state._divisor, out=combined[:numel])
         state._pack_or_fail(record, combined[numel:], slot, status)
         future = dist.all_reduce(combined, group=state.process_group, async_op=True).get_future()
-        future = future.then(partial(_reduced_piggyback, state, record, position, numel, slot))
+        future = torch.futures.collect_all([*record.futures, future]).then(partial(_reduced_piggyback, state, record, numel, slot))
     else:
         gradient_future = _all_reduce_divided(state, buffer) if divided else state._communicate(bucket)
         slots = state._stats_buffer("_separate", wire, torch.float32, buffer.device, widest)
         state._pack_or_fail(record, slots, slot, status)
         slots_future = dist.all_reduce(slots, group=state.process_group, async_op=True).get_future()
-        both = torch.futures.collect_all([gradient_future, slots_future])
-        future = both.then(partial(_reduced_separate, state, record, position, slot))
+        every = torch.futures.collect_all([*record.futures, gradient_future, slots_future])
+        future = every.then(partial(_reduced_separate, state, record, slot))
     state._end_step(index)
     return future
 
@@ -644,26 +644,21 @@ def _all_reduce_divided(state: SilentState, buffer: torch.Tensor) -> torch.futur
     return work.get_future().then(lambda future: future.value()[0])
 
 
-def _record_reduced(record: _Step, position: int, reduced: torch.Tensor) -> None:
-    layout = record.layouts[position]
-    out = torch.empty(len(layout.numels), dtype=torch.float32, device=reduced.device)
-    norms = getattr(record.kernel, "norms", None)  # the Triton kernel: one launch (fp64 keeps the torch path's fp64 sums)
-    if norms is not None and reduced.dtype != torch.float64 and reduced.numel() == record.plans[position].numel:
-        norms(reduced, record.plans[position], out)
-    else:
-        squared_norms(reduced, list(layout.numels), out, fused=record.fused)
-    record.reduced_sq[position] = out
-
-
-def _reduced_bucket(state: SilentState, record: _Step, position: int, future: torch.futures.Future) -> torch.Tensor:
-    match_intra_op_threads()  # gloo may run this on its own thread
-    reduced = future.value()
-    try:
-        _record_reduced(record, position, reduced)
-    except Exception as error:
-        record.error = error
-    state._bucket_done(record)
-    return reduced
+def _reduced_norms(reduced: list[torch.Tensor], layouts: list[BucketLayout]) -> torch.Tensor:
+    """``|gbar_p|^2`` of every parameter of the step, in slot order, from the buckets' averaged
+    gradients ``reduced``: one multi-tensor norm over all of them, a few operations a step
+    whatever the number of buckets and parameters. (The parameters' views are made again every
+    step: kept, they would hold a rebuilt bucket's old buffer, or a ``comm_hook``'s output, alive.)"""
+    segments = [part for tensor, layout in zip(reduced, layouts) for part in tensor.split(layout.numels)]
+    out = torch.empty(len(segments), dtype=torch.float32, device=reduced[0].device)
+    if any(tensor.dtype == torch.float64 for tensor in reduced):  # fp64 sums stay fp64: bucket by bucket
+        offset = 0
+        for tensor, layout in zip(reduced, layouts):
+            squared_norms(tensor, list(layout.numels), out[offset : offset + len(layout.numels)])
+            offset += len(layout.numels)
+        return out
+    torch.stack(torch._foreach_norm(segments, 2, dtype=torch.float32), out=out)
+    return out.square_()
 
 
 def _keep_gathered(state: SilentState, record: _Step, slots: torch.Tensor, slot: int) -> None:
@@ -675,29 +670,30 @@ def _keep_gathered(state: SilentState, record: _Step, slots: torch.Tensor, slot:
     state._keep_fleet(record, slots)
 
 
-def _reduced_piggyback(
-    state: SilentState, record: _Step, position: int, numel: int, slot: int, future: torch.futures.Future
-) -> torch.Tensor:
+def _reduced_piggyback(state: SilentState, record: _Step, numel: int, slot: int, future: torch.futures.Future) -> torch.Tensor:
+    """The step's last callback with the piggyback: the other buckets' futures, then the last
+    bucket's all-reduce of ``[bucket / W | W slots]``; returns the last bucket's average."""
     match_intra_op_threads()  # gloo may run this on its own thread
-    combined = future.value()[0]
+    *others, own = future.value()
+    combined = own.value()[0]
     gradient = combined[:numel]
     try:
         _keep_gathered(state, record, combined[numel:], slot)
-        _record_reduced(record, position, gradient)
     except Exception as error:
         record.error = error
-    state._bucket_done(record)
+    state._step_reduced(record, [other.value() for other in others] + [gradient])
     return gradient
 
 
-def _reduced_separate(state: SilentState, record: _Step, position: int, slot: int, future: torch.futures.Future) -> torch.Tensor:
+def _reduced_separate(state: SilentState, record: _Step, slot: int, future: torch.futures.Future) -> torch.Tensor:
+    """The step's last callback with the separate transport: the other buckets' futures, the last
+    bucket's, then the slots' all-reduce; returns the last bucket's average."""
     match_intra_op_threads()  # gloo may run this on its own thread
-    gradient_future, slots_future = future.value()
-    gradient = gradient_future.value()
+    *buckets, slots_future = future.value()
+    gradient = buckets[-1].value()
     try:
         _keep_gathered(state, record, slots_future.value()[0], slot)
-        _record_reduced(record, position, gradient)
     except Exception as error:
         record.error = error
-    state._bucket_done(record)
+    state._step_reduced(record, [bucket.value() for bucket in buckets])
     return gradient

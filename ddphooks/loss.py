@@ -38,19 +38,20 @@ class LossTracker:
         if total is None or total.device != value.device:
             total = self._sums[explicit] = torch.zeros((), dtype=torch.float32, device=value.device)
         if self._counts[explicit] == 0:
-            total.zero_()
-        total.add_(value)
+            total.copy_(value)  # the step's first loss: one operation, not a zeroing and an addition
+        else:
+            total.add_(value)
         self._counts[explicit] += 1
 
-    def pack(self, out: torch.Tensor) -> None:
-        """Write ``[loss_sum, loss_count]`` of the winning source into the 2-element ``out``."""
+    def pack(self, out: torch.Tensor) -> int:
+        """Write the loss sum of the winning source into the 1-element ``out``; return its count."""
         explicit = self._counts[True] > 0
         count = self._counts[explicit]
         if count:
-            out[0].copy_(self._sums[explicit])
+            out.copy_(self._sums[explicit])
         else:
-            out[0].zero_()
-        out[1].fill_(count)
+            out.zero_()
+        return count
 
     def reset(self) -> None:
         """Start the next step (the sums are zeroed lazily, on their next use)."""

@@ -99,12 +99,49 @@ def random_signs(numel: int, seed_words: tuple[int, ...], device: torch.device, 
     return signs.to(device)
 
 
+_TABLE_WORD, _ROW_WORD = 0x7AB1E, 0x8035  # seed words of the two tables, apart from other uses of the seed
+#: The constants of ``table_sign_hash``: a Weyl step (2^32 / golden ratio) and murmur3's fmix32
+#: multipliers.
+WEYL, MIX1, MIX2 = 0x9E3779B9, 0x85EBCA6B, 0xC2B2AE35
+
+
+def table_key(seed: int) -> int:
+    """The 31-bit key of ``table_sign_hash`` for a projection seed (31 bits: a Triton kernel
+    argument then stays a 32-bit integer)."""
+    return int(np.random.SeedSequence([seed, _TABLE_WORD]).generate_state(1, np.uint32)[0]) & 0x7FFFFFFF
+
+
+def table_sign_hash(entries: np.ndarray, key: int) -> np.ndarray:
+    """Bit 31 of ``h(i)`` for table entries ``i`` (uint32), 0 or 1, where ``h`` is murmur3's
+    finaliser of a Weyl sequence, all mod 2^32::
+
+        h = i * WEYL + key;  h ^= h >> 16;  h *= MIX1;  h ^= h >> 13;  h *= MIX2
+
+    The sign of entry ``i`` of the table ``T`` is ``1 - 2 * bit``. The Triton kernel computes the
+    same bits from each element's position, so it reads no table (``ddphooks.triton_stats``)."""
+    h = entries.astype(np.uint32) * np.uint32(WEYL) + np.uint32(key)
+    h ^= h >> np.uint32(16)
+    h *= np.uint32(MIX1)
+    h ^= h >> np.uint32(13)
+    h *= np.uint32(MIX2)
+    return h >> np.uint32(31)
+
+
+def hashed_signs(numel: int, key: int, out: torch.Tensor) -> torch.Tensor:
+    """The signs ``T[0 .. numel)`` of ``table_sign_hash`` (int8, -1 or +1) into the CPU int8 ``out``,
+    ``SIGN_DRAW_ELEMS`` at a time (no table-sized temporary, see ``SIGN_DRAW_ELEMS``)."""
+    bits = out.numpy()
+    for begin in range(0, numel, SIGN_DRAW_ELEMS):
+        entries = np.arange(begin, min(begin + SIGN_DRAW_ELEMS, numel), dtype=np.uint32)
+        bits[begin : begin + entries.size] = 1 - 2 * table_sign_hash(entries, key).astype(np.int8)
+    return out
+
+
 #: ``M``, entries of the sign table: 8 M int8 signs, stored twice (16 MB on each device that
-#: sketches, whatever the size of the model).
+#: sketches with torch operations, whatever the size of the model; the Triton kernel computes them).
 SIGN_PAGE = 1 << 23
 #: ``R``, entries of the table of row signs (a prime: rows R apart are far from pages apart).
 ROW_PERIOD = 65521
-_TABLE_WORD, _ROW_WORD = 0x7AB1E, 0x8035  # seed words of the two tables, apart from other uses of the seed
 
 
 class SignTable:
@@ -115,9 +152,11 @@ class SignTable:
 
         sigma_x = T[x mod M] * v[(x div p) mod R]
 
-    with ``T`` a table of ``M = 2^23`` random signs and ``v`` a table of ``R = 65521`` random row
-    signs. Both are drawn from the seed (and ``p``) alone: every rank and every device (CPU,
-    CUDA, NPU) gets the same signs. Why this sketches like independent signs:
+    with ``T`` a table of ``M = 2^23`` pseudo-random signs and ``v`` a table of ``R = 65521``
+    random row signs. ``T[i]`` is a hash of ``i`` and the seed (``table_sign_hash``: the Triton
+    kernel computes it from the position and reads no table), ``v`` is drawn from the seed and
+    ``p`` (PCG64): every rank and every device (CPU, CUDA, NPU) gets the same signs. Why this
+    sketches like independent signs:
 
     1. Unbiased: two positions ``x != y`` in one bin lie in different rows, ``m != 0`` rows
        apart. Their signs are independent unless they share both the table entry (``M | m p``,
@@ -152,8 +191,9 @@ class SignTable:
         self.bins = bins
         self.page = page
         self.device = torch.device(device)
+        self.key = table_key(seed)
         values = torch.empty(2 * page, dtype=torch.int8)  # T twice: a window of <= M positions is one slice
-        random_signs(page, (seed, _TABLE_WORD), torch.device("cpu"), out=values[:page])
+        hashed_signs(page, self.key, values[:page])
         values[page:].copy_(values[:page])
         self.values = values.to(self.device)
         self.row_table = random_signs(ROW_PERIOD, (seed, _ROW_WORD, bins), torch.device("cpu")).float().to(self.device)
@@ -289,12 +329,16 @@ class BucketStatsKernel:
     views into the scratch are shared by all its chunks, so its memory stays small at any size.
 
     On accelerators, where each op costs a kernel launch rather than bytes, a chunk is up to 8 M
-    elements (a 32 MB fp32 bucket is one chunk), the table signs multiply the gradient directly
-    (``int8 * float``, one launch), and the per-parameter squared norms of a chunk come from one
-    fused multi-tensor norm (``torch._foreach_norm``, the kernel ``clip_grad_norm_`` uses) instead
-    of one ``dot`` per parameter segment. A one-chunk bucket costs 5 or 6 launches whatever its
-    number of parameters. (``torch.segment_reduce`` would be one launch too, but its kernels sum
-    each segment sequentially, slow on a GPU and less accurate in fp32.)
+    elements (a 32 MB fp32 bucket is one chunk). A bucket of one chunk (every bucket there, and
+    buckets of up to 512 KB on the CPU) takes three operations, four with several parameters,
+    whatever its size and dtype: the table signs multiply the gradient (``int8 * float``, one
+    operation), one matrix-vector product sums the rows into the bins (the last, partial row
+    padded with zeros in the scratch, so it needs no operation of its own), and one norm, or one
+    fused multi-tensor norm (``torch._foreach_norm``, the kernel ``clip_grad_norm_`` uses) and its
+    stack, takes the parameters' norms. The DDP hook leaves them unsquared and squares the norms
+    of all its buckets in one operation a step (``start_step``, ``accumulate``, ``finish_step``).
+    (``torch.segment_reduce`` would be one launch too, but its kernels sum each segment
+    sequentially, slow on a GPU and less accurate in fp32.)
 
     Args:
         bins: sketch entries ``p`` of every plan this kernel runs (0 for norms only).
@@ -315,6 +359,7 @@ class BucketStatsKernel:
         self._columns = torch.empty(0, dtype=torch.float32, device=self.device)  # squares by column (by_column plans)
         self._ones = torch.empty(0, dtype=torch.float32, device=self.device)  # weights of the rows a chunk holds whole
         self._prepared: dict[int, tuple] = {}
+        self._one_chunk: dict[int, tuple] = {}  # plans of one chunk and one row: (plan, their views and signs)
 
     def _allocate(self, plans: list[BucketPlan]) -> None:
         """Size the scratch for the largest plan and prepare the views of every live plan.
@@ -331,7 +376,9 @@ class BucketStatsKernel:
         grew = False
         if needed > self._scratch_elems:
             self._scratch_elems = needed
-            self._product = torch.empty(needed, **f32)  # sign * gradient, one chunk
+            # sign * gradient, one chunk, written to end at `needed`; the `bins` zeros after it are
+            # never written, so a chunk that ends inside a row is the rows of a padded matrix (see _prepare)
+            self._product = torch.zeros(needed + self.bins, **f32)
             grew = True
         segments = max(plan.n_segments for plan in plans)
         if self._partials is None or segments > self._partials.numel():
@@ -348,8 +395,9 @@ class BucketStatsKernel:
             grew = True
         if self.signs is not None:
             tiles = self.signs._row_tiles
-            self.signs.row_signs(ROW_PERIOD - 1, needed // self.bins)  # tiles the row signs for any chunk, once
+            self.signs.row_signs(ROW_PERIOD - 1, -(-needed // self.bins))  # tiles the row signs for any chunk, once
             grew = grew or self.signs._row_tiles is not tiles
+        self._one_chunk.clear()  # views of the scratch and tables: made again by run() where they moved
         if grew or len(plans) == 1:
             self._prepared = {id(plan): (plan, *self._prepare(plan)) for plan in plans}
         else:
@@ -357,32 +405,35 @@ class BucketStatsKernel:
 
     def _prepare(self, plan: BucketPlan) -> tuple:
         """What a plan's run needs beyond its arrays, all views of the kernel's scratch and tables
-        made once (none of them per element): views of the scratch for a full and for the last
-        chunk; whether norms can go straight to the output (one chunk, segment j is parameter j);
-        the sign and the number of entries of the last, partial row and its view of the scratch;
-        and for a plan of one chunk, its table signs and row signs (None for more chunks, whose
-        signs are sliced per chunk: a plan keeps nothing per chunk)."""
+        made once (none of them per element): for a full and for the last chunk, the scratch's
+        view where its product is written and the ``p x rows`` view of that product's rows; whether
+        norms can go straight to the output (one chunk, segment j is parameter j); and for a plan
+        of one chunk, its table signs and row signs (None for more chunks, whose signs are sliced
+        per chunk: a plan keeps nothing per chunk).
+
+        A chunk is written so that it ends where the scratch's zeros begin: a chunk that ends in
+        the middle of a row (the bucket's last, partial row) is then the first rows of a matrix
+        whose last row is padded with zeros, and the partial row takes its row sign in the same
+        matrix-vector product as the others (no operation of its own)."""
         views = {}
         last_length = plan.numel - (plan.n_chunks - 1) * plan.chunk_elems
+        end = self._scratch_elems
         if self.signs is None:  # a plan of rows without a sketch: the product is the gradient in fp32
-            return {length: (self._product[:length], None) for length in {plan.chunk_elems, last_length}}, False, 0.0, 0, None, None, {}
+            return {length: (self._product[end - length : end], None) for length in {plan.chunk_elems, last_length}}, False, None, {}
         if plan.chunk_elems > self.signs.page:
             raise ValueError(f"chunks of {plan.chunk_elems} elements exceed the sign table's {self.signs.page} entries; use chunk_elems <= {self.signs.page}")
         for length in {plan.chunk_elems, last_length}:
-            full = length - length % self.bins
-            views[length] = (self._product[:length], self._product[:full].view(-1, self.bins).t())
-        self.signs.row_signs(ROW_PERIOD - 1, plan.chunk_elems // self.bins)  # tiles the row signs for any chunk, once
+            padded = -(-length // self.bins) * self.bins
+            views[length] = (self._product[end - length : end], self._product[end - length : end - length + padded].view(-1, self.bins).t())
+        self.signs.row_signs(ROW_PERIOD - 1, -(-plan.chunk_elems // self.bins))  # tiles the row signs for any chunk, once
         direct = plan.rows == 1 and plan.n_chunks == 1 and plan.n_segments == len(plan.lengths)  # segment j is parameter j
-        tail_row = (plan.base + plan.numel) // self.bins  # the last, partial row (if any)
-        tail = plan.numel % self.bins if plan.n_chunks else 0
-        tail_product = self._product[last_length - tail : last_length] if tail else None
         one_chunk = None
         if plan.n_chunks == 1:
             start = plan.base % self.signs.page
             one_chunk = (self.signs.values[start : start + plan.numel], self.signs.row_signs(plan.base // self.bins, views[plan.numel][1].shape[1]))
         # The segment views of the chunks that hold more than one segment (or part of one), made at
         # their first run: a bucket of many small parameters slices and views once, not every step.
-        return views, direct, self.signs.row_table[tail_row % ROW_PERIOD].item(), tail, tail_product, one_chunk, {}
+        return views, direct, one_chunk, {}
 
     def _column_parts(self, plan: BucketPlan, product: torch.Tensor, begin: int, end: int) -> tuple[list, tuple | None]:
         """How chunk ``[begin, end)`` of a row plan adds its squares into the columns: the
@@ -406,13 +457,43 @@ class BucketStatsKernel:
         table = self.signs.nbytes() if self.signs is not None else 0
         if not self._scratch_elems:
             return table
-        return table + 4 * (self._scratch_elems + self._partials.numel() + self._columns.numel() + self._ones.numel())
+        return table + 4 * (self._scratch_elems + self.bins + self._partials.numel() + self._columns.numel() + self._ones.numel())
 
     def forget(self, plan: BucketPlan) -> None:
         """Drop the prepared views of a plan that is no longer used (after a bucket rebuild)."""
         self._prepared.pop(id(plan), None)
+        self._one_chunk.pop(id(plan), None)
 
-    def run(self, flat: torch.Tensor, plan: BucketPlan, sketch_acc: torch.Tensor | None, sq_norms: torch.Tensor) -> None:
+    # -- a step of buckets (the DDP hook): the work that is the same for every bucket, once a step --
+    def start_step(self, sketch: torch.Tensor | None, norms: list[torch.Tensor]) -> None:
+        """Before a step's first bucket: zero the step's sketch (``norms``, the buckets' outputs,
+        are overwritten by ``accumulate``)."""
+        if sketch is not None:
+            sketch.zero_()
+
+    def accumulate(self, flat: torch.Tensor, plan: BucketPlan, sketch: torch.Tensor | None, norms: torch.Tensor, divide_by: int | None = None) -> None:
+        """One bucket of the step: its sketch added into ``sketch``, its parameters' norms
+        (unsquared until ``finish_step``) written into ``norms``. ``divide_by`` is refused: torch
+        divides the bucket (``divides_like_torch`` is the Triton kernel's)."""
+        if divide_by is not None:
+            raise ValueError("the torch path does not divide buckets in its pass; allreduce_hook divides them")
+        one_chunk = self._one_chunk.get(id(plan))
+        if one_chunk is not None and one_chunk[0] is plan and sketch is not None and flat.dim() == 1 and flat.numel() == plan.numel:
+            # run()'s one-chunk path with its views looked up once (on a GPU host every us of Python counts)
+            _, product, rows_t, signs, row_signs = one_chunk
+            torch.mul(signs, flat, out=product)
+            sketch.addmv_(rows_t, row_signs)
+            _segment_norms(product, plan.lengths, norms, squared=False)
+            return
+        self.run(flat, plan, sketch, norms, squared=False)
+
+    def finish_step(self, sketch: torch.Tensor | None, norms: list[torch.Tensor]) -> None:
+        """After the step's last bucket: square every bucket's norms at once (one multi-tensor
+        operation a step instead of one a bucket)."""
+        if norms:
+            torch._foreach_mul_(norms, norms)
+
+    def run(self, flat: torch.Tensor, plan: BucketPlan, sketch_acc: torch.Tensor | None, sq_norms: torch.Tensor, squared: bool = True) -> None:
         """Write ``|g_j|^2`` of every parameter into ``sq_norms``; add the sketch into ``sketch_acc``.
 
         Args:
@@ -424,6 +505,8 @@ class BucketStatsKernel:
             sketch_acc: fp32 tensor of ``plan.bins`` entries to add the sketch into, or None for
                 norms only.
             sq_norms: fp32 tensor of ``len(plan.lengths)`` entries, overwritten.
+            squared: False writes the norms ``|g_j|`` instead, for a caller that squares the norms
+                of all its buckets at once (the DDP hook: one operation a step, not one a bucket).
         """
         if flat.numel() != plan.numel:
             raise ValueError(f"bucket has {flat.numel()} elements but its plan expects {plan.numel}")
@@ -434,6 +517,8 @@ class BucketStatsKernel:
                     f"{plan.row_width} in {plan.n_chunks} chunks: a band of several rows must be one chunk, its columns contiguous"
                 )  # fmt: skip
             flat = flat[0] if plan.rows == 1 else flat
+        elif plan.rows > 1 and plan.n_chunks == 1:  # rows of one chunk, given flat: the same operations as a band
+            flat = flat.view(plan.rows, plan.row_width)
         band = flat.shape if flat.dim() == 2 else None  # the chunk's product and signs are viewed in its shape
         if plan.bins != self.bins:
             raise ValueError(f"plan has {plan.bins} bins but this kernel sketches into {self.bins}")
@@ -441,24 +526,41 @@ class BucketStatsKernel:
         by_column = plan.by_column
         if not sketching and plan.rows == 1:
             # norms only: one reduction per parameter, or one segmented reduction on accelerators
-            squared_norms(flat, plan.lengths, sq_norms, fused=self.fused)
+            squared_norms(flat, plan.lengths, sq_norms, fused=self.fused, squared=squared)
             return
         entry = self._prepared.get(id(plan))
         if entry is None or entry[0] is not plan:
             self._allocate([p for p, *_ in self._prepared.values()] + [plan])
             entry = self._prepared[id(plan)]
-        _, views, direct, tail_sign, tail, tail_product, one_chunk, chunk_parts = entry
-        if one_chunk is not None and direct and plan.n_segments == 1 and not self.fused:
-            # One parameter in one chunk (most small tensors): the loop below with every view made
-            # once, the same operations in the same order.
+        _, views, direct, one_chunk, chunk_parts = entry
+        if one_chunk is not None and direct and sketching and band is None:
+            # A bucket of one chunk (every bucket on accelerators, small ones on the CPU): three
+            # operations, or four with several parameters, whatever its size and dtype.
             product, rows_t = views[plan.numel]
             signs, row_signs = one_chunk
-            product.copy_(signs)
-            (product if band is None else product.view(band)).mul_(flat)  # a band: one chunk
+            self._one_chunk[id(plan)] = (plan, product, rows_t, signs, row_signs)
+            torch.mul(signs, flat, out=product)  # sign * gradient, promoted to fp32
+            sketch_acc.addmv_(rows_t, row_signs)  # rows weighted by their signs, summed into bins
+            _segment_norms(product, plan.lengths, sq_norms, squared)
+            return
+        if one_chunk is not None and band is not None and sketching and not by_column:
+            # A band of FSDP2's rows in one chunk: the same, read through the row stride; a
+            # parameter's norm is that of its segments' norms over the rows (a column of them).
+            product, rows_t = views[plan.numel]
+            signs, row_signs = one_chunk
+            torch.mul(signs.view(band), flat, out=product.view(band))
             sketch_acc.addmv_(rows_t, row_signs)
-            if tail:
-                sketch_acc[:tail].add_(tail_product, alpha=tail_sign)
-            torch.dot(product, product, out=sq_norms[0])
+            if len(plan.lengths) == 1:
+                torch.linalg.vector_norm(product, out=sq_norms[0])
+            else:
+                parts = chunk_parts.get(0)
+                if parts is None:
+                    parts = chunk_parts[0] = product.split(plan.lengths * plan.rows)
+                norms = self._partials[: plan.n_segments]
+                torch.stack(torch._foreach_norm(parts, 2), out=norms)
+                torch.linalg.vector_norm(norms.view(plan.rows, len(plan.lengths)), dim=0, out=sq_norms)
+            if squared:
+                sq_norms.square_()
             return
         bins, chunk_elems = self.bins, plan.chunk_elems
         starts, seg_begin, seg_end = plan.segment_start.tolist(), plan.segment_begin.tolist(), plan.segment_end.tolist()
@@ -484,10 +586,9 @@ class BucketStatsKernel:
                 else:  # measured faster on the CPU than the mixed-dtype multiply
                     product.copy_(signs)
                     into.mul_(chunk)
-                # rows weighted by their signs, summed into bins: s += rows^T v
+                # rows weighted by their signs, summed into bins: s += rows^T v (a partial last row
+                # is padded with zeros, see _prepare)
                 sketch_acc.addmv_(rows_t, row_signs)
-                if tail and c == plan.n_chunks - 1:  # the bucket may end in the middle of a row
-                    sketch_acc[:tail].add_(tail_product, alpha=tail_sign)
             else:
                 into.copy_(chunk)  # a plan of rows without a sketch: the chunk in fp32
             if by_column:
@@ -512,14 +613,10 @@ class BucketStatsKernel:
                 parts = chunk_parts.get(c)
                 if parts is None:
                     parts = chunk_parts[c] = [product[seg_begin[k] : seg_end[k]] for k in range(first, last)]
-            if self.fused:  # all of the chunk's segments in one multi-tensor kernel
-                out = sq_norms if direct else self._partials[first:last]
-                torch.stack(torch._foreach_norm(parts, 2), out=out).square_()
-            elif whole:
+            if whole:
                 torch.dot(product, product, out=norms[first])
-            else:  # one dot per segment: measured fastest on the CPU, where a call costs no launch;
-                # stacked into the norms in one copy (the same values as a dot into each entry)
-                torch.stack([torch.dot(part, part) for part in parts], out=norms[first:last])
+            else:  # all of the chunk's segments in one multi-tensor norm, whatever their number
+                torch.stack(torch._foreach_norm(parts, 2), out=norms[first:last]).square_()
         if by_column and self.fused:  # a parameter's norm, the sum of its (nonnegative) columns, is the squared
             # norm of their square roots: one multi-tensor kernel whatever the number of parameters
             torch.stack(torch._foreach_norm(columns.sqrt().split(plan.lengths), 2), out=sq_norms).square_()
@@ -527,39 +624,49 @@ class BucketStatsKernel:
             sq_norms.zero_().index_add_(0, plan.column_owner, columns)
         elif not direct:  # a parameter split over chunks sums its segments
             sq_norms.zero_().index_add_(0, plan.segment_owner, self._partials[: plan.n_segments])
+        if not squared:
+            sq_norms.sqrt_()
 
 
-def squared_norms(flat: torch.Tensor, lengths: list[int], out: torch.Tensor, fused: bool = False) -> None:
-    """``out[j] = |segment_j|^2`` in fp32 for a flat buffer cut into segments of ``lengths``.
-
-    Used on reduced buckets inside future callbacks (possibly several threads at once), so it
-    keeps no shared scratch. With ``fused`` (accelerators) all segments go through one
-    multi-tensor norm accumulated in fp32, a few kernel launches per bucket whatever its number
-    of parameters; otherwise fp32 and fp64 segments are reduced directly and half-precision ones
-    in bounded chunks converted to fp32.
-    """
-    if fused:
-        accumulate = None if flat.dtype == torch.float64 else torch.float32  # fp64 stays fp64, the rest sums in fp32
+def _segment_norms(flat: torch.Tensor, lengths: list[int], out: torch.Tensor, squared: bool) -> None:
+    """``out[j] = |segment_j|`` (``squared``: ``|segment_j|^2``) of a flat buffer cut into
+    ``lengths``, summed in fp32 (fp64 stays fp64): one operation for one segment, else one
+    multi-tensor norm (the kernel ``clip_grad_norm_`` uses) and its stack, whatever the number
+    of segments; squaring the norms adds one."""
+    accumulate = None if flat.dtype in (torch.float32, torch.float64) else torch.float32
+    if len(lengths) == 1 and squared and accumulate is None and out.dtype == flat.dtype:
+        torch.dot(flat, flat, out=out[0])
+        return
+    if len(lengths) == 1 and (accumulate or flat.dtype) == out.dtype:
+        torch.linalg.vector_norm(flat, dtype=accumulate, out=out[0])
+    else:
         norms = torch._foreach_norm(flat.split(lengths), 2, dtype=accumulate)
         if out.dtype == (accumulate or flat.dtype):
-            # Stacked into ``out`` and squared there: a launch fewer than stacking, squaring and
-            # copying (on a GPU the host's launches bound the step: docs/results/device-2026-12-04.md).
-            torch.stack(norms, out=out).square_()
+            torch.stack(norms, out=out)
         else:
-            out.copy_(torch.stack(norms).square_())
+            out.copy_(torch.stack(norms))
+    if squared:
+        out.square_()
+
+
+def squared_norms(flat: torch.Tensor, lengths: list[int], out: torch.Tensor, fused: bool = False, squared: bool = True) -> None:
+    """``out[j] = |segment_j|^2`` in fp32 for a flat buffer cut into segments of ``lengths``
+    (``squared=False``: the norms ``|segment_j|``).
+
+    It keeps no shared scratch (it may run on several threads at once). With ``fused``
+    (accelerators), or a buffer small enough to be one CPU chunk, all segments go through one
+    multi-tensor norm accumulated in fp32 (``_segment_norms``): a few operations per buffer
+    whatever its number of parameters; otherwise fp32 and fp64 segments are reduced directly
+    and half-precision ones in bounded chunks converted to fp32.
+    """
+    if fused or flat.dtype == torch.float32 or flat.numel() <= CPU_CHUNK_ELEMS:
+        _segment_norms(flat, lengths, out, squared)
         return
-    if flat.dtype == torch.float32 and len(lengths) > 1 and sum(lengths) == flat.numel():
-        # One dot per segment, stacked into ``out`` in one copy: the same values as a dot into each
-        # entry, without a Python slice and an ``out=`` view per parameter.
-        torch.stack([torch.dot(segment, segment) for segment in flat.split(lengths)], out=out)
-        return
-    offset = 0
+    offset = 0  # fp64, or half precision on the CPU in bounded chunks (no buffer-sized fp32 copy)
     for j, length in enumerate(lengths):
         segment = flat[offset : offset + length]
         offset += length
-        if segment.dtype == torch.float32:
-            torch.dot(segment, segment, out=out[j])
-        elif segment.dtype == torch.float64:
+        if segment.dtype == torch.float64:
             out[j] = torch.dot(segment, segment)
         else:
             total = torch.zeros((), dtype=torch.float32, device=flat.device)
@@ -567,3 +674,5 @@ def squared_norms(flat: torch.Tensor, lengths: list[int], out: torch.Tensor, fus
                 part = segment[begin : begin + CPU_CHUNK_ELEMS].float()
                 total += torch.dot(part, part)
             out[j] = total
+    if not squared:
+        out.sqrt_()

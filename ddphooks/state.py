@@ -376,8 +376,12 @@ class BaseSilentState:
         from step to step)."""
         if self._slot_head is None or self._slot_head.device != device:
             self._slot_head = torch.zeros(3, dtype=torch.float32, device=device)
-        self._losses.pack(self._slot_head[:2])
-        self._slot_head[2].fill_(status)
+            self._head_written = (0, 0)
+        count = self._losses.pack(self._slot_head[:1])
+        if (count, status) != self._head_written:  # most steps repeat the last step's: no operation then
+            self._slot_head[1].fill_(count)
+            self._slot_head[2].fill_(status)
+            self._head_written = (count, status)
         return self._slot_head
 
     def _pack_slot(self, local_sq: list[torch.Tensor], fingerprint: torch.Tensor | None, slot: torch.Tensor, status: int = 0) -> None:

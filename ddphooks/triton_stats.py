@@ -2,11 +2,14 @@
 
 It computes what :class:`ddphooks.sketch.BucketStatsKernel` computes (the squared norm of every
 parameter segment and the sketch with the same signs, ``sigma_x = T[x mod M] v[(x div p) mod R]``)
-in five kernel launches per bucket, whatever the bucket's size and number of parameters: the pass,
-two zeroings (norms, sketch copies) and the copies' sum into the sketch. The torch path needs about
-five per chunk of 8 M elements, and as many again for the reduced bucket's norms, which this kernel
-takes in two (``norms``). Under DDP the pass can also divide the bucket by W (``divide_by``: the
-division ``allreduce_hook`` launches before its all-reduce, saved).
+in one kernel launch per bucket under DDP, whatever the bucket's size and number of parameters
+(``accumulate``): the zeroing of the norms and of the sketch copies, and the copies' sum into the
+sketch, are done once a step for all buckets (``start_step``, ``finish_step``). ``run``, for one
+bucket on its own (FSDP2's bands), zeroes and sums around its launch. The pass can also divide the
+bucket by W (``divide_by``: the division ``allreduce_hook`` launches before its all-reduce,
+saved), so under DDP a bucket costs no more launches than ``allreduce_hook`` alone. The table signs
+``T`` are computed in the kernel from each element's position (``sketch.table_sign_hash``): the
+pass reads the gradient's own bytes and a row sign per row of ``p`` elements, no table per element.
 
 How the pass works:
 
@@ -17,7 +20,7 @@ How the pass works:
    programs hide. (8 K-element tiles read 120-180 GB/s on an H200, 2026-12-04; that smaller ones
    do better is the hypothesis the next device run tests.)
 2. each program reads its gradient elements once (any floating dtype, summed in fp32), multiplies
-   them by their table signs and row signs, and adds its column sums into one of ``COPIES``
+   them by their table signs (hashed from the position) and row signs, and adds its column sums into one of ``COPIES``
    copies of the sketch (``p`` atomic adds; copy ``program mod COPIES``, so that the thousands of
    programs of a large bucket do not queue on the same ``p`` addresses); one column sum of the
    copies then adds the bucket's sketch into the step's;
@@ -36,7 +39,7 @@ How the pass works:
 
 Offsets inside a tile are 32-bit (the tile's first element, a 64-bit number, is added to the
 pointer once), so no per-element 64-bit arithmetic. Nothing is kept per element: per plan, the
-segment offsets on the device; per kernel, the sign tables of :class:`~ddphooks.sketch.SignTable`
+segment offsets on the device; per kernel, the row signs of :class:`~ddphooks.sketch.SignTable`
 and the sketch copies (``COPIES x PB`` fp32). The sums are taken in another order than the torch
 path's, so the results agree to rounding (fp32), not bitwise.
 
@@ -68,7 +71,7 @@ COPIES = 64
 
 
 @triton.jit
-def _bucket_stats(grad_ptr, table_ptr, rows_ptr, offsets_ptr, copies_ptr, sq_ptr, numel, table_start, row_start, page, period, p,
+def _bucket_stats(grad_ptr, key, rows_ptr, offsets_ptr, copies_ptr, sq_ptr, numel, table_start, row_start, page, period, p,
                   divisor, ROWS: tl.constexpr, PB: tl.constexpr, SEARCH: tl.constexpr, COPIES: tl.constexpr,
                   SKETCH: tl.constexpr, DIVIDE: tl.constexpr, RECIPROCAL: tl.constexpr):  # fmt: skip
     program = tl.program_id(0)
@@ -87,8 +90,14 @@ def _bucket_stats(grad_ptr, table_ptr, rows_ptr, offsets_ptr, copies_ptr, sq_ptr
     if SKETCH:
         # The bucket's base enters as its table entry and row sign (base mod page, base row mod
         # period): small numbers. The table is stored twice, so a tile's window needs no wrap.
-        first_sign = ((table_start + low) & (page - 1)).to(tl.int32)
-        table_sign = tl.load(table_ptr + first_sign + local, mask=inside, other=0).to(tl.float32)
+        # T's sign from the table entry (position mod page): sketch.table_sign_hash, in uint32
+        entry = ((table_start + low + local) & (page - 1)).to(tl.uint32)
+        h = entry * 0x9E3779B9 + key.to(tl.uint32)  # WEYL
+        h ^= h >> 16
+        h *= 0x85EBCA6B  # MIX1
+        h ^= h >> 13
+        h *= 0xC2B2AE35  # MIX2
+        table_sign = 1.0 - 2.0 * (h >> 31).to(tl.float32)
         row = ((row_start + first_row) % period).to(tl.int32) + rows
         row_sign = tl.load(rows_ptr + tl.where(row >= period, row - period, row))
         column = tl.arange(0, PB)
@@ -175,11 +184,7 @@ class TritonBucketStats:
         ``torch.div`` would (only where ``divides_like_torch(flat.dtype, W)`` said so)."""
         if plan.bins != self.bins or sketch_acc is None:
             raise ValueError(f"the Triton kernel sketches into {self.bins} bins; got a plan of {plan.bins} and sketch_acc={sketch_acc is not None}")
-        division = None
-        if divide_by is not None:
-            division = self._division.get((flat.dtype, divide_by))
-            if division is None:
-                raise ValueError(f"the Triton kernel does not divide {flat.dtype} by {divide_by} as torch.div does here (divides_like_torch)")
+        division = self._division_of(flat.dtype, divide_by)
         if flat.dim() == 2 and division is None:  # a band of FSDP2's rows (BucketStatsKernel.run): the kernel reads one flat buffer
             flat = flat.reshape(-1)
         if self._sketches is None:
@@ -189,9 +194,35 @@ class TritonBucketStats:
         self._launch(flat, plan, sq_norms, self._sketches, division)
         sketch_acc.add_(self._sketches[:, : self.bins].sum(dim=0))
 
-    def norms(self, flat: torch.Tensor, plan: BucketPlan, sq_norms: torch.Tensor) -> None:
-        """Write ``|g_j|^2`` of every segment into ``sq_norms`` (no sketch): the reduced bucket's."""
-        self._launch(flat, plan, sq_norms, None, None)
+    # -- a step of buckets (the DDP hook): one launch a bucket, the rest once a step ------------
+    def start_step(self, sketch: torch.Tensor, norms: list[torch.Tensor]) -> None:
+        """Before a step's first bucket: zero the sketch copies and the buckets' norms from the
+        step before (``norms``; a bucket's first norms are allocated zero), in one multi-tensor
+        operation: the pass only adds into them."""
+        if self._sketches is None:
+            self._sketches = torch.zeros(self.copies, self.block, dtype=torch.float32, device=self.device)
+        torch._foreach_zero_([self._sketches, *norms])
+
+    def accumulate(self, flat: torch.Tensor, plan: BucketPlan, sketch: torch.Tensor, norms: torch.Tensor, divide_by: int | None = None) -> None:
+        """One bucket of the step in one launch: its squared norms added into ``norms`` (zeroed by
+        ``start_step``), its sketch into the step's copies; with ``divide_by`` (W) the bucket
+        divided in place as ``torch.div`` would (see ``run``)."""
+        self._launch(flat, plan, norms, self._sketches, self._division_of(flat.dtype, divide_by), zeroed=True)
+
+    def finish_step(self, sketch: torch.Tensor, norms: list[torch.Tensor]) -> None:
+        """After the step's last bucket: the step's sketch, the sum of the copies, into ``sketch``
+        (the norms are squares already)."""
+        torch.sum(self._sketches[:, : self.bins], dim=0, out=sketch)
+
+    def _division_of(self, dtype: torch.dtype, divide_by: int | None) -> tuple[bool, float] | None:
+        """How the pass divides ``dtype`` by ``divide_by`` (None: it does not divide), refusing a
+        division it was not found to do as ``torch.div`` does (``divides_like_torch``)."""
+        if divide_by is None:
+            return None
+        division = self._division.get((dtype, divide_by))
+        if division is None:
+            raise ValueError(f"the Triton kernel does not divide {dtype} by {divide_by} as torch.div does here (divides_like_torch)")
+        return division
 
     def divides_like_torch(self, dtype: torch.dtype, divide_by: int) -> bool:
         """Whether ``run(divide_by=W)`` leaves a bucket of ``dtype`` bitwise equal to
@@ -233,20 +264,24 @@ class TritonBucketStats:
                 return division
         return None
 
-    def _launch(self, flat: torch.Tensor, plan: BucketPlan, sq_norms: torch.Tensor, sketches: torch.Tensor | None, division: tuple[bool, float] | None) -> None:
-        """One pass: the norms into ``sq_norms``, the sketch into ``sketches`` (None: norms only),
-        and with ``division`` (by the reciprocal?, the number) the quotient written back."""
+    def _launch(
+        self, flat: torch.Tensor, plan: BucketPlan, sq_norms: torch.Tensor, sketches: torch.Tensor | None, division: tuple[bool, float] | None, zeroed: bool = False
+    ) -> None:
+        """One pass: the norms into ``sq_norms`` (added to it where ``zeroed`` says it is zero
+        already: a plan of one row), the sketch added into ``sketches`` (None: norms only), and
+        with ``division`` (by the reciprocal?, the number) the quotient written back."""
         if flat.numel() != plan.numel:
             raise ValueError(f"bucket has {flat.numel()} elements but its plan expects {plan.numel}")
         offsets, steps, row_norms = self._prepared(plan)
         norms = sq_norms if row_norms is None else row_norms.view(-1)  # several rows: a norm per parameter and row
-        norms.zero_()
+        if not zeroed or row_norms is not None:
+            norms.zero_()
         if plan.numel:
             tiles = -(-plan.numel // (self.rows * self.bins))
             reciprocal, divisor = division or (False, 1.0)
             with self._launching:
                 _bucket_stats[(tiles,)](
-                    flat, self.signs.values, self.signs.row_table, offsets, norms if sketches is None else sketches, norms, plan.numel,
+                    flat, self.signs.key, self.signs.row_table, offsets, norms if sketches is None else sketches, norms, plan.numel,
                     plan.base % self.signs.page, plan.base // self.bins % ROW_PERIOD, self.signs.page, ROW_PERIOD, self.bins, divisor,
                     ROWS=self.rows, PB=self.block, SEARCH=steps, COPIES=self.copies, SKETCH=sketches is not None, DIVIDE=division is not None,
                     RECIPROCAL=reciprocal,

@@ -646,11 +646,11 @@ def test_host_blocks_follow_the_identity_tables_hosts_and_merge_beyond_the_limit
     assert big.count == fleet_hosts.MAX_BLOCKS == 256 and big.labels[1] == "node0002..node0003" and big.ranks[1] == list(range(16, 32))
 
 
-def _sketch_rows(gradients: torch.Tensor, bins: int) -> torch.Tensor:
-    """Each row's CountSketch with the hook's kernel and sign table (seed 0)."""
+def _sketch_rows(gradients: torch.Tensor, bins: int, seed: int = 0) -> torch.Tensor:
+    """Each row's CountSketch with the hook's kernel and sign table (of ``seed``)."""
     from ddphooks.sketch import BucketPlan, BucketStatsKernel, SignTable
 
-    kernel = BucketStatsKernel(bins, torch.device("cpu"), SignTable(0, bins, torch.device("cpu")))
+    kernel = BucketStatsKernel(bins, torch.device("cpu"), SignTable(seed, bins, torch.device("cpu")))
     plan = BucketPlan([gradients.shape[1]], bins, 0, torch.device("cpu"), 1 << 17)
     sketches = torch.zeros(len(gradients), bins)
     for row, g in zip(sketches, gradients):
@@ -661,7 +661,11 @@ def _sketch_rows(gradients: torch.Tensor, bins: int) -> torch.Tensor:
 def test_the_matrices_against_the_exact_cosines_of_the_gradients():
     """The accuracy of both forms against exact cosines (float64, from the full gradients), at
     the default sketch (251 bins): 32 ranks on 4 hosts, hosts 0-1 and 2-3 on two different data
-    distributions (two shared directions and noise). RMS error within ``1/sqrt(bins)``."""
+    distributions (two shared directions and noise). RMS error within ``1/sqrt(bins)``, averaged
+    over four projection seeds: one seed's RMS scatters around its mean (0.058 +- 0.004 over 18
+    seeds and data draws on 2026-12-07, 0.065 at worst, with the hashed table signs; 0.059 +-
+    0.005, 0.071 at worst, with the PCG64 table before them), so a single seed would be a coin
+    flip against a bound of 0.063."""
     from ddphooks.sketch import sketch_bins
 
     bins, world, dim = sketch_bins(256), 32, 200_000
@@ -671,23 +675,25 @@ def test_the_matrices_against_the_exact_cosines_of_the_gradients():
     gradients = shared[group] + 1.2 * torch.randn(world, dim, generator=generator, dtype=torch.float64)
     unit = gradients / gradients.norm(dim=1, keepdim=True)
     exact = (unit @ unit.T).numpy()
-    sketches = _sketch_rows(gradients.float(), bins)
     blocks = host_blocks([f"node{r // 8}" for r in range(world)])
-    ranks = [{"head": torch.tensor([1.0, 1.0, 0.0]), "local_sq": [torch.ones(2), torch.ones(3)], "sketch": s, "absent": False} for s in sketches]
     bound = 1 / math.sqrt(bins)
     rank_layout = fleet.FleetLayout(world, N_PARAMS, len(BUCKETS), bins, sampled=4, matrix_rows=world)
-    rank_stats = fleet.FleetStats(0, BUCKETS, rank_layout, _compact_detail(rank_layout, ranks), torch.ones(N_PARAMS), "piggyback", [0, 1], None)
-    off = ~np.eye(world, dtype=bool)
-    rank_rms = float(np.sqrt(np.mean((rank_stats.cosine - exact)[off] ** 2)))
     host_layout = fleet.FleetLayout(world, N_PARAMS, len(BUCKETS), bins, sampled=4, matrix_rows=blocks.count, host_form=True)
-    host_stats = fleet.FleetStats(0, BUCKETS, host_layout, _compact_detail(host_layout, ranks, blocks), torch.ones(N_PARAMS), "piggyback", [0, 1], None, hosts=blocks)
     reference = _block_means(exact, blocks, np.ones(world, dtype=bool))
-    host_rms = float(np.sqrt(np.mean((host_stats.cosine_hosts().cosine - reference) ** 2)))
-    print(f"rank-by-rank RMS {rank_rms:.4f}, host-by-host RMS {host_rms:.4f}, bound 1/sqrt({bins}) = {bound:.4f}")
-    assert rank_rms < bound and host_rms < bound
-    # The two data distributions: within a group well above across groups, in both forms.
-    matrix = host_stats.cosine_hosts().cosine
-    assert min(matrix[0, 1], matrix[2, 3]) > max(matrix[0, 2], matrix[1, 3]) + 0.2
+    off = ~np.eye(world, dtype=bool)
+    rank_rms, host_rms = [], []
+    for seed in range(4):
+        sketches = _sketch_rows(gradients.float(), bins, seed)
+        ranks = [{"head": torch.tensor([1.0, 1.0, 0.0]), "local_sq": [torch.ones(2), torch.ones(3)], "sketch": s, "absent": False} for s in sketches]
+        rank_stats = fleet.FleetStats(0, BUCKETS, rank_layout, _compact_detail(rank_layout, ranks), torch.ones(N_PARAMS), "piggyback", [0, 1], None)
+        rank_rms.append(float(np.sqrt(np.mean((rank_stats.cosine - exact)[off] ** 2))))
+        host_stats = fleet.FleetStats(0, BUCKETS, host_layout, _compact_detail(host_layout, ranks, blocks), torch.ones(N_PARAMS), "piggyback", [0, 1], None, hosts=blocks)
+        host_rms.append(float(np.sqrt(np.mean((host_stats.cosine_hosts().cosine - reference) ** 2))))
+        # The two data distributions: within a group well above across groups, in both forms.
+        matrix = host_stats.cosine_hosts().cosine
+        assert min(matrix[0, 1], matrix[2, 3]) > max(matrix[0, 2], matrix[1, 3]) + 0.2
+    print(f"rank-by-rank RMS {rank_rms}, host-by-host RMS {host_rms}, bound 1/sqrt({bins}) = {bound:.4f}")
+    assert np.mean(rank_rms) < bound and np.mean(host_rms) < bound
 
 
 def test_detail_steps_keep_the_compact_wire_within_its_budget_averaged_over_detail_every():

@@ -1,6 +1,7 @@
-"""benchmarks/launches.py --quick: the counter is right on references, and the table has its rows.
+"""benchmarks/launches.py --quick: the counter is right on references, the table has its rows, and
+the DDP statistics keep to issue 59's operation budgets.
 
-Counts only, never timings or the issue's goals (the table prints measured against goal).
+Counts only, never timings (the table prints the time against its goal).
 """
 
 import re
@@ -24,7 +25,8 @@ ROWS = (
     "Triton (TRITON_INTERPRET=1)",
     "FSDP2 fully_shard",
     "DeepSpeed ZeRO-2",
-    "backward time, 64 x 4 KB, ddphooks - allreduce_hook",
+    "backward time, 64 x 4 KB, fake group, default",
+    "backward time, 64 x 4 KB, fake group, no detector",
 )
 CELL = r"(-?[\d.]+) \(\+(-?[\d.]+) views\)(?:, ([\d.]+) Triton)?"
 
@@ -69,4 +71,21 @@ def test_every_row_is_counted_or_says_why_it_is_skipped(table):
         assert len(_counts(line)) == 2 or re.search(r"skipped: \S+", line), line
     if "skipped" not in table[ROWS[9]]:  # the Triton path launches its kernel: counted as Triton launches
         assert _counts(table[ROWS[9]])[0][2] >= 1
-    assert re.search(r"-?[\d.]+ us \[", table[ROWS[12]])
+    for row in ROWS[12:]:
+        assert re.search(r"-?[\d.]+ us \[", table[row]), table[row]
+
+
+def test_ddp_statistics_keep_to_four_ops_a_bucket_and_twelve_a_step(table):
+    # The torch path in its accelerator form (any bucket) and on the CPU for a bucket of one chunk,
+    # with and without a sketch: <= 4 dispatched ops a bucket beyond allreduce_hook, <= 12 a step.
+    for row in (ROWS[3], ROWS[4], ROWS[5], ROWS[7], ROWS[8]):
+        (unit, step) = _counts(table[row])
+        assert unit[0] <= 4 and step[0] <= 12, table[row]
+
+
+def test_the_triton_path_is_one_launch_a_bucket(table):
+    if "skipped" in table[ROWS[9]]:
+        pytest.skip(table[ROWS[9]])
+    (unit, step) = _counts(table[ROWS[9]])
+    # one launch, and no other op beyond allreduce_hook's (the pass does its division: one op fewer)
+    assert unit[2] == 1 and unit[0] <= 1 and step[0] <= 12, table[ROWS[9]]

@@ -45,7 +45,7 @@ def _check_kernel() -> list[tuple]:
     for bins, lengths, first_row, rows in LAYOUTS:
         table = SignTable(3, bins, cpu)
         plan = BucketPlan(lengths, bins, first_row * bins, cpu, 1 << 16, rows=rows)
-        for dtype, form in ((torch.float32, "run"), (torch.bfloat16, "run"), (torch.bfloat16, "divide"), (torch.float32, "divide"), (torch.float32, "norms")):
+        for dtype, form in ((torch.float32, "run"), (torch.bfloat16, "run"), (torch.bfloat16, "divide"), (torch.float32, "divide"), (torch.float32, "step")):
             flat = torch.randn(plan.numel, generator=generator).to(dtype)
             original = flat.clone()
             before = torch.randn(bins, generator=generator)  # the sketch is added into the step's
@@ -53,9 +53,11 @@ def _check_kernel() -> list[tuple]:
             BucketStatsKernel(bins, cpu, table).run(flat, plan, expected_sketch, expected_sq)
             kernel = TritonBucketStats(bins, cpu, table)
             sketch, sq = before.clone(), torch.full((len(lengths),), 7.0)  # norms are overwritten
-            if form == "norms":
-                kernel.norms(flat, plan, sq)
-                expected_sketch = before  # untouched
+            if form == "step":  # the DDP hook's form: one launch a bucket, zeroing and summing once a step
+                kernel.start_step(sketch, [sq])
+                kernel.accumulate(flat, plan, sketch, sq)
+                kernel.finish_step(sketch, [sq])
+                expected_sketch = expected_sketch - before  # the step's sketch, written over the one before
             elif form == "divide" and dtype == torch.bfloat16:
                 # Triton's interpreter rounds fp32 to bf16 by truncation, torch to nearest even: the
                 # probe finds the mismatch, and the kernel refuses to divide (the hook divides with torch)
