@@ -64,6 +64,8 @@ class _BucketEntry:
     sq_norms: torch.Tensor  # fp32, one per parameter, rewritten on every instrumented step
     final: bool = False  # built after DDP rebuilt its buckets, which it does once: the layout never changes again
     data_ptr: int = 0  # where the bucket's buffer lives (DDP keeps it from step to step)
+    kernel: object = None  # the statistics kernel of the bucket's device
+    end: int = 0  # plan.end: where the next bucket's positions start
 
 
 class _Step(StepRecord):
@@ -395,11 +397,12 @@ class SilentState(BaseSilentState):
         previous = self._buckets.get(index - 1)
         if index and previous is None:
             raise RuntimeError(f"silent_hook saw bucket {index} before bucket {index - 1}; DDP reduces its buckets in order")
-        base = previous.plan.end if index else 0
+        base = previous.end if index else 0
         entry = self._buckets.get(index)
-        if entry is not None and entry.final and entry.data_ptr == buffer.data_ptr() and entry.key[:3] == (buffer.numel(), buffer.dtype, buffer.device) and entry.key[-1] == base:
-            # DDP rebuilds its buckets once: after that, the same buffer holds the same parameters,
-            # and bucket.parameters() (a new Python tensor for each parameter) is not asked again.
+        if entry is not None and entry.final and entry.data_ptr == buffer.data_ptr() and entry.key[-1] == base and entry.key[0] == buffer.numel() and entry.key[1] == buffer.dtype:
+            # DDP rebuilds its buckets once: after that, the same buffer (its address: the same
+            # device) holds the same parameters, and bucket.parameters() (a new Python tensor for
+            # each parameter) is not asked again.
             return entry
         params = bucket.parameters()
         key = (buffer.numel(), buffer.dtype, buffer.device, tuple(map(id, params)), base)
@@ -417,7 +420,7 @@ class SilentState(BaseSilentState):
         plan = BucketPlan(lengths, self.bins, base, buffer.device, chunk)
         names = tuple(self._names.get(id(p), f"bucket{index}.param{j}") for j, p in enumerate(params))
         sq = torch.zeros(len(lengths), dtype=torch.float32, device=buffer.device)  # zero: the Triton kernel adds into it
-        entry = _BucketEntry(key, plan, BucketLayout(index, names, tuple(lengths)), sq, final, buffer.data_ptr())
+        entry = _BucketEntry(key, plan, BucketLayout(index, names, tuple(lengths)), sq, final, buffer.data_ptr(), kernel, plan.end)
         self._buckets[index] = entry
         return entry
 
@@ -571,7 +574,7 @@ def silent_hook(state: SilentState, bucket: dist.GradBucket) -> torch.futures.Fu
     if buffer.is_sparse:
         raise NotImplementedError("silent_hook does not handle sparse gradients (nn.Embedding(sparse=True)); use dense gradients")
     entry = state._entry(bucket, buffer, index)
-    kernel = state._kernel(buffer.device)
+    kernel = entry.kernel
     record = state._current or state._open_step(buffer.device, kernel)
     piggyback = last and state._piggybacks(buffer)
     # The Triton kernel divides by W in its pass, bitwise as allreduce_hook would (one launch fewer:
@@ -649,7 +652,9 @@ def _reduced_norms(reduced: list[torch.Tensor], layouts: list[BucketLayout]) -> 
     gradients ``reduced``: one multi-tensor norm over all of them, a few operations a step
     whatever the number of buckets and parameters. (The parameters' views are made again every
     step: kept, they would hold a rebuilt bucket's old buffer, or a ``comm_hook``'s output, alive.)"""
-    segments = [part for tensor, layout in zip(reduced, layouts) for part in tensor.split(layout.numels)]
+    segments = []
+    for tensor, layout in zip(reduced, layouts):  # a bucket of one parameter is its own view
+        segments.extend((tensor,) if len(layout.numels) == 1 else tensor.split_with_sizes(layout.numels))
     out = torch.empty(len(segments), dtype=torch.float32, device=reduced[0].device)
     if any(tensor.dtype == torch.float64 for tensor in reduced):  # fp64 sums stay fp64: bucket by bucket
         offset = 0

@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from ddphooks import fleet
 from ddphooks.config import SilentConfig
-from ddphooks.detect import Detector, DetectorConfig
+from ddphooks.detect import DetectorConfig
+from ddphooks.detect.process import DetectorProcess
 from ddphooks.hosts import host_blocks
 from ddphooks.identity import RankTable, local_identity
 from ddphooks.loss import LossTracker
@@ -144,7 +145,9 @@ class BaseSilentState:
                 self._records.load_state_dict(self._restored_records)
             records = self._records  # the writer thread must not hold the state itself
             writer = RecordWriter(self.sinks, lambda item: records.build(*item), self.config.max_pending_records)
-        detector = Detector(self.config.detect if isinstance(self.config.detect, DetectorConfig) else None) if self.config.detect else None
+        detector = None
+        if self.config.detect:  # in a process of its own: its Python would hold the training process's GIL
+            detector = DetectorProcess(self.config.detect if isinstance(self.config.detect, DetectorConfig) else None, warn=lambda message: self._warn(message))
         self._pipeline = StepPipeline(detector, writer, self.on_alert, warns=writes, ranks=ranks, stop_on=self.config.stop_kinds)
         # At interpreter exit, write what is still queued (bounded: a stuck sink cannot hang the exit).
         self._finalizer = weakref.finalize(self, self._pipeline.close, CLOSE_TIMEOUT_S)
