@@ -5,9 +5,10 @@ queues it there. The training thread hands the queued steps to a background thre
 every rank reaches in the same order: the first bucket of the next step (inside backward), or
 ``flush()`` / ``close()``. The background thread, one step at a time and in order:
 
-1. runs the detector (``ddphooks.detect``) on it, the same on every rank, so every rank finds the
-   same alerts; a detector error is reported once and never reaches training; each alert is
-   named with the group's ``RankTable`` (global rank, host, device: ``ddphooks.identity``);
+1. runs the detector (``ddphooks.detect``; the state gives it a ``DetectorProcess``, which runs
+   it in a process of its own) on it, the same on every rank, so every rank finds the same
+   alerts; a detector error is reported once and never reaches training; each alert is named
+   with the group's ``RankTable`` (global rank, host, device: ``ddphooks.identity``);
 2. queues, per new alert, one ``logging`` warning (logger ``"ddphooks"``, log rank only) and one
    call of ``on_alert(alert)`` (every rank), each on a thread of its own: a logging handler that
    blocks (a stalled stderr pipe) or an ``on_alert`` that pages over a slow network holds up

@@ -218,7 +218,7 @@ class BaseSilentState:
         """Alerts so far (``step``, ``rank``, ``kind``, ``since``, ``score``, ``signals``,
         ``parameters``, ``message``, and who and where: ``global_rank``, ``host``, ``device``,
         ``where``), the same on every rank. A step's alerts appear when the step after next
-        starts (the detector runs on a background thread in between), or on ``flush``/``close``:
+        starts (the detector runs in a process of its own in between), or on ``flush``/``close``:
         that is where every rank checks them."""
         return [] if not self._bound else list(self._pipeline.alerts)
 

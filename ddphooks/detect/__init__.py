@@ -47,7 +47,9 @@ What follows is how each part works, in the module that does it; ``benchmarks/de
 - ``messages``: what each kind typically means, what to check first (every message starts with
   it), and its section of the alerts reference (``LIKELY_CAUSES``, ``FIRST_CHECK``, ``reference``);
 - ``detector``: ``Detector``, which composes them step by step; ``offline``: ``detect_run`` on
-  a finished run's records.
+  a finished run's records; ``process``: ``DetectorProcess``, the same ``Detector`` in a process
+  of its own, which the training process feeds over a pipe (how ddphooks runs it online: its
+  Python would otherwise hold the training process's GIL).
 
 Example::
     >>> detector = Detector()

@@ -36,6 +36,7 @@ from __future__ import annotations
 import os
 import pickle
 import select
+import signal
 import struct
 import subprocess
 import sys
@@ -181,6 +182,7 @@ def _read_exactly(fd: int, size: int, deadline: float) -> bytes:
 
 def serve() -> None:
     """The child's loop: a ``Detector`` fed from stdin, its alerts to stdout (``BOOTSTRAP``)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C meant for training: the child ends with its input
     inbox = sys.stdin.buffer
     outbox = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # a stray print goes to stderr, not into the answers
