@@ -740,12 +740,12 @@ class _PartTimer:
         import ddphooks.hook
         from ddphooks.sketch import BucketStatsKernel
 
-        BucketStatsKernel.run = self.wrap("statistics_pass", BucketStatsKernel.run)
+        BucketStatsKernel.accumulate = self.wrap("statistics_pass", BucketStatsKernel.accumulate)
         if "triton" in kernels:
             from ddphooks.triton_stats import TritonBucketStats
 
-            TritonBucketStats.run = self.wrap("statistics_pass", TritonBucketStats.run)
-        ddphooks.hook._record_reduced = self.wrap("reduced_norms", ddphooks.hook._record_reduced)
+            TritonBucketStats.accumulate = self.wrap("statistics_pass", TritonBucketStats.accumulate)
+        ddphooks.hook._reduced_norms = self.wrap("reduced_norms", ddphooks.hook._reduced_norms)
 
 
 def _cost_worker(rank: int, world: int, small: bool, kernels: list[str], rounds: int, warmup: int) -> dict:

@@ -206,18 +206,15 @@ class Breakdown:
     """Where the milliseconds of an instrumented step go, for one SilentState with a JsonlSink.
 
     Light instrumentation: the pieces are wrapped with timers on this state's own objects (its
-    kernel, its methods, its writer and sink), plus ``silent_hook``'s module-level helper for the
-    reduced norms, which only times the steps of this state. Step parts are summed over the
-    buckets of a step (gloo's callbacks finish before backward returns); writer parts are per
-    record, on rank 0 (the log rank) only. On an accelerator these are host times: kernels run
-    asynchronously.
+    kernel, its methods, its writer and sink). Step parts are summed over the buckets of a step
+    (gloo's callbacks finish before backward returns); writer parts are per record, on rank 0
+    (the log rank) only. On an accelerator these are host times: kernels run asynchronously.
     """
 
     STEP_PARTS = (
-        ("statistics pass", "training"),  # BucketStatsKernel.run on every bucket
-        ("reduced norms", "gloo"),  # squared norms of each reduced bucket, in its future callback
+        ("statistics pass", "training"),  # the kernel's accumulate on every bucket
         ("last bucket: division into piggyback buffer + slot", "training"),  # _stats_buffer .. _pack_slot
-        ("publish: SilentStats", "gloo"),  # _bucket_done, once per bucket
+        ("reduced norms + SilentStats", "gloo"),  # _step_reduced, once a step, in the last bucket's callback
         ("processing: hand-off to the pipeline thread", "training"),  # the previous step's, at the first bucket
         ("summary()", "training"),
         ("sync watchdog: forward pre-hook + sentinel gradient hook", "training"),
@@ -225,7 +222,7 @@ class Breakdown:
     THREAD_PARTS = (("detector", "pipeline"), ("submit to the writer", "pipeline"))  # once per step; submit on rank 0
     RECORD_PARTS = (("record building", "writer"), ("writing (JsonlSink)", "writer"))
 
-    def _time_kernel(self, state, device) -> None:
+    def _time_kernel(self, state, device, method: str = "run") -> None:
         """The timing tables of every part, and the statistics pass timed: the kernel of ``device``
         (cached per device: the hook or transport gets this instance back)."""
         self.state = state
@@ -233,7 +230,7 @@ class Breakdown:
         self.current = {part: 0.0 for part, _ in self.STEP_PARTS}
         self.samples = {part: [] for part, _ in self.STEP_PARTS + self.THREAD_PARTS + self.RECORD_PARTS}
         kernel = state._kernel(device)
-        run = self._timed("statistics pass", kernel.run)
+        run = self._timed("statistics pass", getattr(kernel, method))
         self.kernel_cpu, self._kernel_cpu_step = [], 0.0  # the pass's thread CPU (thread_time) per timed step
 
         def timed_run(*args):
@@ -243,22 +240,19 @@ class Breakdown:
             finally:
                 self._kernel_cpu_step += time.thread_time() - start
 
-        kernel.run = timed_run
+        setattr(kernel, method, timed_run)
 
     def __init__(self, state, device):
-        self._time_kernel(state, device)
+        self._time_kernel(state, device, "accumulate")  # what silent_hook calls on every bucket
         self._pack_start = 0.0
-        open_step = state._open_step
-        state._open_step = lambda device: self._mark(open_step(device))
         stats_buffer, pack_slot = state._stats_buffer, state._pack_slot
         state._stats_buffer = self._start_packing(stats_buffer)
         state._pack_slot = self._end_packing(pack_slot)
-        state._bucket_done = self._timed("publish: SilentStats", state._bucket_done)
+        state._step_reduced = self._timed("reduced norms + SilentStats", state._step_reduced)
         watchdog = state._watchdog  # its hooks call these attributes
         watchdog._forward = self._timed("sync watchdog: forward pre-hook + sentinel gradient hook", watchdog._forward)
         watchdog._gradient_arrived = self._timed("sync watchdog: forward pre-hook + sentinel gradient hook", watchdog._gradient_arrived)
         self._time_pipeline(state)
-        _time_reduced_norms()
 
     def _time_pipeline(self, state):
         """Time what follows a step, on every transport: hand-off, detector, writer, sink."""
@@ -287,10 +281,6 @@ class Breakdown:
                 self._add(part, time.perf_counter() - start)
 
         return timed
-
-    def _mark(self, record):
-        record.breakdown = self  # lets the module-level reduced-norms timer find this state's steps
-        return record
 
     def _start_packing(self, stats_buffer):
         def timed(*args):
@@ -411,23 +401,6 @@ def spread(samples):
     """Median and interquartile range of a list of seconds."""
     quartiles = statistics.quantiles(samples, n=4, method="inclusive") if len(samples) >= 2 else [samples[0]] * 3
     return {"median": statistics.median(samples), "iqr": [quartiles[0], quartiles[2]]}
-
-
-def _time_reduced_norms():
-    """Wrap silent_hook's helper for the reduced norms once; it times steps marked by a Breakdown."""
-    helper = ddphooks.hook._record_reduced
-    if getattr(helper, "timed", False):
-        return
-
-    def timed(record, position, reduced):
-        start = time.perf_counter()
-        helper(record, position, reduced)
-        breakdown = getattr(record, "breakdown", None)
-        if breakdown is not None:
-            breakdown._add("reduced norms", time.perf_counter() - start)
-
-    timed.timed = True
-    ddphooks.hook._record_reduced = timed
 
 
 def register(model, config, group, timer, device):

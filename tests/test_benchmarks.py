@@ -24,7 +24,7 @@ def _run(script: str, *args: str, env: dict | None = None) -> str:
 
 
 BREAKDOWN_PARTS = {
-    "statistics pass", "reduced norms", "last bucket: division into piggyback buffer + slot", "publish: SilentStats",
+    "statistics pass", "last bucket: division into piggyback buffer + slot", "reduced norms + SilentStats",
     "processing: hand-off to the pipeline thread", "summary()", "detector", "submit to the writer", "record building",
     "writing (JsonlSink)", "sync watchdog: forward pre-hook + sentinel gradient hook",
 }  # fmt: skip
