@@ -479,11 +479,14 @@ class BucketStatsKernel:
             raise ValueError("the torch path does not divide buckets in its pass; allreduce_hook divides them")
         one_chunk = self._one_chunk.get(id(plan))
         if one_chunk is not None and one_chunk[0] is plan and sketch is not None and flat.dim() == 1 and flat.numel() == plan.numel:
-            # run()'s one-chunk path with its views looked up once (on a GPU host every us of Python counts)
-            _, product, rows_t, signs, row_signs = one_chunk
+            # run()'s one-chunk path with its views made once (on a GPU host every us of Python counts)
+            _, product, rows_t, signs, row_signs, segments = one_chunk
             torch.mul(signs, flat, out=product)
             sketch.addmv_(rows_t, row_signs)
-            _segment_norms(product, plan.lengths, norms, squared=False)
+            if segments is None:  # one parameter: its norm, written as a 1-element tensor (no view to make)
+                torch.linalg.vector_norm(product, dim=0, keepdim=True, out=norms)
+            else:
+                torch.stack(torch._foreach_norm(segments, 2), out=norms)
             return
         self.run(flat, plan, sketch, norms, squared=False)
 
@@ -538,7 +541,8 @@ class BucketStatsKernel:
             # operations, or four with several parameters, whatever its size and dtype.
             product, rows_t = views[plan.numel]
             signs, row_signs = one_chunk
-            self._one_chunk[id(plan)] = (plan, product, rows_t, signs, row_signs)
+            segments = None if len(plan.lengths) == 1 else product.split(plan.lengths)
+            self._one_chunk[id(plan)] = (plan, product, rows_t, signs, row_signs, segments)
             torch.mul(signs, flat, out=product)  # sign * gradient, promoted to fp32
             sketch_acc.addmv_(rows_t, row_signs)  # rows weighted by their signs, summed into bins
             _segment_norms(product, plan.lengths, sq_norms, squared)
