@@ -39,8 +39,9 @@ Then the time: the wall time of ``loss.backward()`` with ddphooks minus with all
 bucket, 64 buckets of 1K elements, median over interleaved rounds [IQR], on PyTorch's fake process
 group (one process, W = 2, the real DDP reducer, collectives that complete at once, one intra-op
 thread): no peer and no network to wait for, so what is left is the host's own work, the
-callbacks included, as a GPU host pays it. Two rows: the defaults, where the detector's
-background thread shares the GIL with the training thread, and ``detect=False``.
+callbacks included, as a GPU host pays it. Three rows: the defaults, where the detector runs in a
+process of its own, the same with the detector on the pipeline's thread, where its Python shares
+the GIL with the training thread (as before 1337100), and ``detect=False``.
 
     python benchmarks/launches.py            # the table
     python benchmarks/launches.py --quick    # fewer units and timing rounds (tests/test_launches.py)
@@ -71,9 +72,10 @@ LARGE = (256, 4, 6)  # 1 MB buckets: 4 Linear(256, 256) weights per bucket, 6 bu
 TRITON_BUCKETS = 4 if QUICK else 8  # the interpreter runs the kernel in numpy
 SHARDED_LAYERS = 4 if QUICK else 8  # FSDP2 reduce-scatters, DeepSpeed gradient hooks
 TIMED_BUCKETS, ROUNDS, REPEAT = 64, 5 if QUICK else 40, 4
-# The timed configurations: the defaults (the detector's thread shares the GIL with training) and
-# the same without the detector (the hook, its callbacks and the records alone).
-TIMED = {"default": {}, "no_detector": dict(detect=False)}
+# The timed configurations: the defaults (the detector in a process of its own), the same with the
+# detector on the pipeline's thread as it ran before 1337100 (its Python holds the GIL the training
+# thread needs), and without the detector (the hook, its callbacks and the records alone).
+TIMED = {"default": {}, "detector_on_a_thread": {}, "no_detector": dict(detect=False)}
 TIMEOUT = 300
 COUNTED = ("aten::", "c10d::", "triton::")
 # Views, allocations and pass-throughs: no kernel of their own on a device.
@@ -299,6 +301,8 @@ def _timed() -> dict[str, list[float]]:
     included, as on a GPU host). Run in the main process after the workers (no other group)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from ddphooks.detect import Detector
+
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     all_reduce = dist.all_reduce
     dist.all_reduce = lambda tensor, op=None, group=None, async_op=False: _DoneWork(tensor)
@@ -307,6 +311,7 @@ def _timed() -> dict[str, list[float]]:
     models = {name: _ddp(*shape) for name in ("plain", *TIMED)}
     models["plain"].register_comm_hook(None, allreduce_hook)
     states = {name: ddphooks.attach(models[name], **settings) for name, settings in TIMED.items()}
+    states["detector_on_a_thread"]._pipeline.detector = Detector()  # the same detector, in this process
     x = torch.randn(4, SMALL[0], generator=torch.Generator().manual_seed(0))
 
     def backward(name):  # REPEAT backward passes, each after its forward

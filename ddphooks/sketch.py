@@ -371,7 +371,9 @@ class BucketStatsKernel:
         prepared views unless the scratch or the row-sign tiles had to grow (one preparation per
         new plan, not one of every plan: DeepSpeed adds its per-parameter plans one by one)."""
         f32 = dict(dtype=torch.float32, device=self.device)
-        floor = CPU_CHUNK_ELEMS if self.device.type == "cpu" else 0
+        # On the CPU a full chunk (CPU_CHUNK_ELEMS rounded down to whole rows) fills the scratch
+        # exactly: written at the scratch's start, aligned for vector loads (see _prepare).
+        floor = (CPU_CHUNK_ELEMS // self.bins * self.bins if self.bins else CPU_CHUNK_ELEMS) if self.device.type == "cpu" else 0
         needed = max(floor, *(plan.chunk_elems for plan in plans))
         grew = False
         if needed > self._scratch_elems:
