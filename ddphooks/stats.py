@@ -476,6 +476,7 @@ class SilentStats:
         self.step = step
         self.world_size = world_size
         self.buckets = list(buckets)
+        self.n_params = sum(len(b.numels) for b in self.buckets)  # P: read on every step's path, summed once
         self.bins = bins
         self.transport = transport
         self._host = PendingHost([gathered, reduced_sq])
@@ -493,8 +494,7 @@ class SilentStats:
     def _arrays(self) -> tuple[np.ndarray, np.ndarray]:
         with self._lock:
             gathered, reduced = self._host.arrays()
-        n_params = sum(len(b.numels) for b in self.buckets)
-        expected = slot_size(n_params, self.bins, len(self.fingerprinted))
+        expected = slot_size(self.n_params, self.bins, len(self.fingerprinted))
         if gathered.shape != (self.world_size, expected):
             raise ValueError(f"gathered slots have shape {gathered.shape}, expected {(self.world_size, expected)}")
         return gathered, reduced
@@ -544,7 +544,7 @@ class SilentStats:
     def param_sq(self) -> np.ndarray:
         """W x P squared norms of each rank's local gradient per parameter (zeros for an absent rank)."""
         gathered, _ = self._arrays
-        return gathered[:, PARAMS_BEGIN : PARAMS_BEGIN + sum(len(b.numels) for b in self.buckets)]
+        return gathered[:, PARAMS_BEGIN : PARAMS_BEGIN + self.n_params]
 
     @property
     def reduced_param_sq(self) -> np.ndarray:
@@ -651,7 +651,7 @@ class SilentStats:
         return result
 
     def _sketch_columns(self, gathered: np.ndarray) -> np.ndarray:
-        begin = PARAMS_BEGIN + sum(len(b.numels) for b in self.buckets)
+        begin = PARAMS_BEGIN + self.n_params
         return gathered[:, begin : begin + self.bins]
 
     @cached_property
@@ -667,7 +667,7 @@ class SilentStats:
         from the moment the step is complete: computed from the two steps' slots when read."""
         if self._previous_host is None:
             return None
-        begin = PARAMS_BEGIN + sum(len(b.numels) for b in self.buckets)  # the same layout: the same columns
+        begin = PARAMS_BEGIN + self.n_params  # the same layout: the same columns
         previous = self._previous_host.columns(begin, begin + self.bins)
         return self._over_present(cosine_to_previous, previous)
 
