@@ -280,18 +280,10 @@ def _deepspeed_extra(rank: int, layers: int, measured: bool) -> tuple:
     return _warm_then_count(step, state)
 
 
-class _DoneWork:
-    """A completed collective: the fake process group's all-reduce, whose future has no value."""
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self._future = torch.futures.Future()
-        self._future.set_result([tensor])
-
-    def get_future(self) -> torch.futures.Future:
-        return self._future
-
-    def wait(self, timeout=None) -> bool:
-        return True
+def _completed(tensor: torch.Tensor) -> torch.futures.Future:
+    future = torch.futures.Future()
+    future.set_result([tensor])
+    return future
 
 
 def _timed() -> dict[str, list[float]]:
@@ -299,13 +291,14 @@ def _timed() -> dict[str, list[float]]:
     buckets, in seconds, on PyTorch's fake process group (W = 2 in this one process, the real DDP
     reducer, collectives that complete at once: what is left is the host's work, callbacks
     included, as on a GPU host). Run in the main process after the workers (no other group)."""
+    from scale import _DoneWork  # the fake group's collectives as completed work (benchmarks/scale.py)
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from ddphooks.detect import Detector
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     all_reduce = dist.all_reduce
-    dist.all_reduce = lambda tensor, op=None, group=None, async_op=False: _DoneWork(tensor)
+    dist.all_reduce = lambda tensor, op=None, group=None, async_op=False: _DoneWork(_completed(tensor))  # its future has no value
     torch.set_num_threads(1)
     shape = (SMALL[0], 1, TIMED_BUCKETS)
     models = {name: _ddp(*shape) for name in ("plain", *TIMED)}
