@@ -66,7 +66,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import ddphooks.hook
 from ddphooks import JsonlSink, SilentState, attach, silent_hook
 from ddphooks.devices import set_device
 from ddphooks.launch import spawn
