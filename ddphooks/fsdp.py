@@ -38,7 +38,7 @@ from ddphooks.detect import DetectorConfig
 from ddphooks.identity import model_device
 from ddphooks.replicas import ReplicaTensors
 from ddphooks.sinks import Sink
-from ddphooks.sketch import ACCELERATOR_CHUNK_ELEMS, CPU_CHUNK_ELEMS, BucketPlan, squared_norms
+from ddphooks.sketch import ACCELERATOR_CHUNK_ELEMS, CPU_CHUNK_ELEMS, BucketPlan, squared_norms_of_buffers
 from ddphooks.state import BaseSilentState, StepRecord, agree_across_ranks, stats_kernel_problem
 from ddphooks.stats import BucketLayout, SilentStats
 
@@ -436,17 +436,8 @@ class ShardedSilentState(BaseSilentState):
 
     def _shard_norms(self, record: _ShardedStep, out: torch.Tensor) -> None:
         """Per parameter, ``|this rank's shard of gbar_p|^2`` (the reduce-scatters' outputs) into
-        ``out``: one multi-tensor norm over every group's shards, a few operations a step whatever
-        the number of groups and parameters (fp64 shards keep fp64 sums, group by group)."""
-        outputs = [output for output, _ in record.outputs]
-        if any(output.dtype == torch.float64 for output in outputs):
-            offset = 0
-            for output, lengths in record.outputs:
-                squared_norms(output, lengths, out[offset : offset + len(lengths)])
-                offset += len(lengths)
-            return
-        segments = [part for output, lengths in record.outputs for part in output.split(lengths)]
-        torch.stack(torch._foreach_norm(segments, 2, dtype=torch.float32), out=out).square_()
+        ``out``: one multi-tensor norm over every group's shards (``squared_norms_of_buffers``)."""
+        squared_norms_of_buffers([output for output, _ in record.outputs], [lengths for _, lengths in record.outputs], out)
 
     def _say_once(self, key: str, message: str, *args) -> None:
         if key not in self._said:

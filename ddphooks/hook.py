@@ -21,7 +21,7 @@ from ddphooks.devices import match_intra_op_threads
 from ddphooks.identity import model_device
 from ddphooks.replicas import ReplicaTensors
 from ddphooks.sinks import Sink
-from ddphooks.sketch import ACCELERATOR_CHUNK_ELEMS, CPU_CHUNK_ELEMS, BucketPlan, BucketStatsKernel, squared_norms
+from ddphooks.sketch import ACCELERATOR_CHUNK_ELEMS, CPU_CHUNK_ELEMS, BucketPlan, BucketStatsKernel, squared_norms_of_buffers
 from ddphooks.state import BaseSilentState, StepRecord, agree_across_ranks, stats_kernel_problem
 from ddphooks.stats import ABSENT, REPLICA_CHECK_REQUESTED, BucketLayout, SilentStats, slot_size
 from ddphooks.watchdog import SyncWatchdog
@@ -649,21 +649,12 @@ def _all_reduce_divided(state: SilentState, buffer: torch.Tensor) -> torch.futur
 
 def _reduced_norms(reduced: list[torch.Tensor], layouts: list[BucketLayout]) -> torch.Tensor:
     """``|gbar_p|^2`` of every parameter of the step, in slot order, from the buckets' averaged
-    gradients ``reduced``: one multi-tensor norm over all of them, a few operations a step
-    whatever the number of buckets and parameters. (The parameters' views are made again every
-    step: kept, they would hold a rebuilt bucket's old buffer, or a ``comm_hook``'s output, alive.)"""
-    segments = []
-    for tensor, layout in zip(reduced, layouts):  # a bucket of one parameter is its own view
-        segments.extend((tensor,) if len(layout.numels) == 1 else tensor.split_with_sizes(layout.numels))
-    out = torch.empty(len(segments), dtype=torch.float32, device=reduced[0].device)
-    if any(tensor.dtype == torch.float64 for tensor in reduced):  # fp64 sums stay fp64: bucket by bucket
-        offset = 0
-        for tensor, layout in zip(reduced, layouts):
-            squared_norms(tensor, list(layout.numels), out[offset : offset + len(layout.numels)])
-            offset += len(layout.numels)
-        return out
-    torch.stack(torch._foreach_norm(segments, 2, dtype=torch.float32), out=out)
-    return out.square_()
+    gradients ``reduced``: one multi-tensor norm over all of them (``squared_norms_of_buffers``).
+    The parameters' views are made again every step: kept, they would hold a rebuilt bucket's
+    old buffer, or a ``comm_hook``'s output, alive."""
+    out = torch.empty(sum(len(layout.numels) for layout in layouts), dtype=torch.float32, device=reduced[0].device)
+    squared_norms_of_buffers(reduced, [layout.numels for layout in layouts], out)
+    return out
 
 
 def _keep_gathered(state: SilentState, record: _Step, slots: torch.Tensor, slot: int) -> None:
@@ -679,6 +670,7 @@ def _reduced_piggyback(state: SilentState, record: _Step, numel: int, slot: int,
     """The step's last callback with the piggyback: the other buckets' futures, then the last
     bucket's all-reduce of ``[bucket / W | W slots]``; returns the last bucket's average."""
     match_intra_op_threads()  # gloo may run this on its own thread
+    record.futures = []  # read from the collected future: the record keeps no bucket alive
     *others, own = future.value()
     combined = own.value()[0]
     gradient = combined[:numel]
@@ -694,6 +686,7 @@ def _reduced_separate(state: SilentState, record: _Step, slot: int, future: torc
     """The step's last callback with the separate transport: the other buckets' futures, the last
     bucket's, then the slots' all-reduce; returns the last bucket's average."""
     match_intra_op_threads()  # gloo may run this on its own thread
+    record.futures = []  # read from the collected future: the record keeps no bucket alive
     *buckets, slots_future = future.value()
     gradient = buckets[-1].value()
     try:

@@ -664,6 +664,24 @@ def _segment_norms(flat: torch.Tensor, lengths: list[int], out: torch.Tensor, sq
         out.square_()
 
 
+def squared_norms_of_buffers(buffers: list[torch.Tensor], lengths: list[list[int]], out: torch.Tensor) -> None:
+    """``out``, in order, the squared norms of every segment of several flat buffers (buffer ``b``
+    cut into ``lengths[b]``), summed in fp32: one multi-tensor norm, its stack and a square,
+    whatever the number of buffers and segments (a buffer of one segment is its own view). The
+    reduced gradients' norms of a step (DDP's buckets, FSDP2's shards); fp64 buffers keep fp64
+    sums, buffer by buffer."""
+    if any(buffer.dtype == torch.float64 for buffer in buffers):
+        offset = 0
+        for buffer, sizes in zip(buffers, lengths):
+            squared_norms(buffer, list(sizes), out[offset : offset + len(sizes)])
+            offset += len(sizes)
+        return
+    segments = []
+    for buffer, sizes in zip(buffers, lengths):
+        segments.extend((buffer,) if len(sizes) == 1 else buffer.split_with_sizes(list(sizes)))
+    torch.stack(torch._foreach_norm(segments, 2, dtype=torch.float32), out=out).square_()
+
+
 def squared_norms(flat: torch.Tensor, lengths: list[int], out: torch.Tensor, fused: bool = False, squared: bool = True) -> None:
     """``out[j] = |segment_j|^2`` in fp32 for a flat buffer cut into segments of ``lengths``
     (``squared=False``: the norms ``|segment_j|``).
