@@ -116,7 +116,7 @@ def measure(bucket_mb, sketch_dim, rounds, chunk_elems, device):
     lengths = split(numel, PARAMS_PER_BUCKET)
     bins = sketch_bins(sketch_dim)
     buffer = torch.randn(numel, device=device)
-    table = SignTable(0, bins, device) if bins else None
+    table = SignTable(0, bins, device, window=chunk_elems) if bins else None  # as the state makes it: T and one chunk again
     plan = BucketPlan(lengths, bins, 0, device, chunk_elems)
     kernel = BucketStatsKernel(bins, device, table)  # fused multi-tensor norms on accelerators, as in the hook
     sketch = torch.zeros(max(bins, 1), device=device)
@@ -144,8 +144,8 @@ def measure(bucket_mb, sketch_dim, rounds, chunk_elems, device):
                 samples[name].append(elapsed)
     ratio = lambda name: statistics.median(t / r for t, r in zip(samples[name], samples["read"]))
     fixed = kernel.persistent_bytes()  # sign tables and scratch: the same for any model
-    cpu_table = table if device.type == "cpu" else (SignTable(0, bins, torch.device("cpu")) if bins else None)
-    accelerator_ops, accelerator_fixed = accelerator_path(numel, bins, PARAMS_PER_BUCKET, cpu_table)
+    accelerator_table = SignTable(0, bins, torch.device("cpu"), window=ACCELERATOR_CHUNK_ELEMS) if bins else None
+    accelerator_ops, accelerator_fixed = accelerator_path(numel, bins, PARAMS_PER_BUCKET, accelerator_table)
     per_element = plan_bytes_per_element(bins, chunk_elems) if bins else 0.0
     accelerator_per_element = plan_bytes_per_element(bins, ACCELERATOR_CHUNK_ELEMS) if bins else 0.0
     return {
@@ -162,7 +162,7 @@ def measure(bucket_mb, sketch_dim, rounds, chunk_elems, device):
         "persistent_bytes_per_element": per_element,
         "transient_bytes_per_call": bytes_allocated(statistics_work, device) + bytes_allocated(work["reduced"], device),
         "accelerator_ops": accelerator_ops,
-        "accelerator_ops_64_params": accelerator_path(numel, bins, 64, cpu_table)[0],
+        "accelerator_ops_64_params": accelerator_path(numel, bins, 64, accelerator_table)[0],
         "accelerator_fixed_bytes": accelerator_fixed,
         "accelerator_bytes_per_element": accelerator_per_element,
     }

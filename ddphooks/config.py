@@ -6,7 +6,7 @@ import importlib.util
 from dataclasses import asdict, dataclass
 
 from ddphooks.detect import LIKELY_CAUSES, DetectorConfig
-from ddphooks.sketch import MAX_SKETCH_DIM, MIN_SKETCH_DIM, SIGN_PAGE
+from ddphooks.sketch import MAX_CHUNK_ELEMS, MAX_SKETCH_DIM, MIN_SKETCH_DIM
 
 TRANSPORTS = ("auto", "piggyback", "separate")
 STATS_KERNELS = ("auto", "torch", "triton")
@@ -62,8 +62,8 @@ class SilentConfig:
     """Rank that writes records to the sinks (None: every rank)."""
 
     chunk_elems: int | None = None
-    """Elements per chunk of the statistics pass (None: 131072 on the CPU, 8M on accelerators); at most
-    the sign table's 8M entries."""
+    """Elements per chunk of the statistics pass (None: 131072 on the CPU, 16M on accelerators), at
+    most 16M; the torch path holds an int8 sign table of 8M entries plus one chunk."""
 
     stats_kernel: str = "auto"
     """How the statistics pass runs: "torch" (torch ops in chunks, every device), "triton" (one
@@ -176,8 +176,8 @@ class SilentConfig:
                 raise ValueError(f"log_rank={self.log_rank} must be a rank (>= 0) or None for every rank")
         if self.chunk_elems is not None:
             _check_int("chunk_elems", self.chunk_elems)
-            if not 1024 <= self.chunk_elems <= SIGN_PAGE:
-                raise ValueError(f"chunk_elems={self.chunk_elems} must be between 1024 and {SIGN_PAGE} (the sign table's entries), or None for the default")
+            if not 1024 <= self.chunk_elems <= MAX_CHUNK_ELEMS:
+                raise ValueError(f"chunk_elems={self.chunk_elems} must be between 1024 and {MAX_CHUNK_ELEMS}, or None for the default")
         if self.stats_kernel not in STATS_KERNELS:
             raise ValueError(f"stats_kernel={self.stats_kernel!r} is not one of {', '.join(map(repr, STATS_KERNELS))}")
         if self.stats_kernel == "triton" and self.sketch_dim == 0:

@@ -48,7 +48,7 @@ from ddphooks.detect import DetectorConfig
 from ddphooks.identity import model_device
 from ddphooks.replicas import ReplicaTensors
 from ddphooks.sinks import Sink
-from ddphooks.sketch import ACCELERATOR_CHUNK_ELEMS, CPU_CHUNK_ELEMS, BucketPlan
+from ddphooks.sketch import BucketPlan
 from ddphooks.state import BaseSilentState, StepRecord, agree_across_ranks, stats_kernel_problem
 from ddphooks.stats import BucketLayout, SilentStats
 
@@ -292,7 +292,7 @@ class DeepSpeedSilentState(BaseSilentState):
         n_params = len(self._params)
         self._local_sq = torch.zeros(n_params, dtype=torch.float32, device=device)
         self._scratch = torch.zeros(n_params, dtype=torch.float32, device=device)
-        chunk = self.config.chunk_elems or (CPU_CHUNK_ELEMS if device.type == "cpu" else ACCELERATOR_CHUNK_ELEMS)
+        chunk = self._chunk_elems(device)
         plans, base = [], 0
         for numel in self._numels:
             plans.append(BucketPlan([numel], self.bins, base, device, chunk))

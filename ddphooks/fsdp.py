@@ -38,7 +38,7 @@ from ddphooks.detect import DetectorConfig
 from ddphooks.identity import model_device
 from ddphooks.replicas import ReplicaTensors
 from ddphooks.sinks import Sink
-from ddphooks.sketch import ACCELERATOR_CHUNK_ELEMS, CPU_CHUNK_ELEMS, BucketPlan, squared_norms_of_buffers
+from ddphooks.sketch import BucketPlan, squared_norms_of_buffers
 from ddphooks.state import BaseSilentState, StepRecord, agree_across_ranks, stats_kernel_problem
 from ddphooks.stats import BucketLayout, SilentStats
 
@@ -298,7 +298,7 @@ class ShardedSilentState(BaseSilentState):
         kernel = self._kernel(flat.device)
         for band in entry.bands if entry is not None else []:
             kernel.forget(band.plan)
-        chunk = self.config.chunk_elems or (CPU_CHUNK_ELEMS if flat.device.type == "cpu" else ACCELERATOR_CHUNK_ELEMS)
+        chunk = self._chunk_elems(flat.device)
         # One row per shard, each parameter's shard in the same columns of every row: the kernel
         # takes the sketch and the norms by column in one pass. With more shards than a parameter
         # has rows along dim 0, FSDP2 pads the rest with zeros (3.3x the gradient at 1024 shards for

@@ -21,7 +21,7 @@ from ddphooks.devices import match_intra_op_threads
 from ddphooks.identity import model_device
 from ddphooks.replicas import ReplicaTensors
 from ddphooks.sinks import Sink
-from ddphooks.sketch import ACCELERATOR_CHUNK_ELEMS, CPU_CHUNK_ELEMS, BucketPlan, BucketStatsKernel, squared_norms_of_buffers
+from ddphooks.sketch import BucketPlan, BucketStatsKernel, squared_norms_of_buffers
 from ddphooks.state import BaseSilentState, StepRecord, agree_across_ranks, stats_kernel_problem
 from ddphooks.stats import ABSENT, REPLICA_CHECK_REQUESTED, BucketLayout, SilentStats, slot_size
 from ddphooks.watchdog import SyncWatchdog
@@ -416,7 +416,7 @@ class SilentState(BaseSilentState):
         kernel = self._kernel(buffer.device)
         if entry is not None:
             kernel.forget(entry.plan)
-        chunk = self.config.chunk_elems or (CPU_CHUNK_ELEMS if buffer.device.type == "cpu" else ACCELERATOR_CHUNK_ELEMS)
+        chunk = self._chunk_elems(buffer.device)
         plan = BucketPlan(lengths, self.bins, base, buffer.device, chunk)
         names = tuple(self._names.get(id(p), f"bucket{index}.param{j}") for j, p in enumerate(params))
         sq = torch.zeros(len(lengths), dtype=torch.float32, device=buffer.device)  # zero: the Triton kernel adds into it

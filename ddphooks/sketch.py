@@ -51,9 +51,14 @@ CPU_CHUNK_ELEMS = 1 << 17
 #: 23, 20-22 and 26-29. On accelerators a decoder layer's group is 7 operations by segment at 8
 #: shards and 10 by column (21 before at 1024 shards; ``launches`` of ``benchmarks/hook_cost.py``).
 COLUMN_SEGMENTS = 256
-#: Elements per chunk on accelerators, where each chunk costs kernel launches rather than cache: a
-#: bucket of up to 32 MB of fp32 is one chunk, and the fp32 scratch stays at 32 MB.
-ACCELERATOR_CHUNK_ELEMS = 1 << 23
+#: Elements per chunk on accelerators, where each chunk costs kernel launches rather than cache:
+#: 16 M, so that a bucket at DDP's default cap (25 MB) is one chunk in any dtype (13.1 M elements
+#: of bf16 were two chunks at 8 M: 6 operations instead of 4). The fp32 scratch is sized by the
+#: largest chunk used (52 MB for 25 MB bf16 buckets) and the table signs ``T`` held for it are
+#: ``SIGN_PAGE`` + 16 M int8 (24 MB); the Triton kernel holds neither.
+ACCELERATOR_CHUNK_ELEMS = 1 << 24
+#: The largest ``chunk_elems`` (``SilentConfig.chunk_elems``).
+MAX_CHUNK_ELEMS = ACCELERATOR_CHUNK_ELEMS
 
 
 def largest_prime_at_most(n: int) -> int:
@@ -137,8 +142,10 @@ def hashed_signs(numel: int, key: int, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
-#: ``M``, entries of the sign table: 8 M int8 signs, stored twice (16 MB on each device that
-#: sketches with torch operations, whatever the size of the model; the Triton kernel computes them).
+#: ``M``, entries of the sign table: 8 M int8 signs, and again the first ``window`` of them (the
+#: longest run a chunk reads as one slice): 8.1 MB on the CPU, 24 MB on accelerators, whatever the
+#: size of the model, on each device that sketches with torch operations (the Triton kernel
+#: computes them and holds no table).
 SIGN_PAGE = 1 << 23
 #: ``R``, entries of the table of row signs (a prime: rows R apart are far from pages apart).
 ROW_PERIOD = 65521
@@ -170,34 +177,50 @@ class SignTable:
        Measured against independent signs in ``tests/test_sketch.py`` and
        ``benchmarks/sign_accuracy.py``.
 
-    In the kernel, ``T`` multiplies the gradient element by element (the int8 table is stored
-    twice, so any run of up to ``M`` positions is one slice) and ``v`` weights the rows when
-    they are summed into bins (``s = v_rows^T G``, a matrix-vector product that costs what the
-    plain row sum did).
+    In the kernel, ``T`` multiplies the gradient element by element (the int8 table holds ``T``
+    and then its first ``window`` entries again, so any run of up to ``window`` positions is one
+    slice) and ``v`` weights the rows when they are summed into bins (``s = v_rows^T G``, a
+    matrix-vector product that costs what the plain row sum did). The int8 table is made at its
+    first use: the Triton kernel computes ``T`` and never asks for it.
 
     Args:
         seed: the projection's seed (``SilentConfig.seed``), identical on every rank.
         bins: ``p``, the sketch's bins (a prime; rows are ``p`` positions long).
         device: where the tables live (the device of the buckets they sign).
         page: ``M``, entries of ``T`` (smaller only in tests).
+        window: the longest run of positions ``values`` gives as one slice (the kernel's chunk;
+            None: ``page``), at most ``page * 2``.
     """
 
-    def __init__(self, seed: int, bins: int, device: torch.device, page: int = SIGN_PAGE) -> None:
+    def __init__(self, seed: int, bins: int, device: torch.device, page: int = SIGN_PAGE, window: int | None = None) -> None:
         if page < 2 or page & (page - 1):
             raise ValueError(f"page={page} must be a power of two >= 2")
         if bins < 2:
             raise ValueError(f"bins={bins} must be a prime >= 2")
+        window = page if window is None else window
+        if not 1 <= window <= 2 * page:
+            raise ValueError(f"window={window} must be between 1 and twice the page ({2 * page})")
         self.seed = seed
         self.bins = bins
         self.page = page
+        self.window = window
         self.device = torch.device(device)
         self.key = table_key(seed)
-        values = torch.empty(2 * page, dtype=torch.int8)  # T twice: a window of <= M positions is one slice
-        hashed_signs(page, self.key, values[:page])
-        values[page:].copy_(values[:page])
-        self.values = values.to(self.device)
+        self._values: torch.Tensor | None = None
         self.row_table = random_signs(ROW_PERIOD, (seed, _ROW_WORD, bins), torch.device("cpu")).float().to(self.device)
         self._row_tiles = self.row_table  # v repeated, so that any run of rows is one slice
+
+    @property
+    def values(self) -> torch.Tensor:
+        """``T[0 .. M)`` then ``T[0 .. window)`` (int8), so that ``values[x mod M : x mod M + n]``
+        is ``T`` of positions ``x .. x + n - 1`` for any ``n <= window``; made at the first call."""
+        if self._values is None:
+            values = torch.empty(self.page + self.window, dtype=torch.int8)
+            hashed_signs(self.page, self.key, values[: self.page])
+            for begin in range(self.page, self.page + self.window, self.page):  # T again, up to the window
+                values[begin : begin + min(self.page, self.page + self.window - begin)].copy_(values[: min(self.page, self.page + self.window - begin)])
+            self._values = values.to(self.device)
+        return self._values
 
     def row_signs(self, first_row: int, count: int) -> torch.Tensor:
         """``v`` of rows ``first_row, ..., first_row + count - 1``, one fp32 view."""
@@ -214,8 +237,9 @@ class SignTable:
         return table * self.row_table[(positions // self.bins) % ROW_PERIOD].to(torch.int8)
 
     def nbytes(self) -> int:
-        """Bytes the tables keep on their device."""
-        return self.values.numel() * self.values.element_size() + self._row_tiles.numel() * 4
+        """Bytes the tables keep on their device (the int8 table once it is made)."""
+        table = 0 if self._values is None else self._values.numel()
+        return table + self._row_tiles.numel() * 4
 
 
 class BucketPlan:
@@ -328,8 +352,8 @@ class BucketStatsKernel:
     one thread, so it is never used concurrently. A plan keeps a few integers per chunk, and the
     views into the scratch are shared by all its chunks, so its memory stays small at any size.
 
-    On accelerators, where each op costs a kernel launch rather than bytes, a chunk is up to 8 M
-    elements (a 32 MB fp32 bucket is one chunk). A bucket of one chunk (every bucket there, and
+    On accelerators, where each op costs a kernel launch rather than bytes, a chunk is up to 16 M
+    elements (a bucket at DDP's default 25 MB cap is one chunk in any dtype). A bucket of one chunk (every bucket there, and
     buckets of up to 512 KB on the CPU) takes three operations, four with several parameters,
     whatever its size and dtype: the table signs multiply the gradient (``int8 * float``, one
     operation), one matrix-vector product sums the rows into the bins (the last, partial row
@@ -422,8 +446,8 @@ class BucketStatsKernel:
         end = self._scratch_elems
         if self.signs is None:  # a plan of rows without a sketch: the product is the gradient in fp32
             return {length: (self._product[end - length : end], None) for length in {plan.chunk_elems, last_length}}, False, None, {}
-        if plan.chunk_elems > self.signs.page:
-            raise ValueError(f"chunks of {plan.chunk_elems} elements exceed the sign table's {self.signs.page} entries; use chunk_elems <= {self.signs.page}")
+        if plan.chunk_elems > self.signs.window:
+            raise ValueError(f"chunks of {plan.chunk_elems} elements exceed the sign table's window of {self.signs.window}; use chunk_elems <= {self.signs.window}")
         for length in {plan.chunk_elems, last_length}:
             padded = -(-length // self.bins) * self.bins
             views[length] = (self._product[end - length : end], self._product[end - length : end - length + padded].view(-1, self.bins).t())

@@ -26,7 +26,7 @@ from ddphooks.pipeline import StepPipeline
 from ddphooks.records import RecordBuilder, is_detail_step
 from ddphooks.sinks import Sink
 from ddphooks.sinks.base import bind_sink
-from ddphooks.sketch import BucketStatsKernel, SignTable, sketch_bins
+from ddphooks.sketch import ACCELERATOR_CHUNK_ELEMS, CPU_CHUNK_ELEMS, BucketStatsKernel, SignTable, sketch_bins
 from ddphooks.stats import FAILED, STATUS, BucketLayout, SilentStats, slot_size
 from ddphooks.writer import RecordWriter
 
@@ -331,11 +331,16 @@ class BaseSilentState:
     def _instrumented(self, step: int) -> bool:
         return step % self.config.every == 0
 
+    def _chunk_elems(self, device: torch.device) -> int:
+        """Elements per chunk of the statistics pass on ``device``: ``SilentConfig.chunk_elems``, or
+        the device's default (cache-sized on the CPU, a whole default bucket on accelerators)."""
+        return self.config.chunk_elems or (CPU_CHUNK_ELEMS if device.type == "cpu" else ACCELERATOR_CHUNK_ELEMS)
+
     def _kernel(self, device: torch.device) -> BucketStatsKernel:
         """The statistics kernel of ``device`` (one sign table per device, shared by all plans):
         torch ops, or one Triton kernel per bucket (``SilentConfig.stats_kernel``)."""
         if device not in self._kernels:
-            signs = SignTable(self.config.seed, self.bins, device) if self.bins else None
+            signs = SignTable(self.config.seed, self.bins, device, window=max(self._chunk_elems(device), self.bins)) if self.bins else None
             choice = self.config.stats_kernel
             kernel = None
             if choice == "triton":

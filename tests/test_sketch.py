@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ddphooks.sketch import (
+    ACCELERATOR_CHUNK_ELEMS,
     ROW_PERIOD,
     SIGN_PAGE,
     BucketPlan,
@@ -19,6 +20,7 @@ from ddphooks.sketch import (
     squared_norms,
 )
 from ddphooks.stats import cosine_from_sketches
+from torch.utils._python_dispatch import TorchDispatchMode
 
 CPU = torch.device("cpu")
 _TABLES: dict[tuple[int, int, int], SignTable] = {}
@@ -69,13 +71,16 @@ def test_signs_are_deterministic_balanced_and_leave_global_rngs_alone():
 
 
 def test_sign_table_memory_is_fixed():
-    table = SignTable(0, 251, CPU)
-    assert 16 * 2**20 < table.nbytes() < 17 * 2**20
+    table = SignTable(0, 251, CPU, window=1 << 17)
+    assert table.nbytes() < 2**20  # the row signs: the int8 table is made at its first use (never, with the Triton kernel)
     kernel = BucketStatsKernel(251, CPU, table)
     for numel in (10**6, 4 * 10**6):  # twice the bucket, the same memory: nothing per element
         plan = BucketPlan([numel // 2, numel - numel // 2], 251, 0, CPU, 1 << 17)
         kernel.run(torch.randn(numel), plan, torch.zeros(251), torch.empty(2))
+        assert SIGN_PAGE + (1 << 17) <= table.nbytes() < SIGN_PAGE + (1 << 17) + 2**20  # T and one chunk's window again
         assert kernel.persistent_bytes() < table.nbytes() + 2**20 and plan.persistent_bytes() < 0.001 * numel
+    with pytest.raises(ValueError, match="exceed the sign table's window of 131072"):
+        kernel.run(torch.randn(1 << 19), BucketPlan([1 << 19], 251, 0, CPU, 1 << 18), torch.zeros(251), torch.empty(1))
 
 
 def test_sign_table_slices_follow_the_definition():
@@ -84,6 +89,13 @@ def test_sign_table_slices_follow_the_definition():
         # the kernel's slice of T for a run of at most one table length: T is stored twice
         t = table.values[begin % 64 : begin % 64 + end - begin].long()
         assert torch.equal(t, table.values[torch.arange(begin, end) % 64].long())
+    wide = SignTable(5, 13, CPU, page=64, window=100)  # a window longer than the page: T, then T and part of it again
+    for begin, end in ((0, 100), (63, 163), (10, 20)):
+        t = wide.values[begin % 64 : begin % 64 + end - begin].long()
+        assert torch.equal(t, table.values[torch.arange(begin, end) % 64].long())
+    assert wide.values.numel() == 164
+    with pytest.raises(ValueError, match="window=129 must be between 1 and twice the page"):
+        SignTable(0, 13, CPU, page=64, window=129)
     for begin, end in ((0, 64), (10, 20), (60, 200), (128, 129), (3, 64 * 40 + 7)):
         assert torch.equal(table.signs(begin, end).long(), _definition_signs(table, begin, end))
     rows = table.row_signs(ROW_PERIOD - 3, 10)  # wraps around the row table
@@ -103,7 +115,7 @@ def test_plan_positions():
     with pytest.raises(ValueError, match="needs a SignTable of 61 bins"):
         BucketStatsKernel(61, CPU, _table(0, 13, 64))
     kernel = BucketStatsKernel(61, CPU, _table(0, 61, 1024))
-    with pytest.raises(ValueError, match="chunks of 1952 elements exceed the sign table's 1024 entries; use chunk_elems <= 1024"):
+    with pytest.raises(ValueError, match="chunks of 1952 elements exceed the sign table's window of 1024; use chunk_elems <= 1024"):
         kernel.run(torch.randn(5000), BucketPlan([5000], 61, 0, CPU, 2000), torch.zeros(61), torch.empty(1))
 
 
@@ -187,6 +199,45 @@ def test_a_band_read_through_the_row_stride_equals_its_copy(fused, rows, chunk_e
     assert all(torch.equal(a, b) for a, b in zip(got, copied))
     with pytest.raises(ValueError, match="a band of several rows must be one chunk"):
         kernel.run(torch.randn(3, 4000)[:, :3007], BucketPlan([3000, 7], 61, 0, CPU, 1024, rows=3), *got)
+
+
+class _DispatchedOps(TorchDispatchMode):
+    """Operations that run a kernel (not views), dispatched on this thread while it is entered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            self.names.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_bucket_at_ddps_default_cap_is_one_chunk_of_four_ops_in_any_dtype():
+    # Issue 59: a 25 MB bf16 bucket (DDP's default cap) is 13.1 M elements. The torch path as it runs
+    # on accelerators (fused) takes it in one chunk: 4 dispatched operations with several
+    # parameters, as for a small bucket; its statistics are those of a run in CPU-sized chunks.
+    numel, bins = 25 * 2**20 // 2, 251
+    lengths = [numel // 4] * 3 + [numel - 3 * (numel // 4)]
+    kernel = BucketStatsKernel(bins, CPU, SignTable(0, bins, CPU, window=ACCELERATOR_CHUNK_ELEMS), fused=True)
+    plan = BucketPlan(lengths, bins, 0, CPU, ACCELERATOR_CHUNK_ELEMS)
+    assert plan.n_chunks == 1
+    flat = torch.randn(numel, generator=torch.Generator().manual_seed(0)).bfloat16()
+    sketch, norms = torch.zeros(bins), torch.empty(len(lengths))
+    kernel.accumulate(flat, plan, sketch, norms)  # the first run makes the plan's views
+    sketch.zero_()
+    with _DispatchedOps() as ops:
+        kernel.accumulate(flat, plan, sketch, norms)
+    assert len(ops.names) <= 4, ops.names
+    reference_sketch, reference_sq = torch.zeros(bins), torch.empty(len(lengths))
+    BucketStatsKernel(bins, CPU, _table(0, bins)).run(flat, BucketPlan(lengths, bins, 0, CPU, 1 << 17), reference_sketch, reference_sq)
+    direct = torch.stack([segment.double().square().sum() for segment in flat.split(lengths)])
+    torch.testing.assert_close(reference_sq.double(), direct, rtol=1e-5, atol=0)
+    # The CPU's fp32 vector norm of 3.3 M elements is off by ~1.3e-4 (its reduction, not the
+    # kernel's: an accelerator's is a tree); the sketch sums 52 K products a bin.
+    torch.testing.assert_close(norms.square().double(), direct, rtol=5e-4, atol=0)
+    torch.testing.assert_close(sketch, reference_sketch, rtol=1e-4, atol=1e-4 * reference_sketch.abs().max().item())
 
 
 def test_kernel_shares_scratch_between_plans_of_different_sizes():
