@@ -5,8 +5,9 @@ array it holds, once per storage, with the attribute path that holds it. Storage
 itself (its parameters and buffers, which the replica check refers to) are left out: they exist
 without ddphooks. What remains is what ddphooks costs in memory between steps:
 
-* on the gradients' device: the sign tables (16.5 MB), the statistics scratch (0.5 MB on the CPU,
-  up to 32 MB on accelerators), the per-bucket plans and norms (a few integers per parameter),
+* on the gradients' device: the sign tables (9.1 MB on the CPU, 24 MB on accelerators; none but the
+  row signs with the Triton kernel), the statistics scratch (0.5 MB on the CPU, one chunk of up to
+  64 MB on accelerators), the per-bucket plans and norms (a few integers per parameter),
   the slot buffers (W slots of a few KB) and, with the fp32 "piggyback" transport, the copy of
   the last bucket the statistics ride on (at most ``piggyback_limit_mb``);
 * on the host: the latest step's statistics and the detector's windows (W numbers per signal and
