@@ -36,20 +36,23 @@ here on the CPU; ``chunk_elems=ACCELERATOR_CHUNK_ELEMS``) and ``sketch_dim=0``; 
 under ``TRITON_INTERPRET=1`` (4 KB buckets); FSDP2 (``fully_shard`` per layer) and DeepSpeed ZeRO-2.
 
 Then the time: the wall time of ``loss.backward()`` with ddphooks minus with allreduce_hook, per
-bucket, 64 buckets of 1K elements, median over interleaved rounds [IQR], on PyTorch's fake process
+bucket (and the same in the training thread's CPU time, its own work without its waits for the GIL), 64 buckets of 1K elements, median over interleaved rounds [IQR], on PyTorch's fake process
 group (one process, W = 2, the real DDP reducer, collectives that complete at once, one intra-op
 thread): no peer and no network to wait for, so what is left is the host's own work, the
-callbacks included, as a GPU host pays it. Three rows: the defaults, where the detector runs in a
-process of its own, the same with the detector on the pipeline's thread, where its Python shares
-the GIL with the training thread (as before 1337100), and ``detect=False``.
+callbacks included, as a GPU host pays it. Four rows: the defaults, where the detector runs in a
+process of its own, the same with a ``JsonlSink`` (a record built and written a step on the writer
+thread), the same with the detector on the pipeline's thread, where its Python shares the GIL with
+the training thread (as before 1337100), and ``detect=False``.
 
     python benchmarks/launches.py            # the table
     python benchmarks/launches.py --quick    # fewer units and timing rounds (tests/test_launches.py)
 """
 
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from types import SimpleNamespace
@@ -72,10 +75,17 @@ LARGE = (256, 4, 6)  # 1 MB buckets: 4 Linear(256, 256) weights per bucket, 6 bu
 TRITON_BUCKETS = 4 if QUICK else 8  # the interpreter runs the kernel in numpy
 SHARDED_LAYERS = 4 if QUICK else 8  # FSDP2 reduce-scatters, DeepSpeed gradient hooks
 TIMED_BUCKETS, ROUNDS, REPEAT = 64, 5 if QUICK else 40, 4
-# The timed configurations: the defaults (the detector in a process of its own), the same with the
-# detector on the pipeline's thread as it ran before 1337100 (its Python holds the GIL the training
-# thread needs), and without the detector (the hook, its callbacks and the records alone).
-TIMED = {"default": {}, "detector_on_a_thread": {}, "no_detector": dict(detect=False)}
+# The timed configurations, each its attach() settings given a directory for records: the defaults
+# (the detector in a process of its own), the same with a JsonlSink (what a user who keeps records
+# pays: the writer thread builds and writes one a step), the same with the detector on the
+# pipeline's thread as it ran before 1337100 (its Python holds the GIL the training thread needs),
+# and without the detector (the hook, its callbacks and the records alone).
+TIMED = {
+    "default": lambda directory: {},
+    "with_a_JsonlSink": lambda directory: dict(sinks=[ddphooks.JsonlSink(os.path.join(directory, "records.jsonl"))]),
+    "detector_on_a_thread": lambda directory: {},
+    "no_detector": lambda directory: dict(detect=False),
+}
 TIMEOUT = 300
 COUNTED = ("aten::", "c10d::", "triton::")
 # Views, allocations and pass-throughs: no kernel of their own on a device.
@@ -286,11 +296,13 @@ def _completed(tensor: torch.Tensor) -> torch.futures.Future:
     return future
 
 
-def _timed() -> dict[str, list[float]]:
-    """Per round and configuration: (backward with ddphooks - backward with allreduce_hook) /
+def _timed() -> dict[str, tuple[list[float], list[float]]]:
+    """Per configuration and round: (backward with ddphooks - backward with allreduce_hook) /
     buckets, in seconds, on PyTorch's fake process group (W = 2 in this one process, the real DDP
     reducer, collectives that complete at once: what is left is the host's work, callbacks
-    included, as on a GPU host). Run in the main process after the workers (no other group)."""
+    included, as on a GPU host), in wall time and in the training thread's CPU time (its own
+    work: the wall time also holds its waits for the GIL while other threads of the process run
+    Python). Run in the main process after the workers (no other group)."""
     from scale import _DoneWork  # the fake group's collectives as completed work (benchmarks/scale.py)
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -303,35 +315,38 @@ def _timed() -> dict[str, list[float]]:
     shape = (SMALL[0], 1, TIMED_BUCKETS)
     models = {name: _ddp(*shape) for name in ("plain", *TIMED)}
     models["plain"].register_comm_hook(None, allreduce_hook)
-    states = {name: ddphooks.attach(models[name], **settings) for name, settings in TIMED.items()}
+    directory = tempfile.mkdtemp(prefix="ddphooks-launches-")
+    states = {name: ddphooks.attach(models[name], **settings(directory)) for name, settings in TIMED.items()}
     states["detector_on_a_thread"]._pipeline.detector = Detector()  # the same detector, in this process
     x = torch.randn(4, SMALL[0], generator=torch.Generator().manual_seed(0))
 
-    def backward(name):  # REPEAT backward passes, each after its forward
-        elapsed = 0.0
+    def backward(name):  # REPEAT backward passes, each after its forward: (wall, thread CPU) seconds
+        wall = cpu = 0.0
         for _ in range(REPEAT):
             loss = models[name](x).square().mean()
             if name in states:
                 states[name].observe_loss(loss)
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             loss.backward()
-            elapsed += time.perf_counter() - start
-        return elapsed / REPEAT
+            wall, cpu = wall + time.perf_counter() - start, cpu + time.thread_time() - start_cpu
+        return wall / REPEAT, cpu / REPEAT
 
     names = list(models)
     try:
         for _ in range(WARMUP):
             for name in names:
                 backward(name)
-        per_bucket = {name: [] for name in TIMED}
+        per_bucket = {name: ([], []) for name in TIMED}
         for r in range(ROUNDS):
             order = names[r % len(names) :] + names[: r % len(names)]
             times = {name: backward(name) for name in order}
             for name in TIMED:
-                per_bucket[name].append((times[name] - times["plain"]) / TIMED_BUCKETS)
+                for kind in (0, 1):
+                    per_bucket[name][kind].append((times[name][kind] - times["plain"][kind]) / TIMED_BUCKETS)
     finally:
         for state in states.values():
             state.close()
+        shutil.rmtree(directory, ignore_errors=True)
         dist.all_reduce = all_reduce
         dist.destroy_process_group()
     return per_bucket
@@ -428,11 +443,12 @@ if __name__ == "__main__":
             lines.append(f"{name:<58} {unit:<15} skipped: {row or 'not run'}")
             continue
         lines.append(f"{name:<58} {unit:<15} {_cell(row['unit']):<26} {_cell(row['step']):<26} {goal_unit}; {goal_step}")
-    for name, per_bucket in _timed().items():
-        times = sorted(t * 1e6 for t in per_bucket)
+    for name, (wall, cpu) in _timed().items():
+        times = sorted(t * 1e6 for t in wall)
         q = statistics.quantiles(times, n=4) if len(times) > 1 else times * 3
         timing = f"{statistics.median(times):.1f} us [{q[0]:.1f}-{q[2]:.1f}]"
+        own = f"its thread's CPU {statistics.median(cpu) * 1e6:.1f} us"
         label = f"backward time, {TIMED_BUCKETS} x 4 KB, fake group, {name.replace('_', ' ')}"
-        lines.append(f"{label:<58} {'bucket':<15} {timing:<26} {'':<26} {GOALS['time']} ({ROUNDS} rounds)")
+        lines.append(f"{label:<58} {'bucket':<15} {timing:<26} {own:<26} {GOALS['time']} ({ROUNDS} rounds)")
     print("\n".join(lines))
     print(f"({'--quick, ' if QUICK else ''}torch {torch.__version__}, {time.perf_counter() - started:.0f} s)")

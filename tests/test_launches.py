@@ -26,6 +26,7 @@ ROWS = (
     "FSDP2 fully_shard",
     "DeepSpeed ZeRO-2",
     "backward time, 64 x 4 KB, fake group, default",
+    "backward time, 64 x 4 KB, fake group, with a JsonlSink",
     "backward time, 64 x 4 KB, fake group, detector on a thread",
     "backward time, 64 x 4 KB, fake group, no detector",
 )
