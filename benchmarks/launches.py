@@ -33,7 +33,7 @@ allreduce_hook with one op in its callback); DDP with 48 buckets of 4 KB (1 para
 of 1 MB (4 parameters each) for the default torch path on the CPU, the torch path as it runs on an
 accelerator (``BucketStatsKernel(fused=True)``, which the code picks from the device type, forced
 here on the CPU; ``chunk_elems=ACCELERATOR_CHUNK_ELEMS``) and ``sketch_dim=0``; the Triton kernel
-under ``TRITON_INTERPRET=1`` (4 KB buckets); FSDP2 (``fully_shard`` per layer) and DeepSpeed ZeRO-2.
+under ``TRITON_INTERPRET=1`` (4 KB buckets); FSDP2 (``fully_shard`` per Linear, and per group of four) and DeepSpeed ZeRO-2.
 
 Then the time: the wall time of ``loss.backward()`` with ddphooks minus with allreduce_hook, per
 bucket (and the same in the training thread's CPU time, its own work without its waits for the GIL), 64 buckets of 1K elements, median over interleaved rounds [IQR], on PyTorch's fake process
@@ -249,14 +249,15 @@ def _ddp_rows(rank: int) -> dict:
     return rows
 
 
-def _fsdp_extra(rank: int, layers: int, measured: bool) -> tuple:
+def _fsdp_extra(rank: int, groups: int, measured: bool, per_group: int = 1) -> tuple:
+    """FSDP2 with ``groups`` reduce-scatters a step, each of ``per_group`` Linear(32, 32) weights."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    model = _mlp(SMALL[0], layers)
+    model = torch.nn.Sequential(*[_mlp(SMALL[0], per_group) for _ in range(groups)])
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for layer in model:
-        fully_shard(layer, mesh=mesh)
+    for group in model:
+        fully_shard(group, mesh=mesh)
     fully_shard(model, mesh=mesh)
     state = ddphooks.attach(model) if measured else None
     step = _backward_step(model, state, torch.randn(4, SMALL[0], generator=torch.Generator().manual_seed(rank)))
@@ -360,8 +361,9 @@ def _worker(rank: int, world: int) -> dict:
     rows = _ddp_rows(rank)
     try:
         rows["fsdp2"] = _fit(lambda n: (_fsdp_extra(rank, n, True), _fsdp_extra(rank, n, False)), SHARDED_LAYERS)
+        rows["fsdp2_4"] = _fit(lambda n: (_fsdp_extra(rank, n, True, 4), _fsdp_extra(rank, n, False, 4)), SHARDED_LAYERS)
     except Exception as error:  # a skipped row says why
-        rows["fsdp2"] = _skip(error)
+        rows["fsdp2"] = rows["fsdp2_4"] = _skip(error)
     try:
         os.environ.setdefault("LOCAL_RANK", str(rank))
         import importlib
@@ -433,7 +435,8 @@ if __name__ == "__main__":
         (f"DDP {LARGE[2]} x 1 MB, torch path as on an accelerator", "ddp_1MB_accelerator", "bucket", GOALS["bucket"], GOALS["step"]),
         (f"DDP {LARGE[2]} x 1 MB, sketch_dim=0", "ddp_1MB_sketch0", "bucket", GOALS["bucket"], GOALS["step"]),
         (f"DDP {TRITON_BUCKETS} x 4 KB, Triton (TRITON_INTERPRET=1)", "triton_4KB", "bucket", GOALS["triton"], GOALS["step"]),
-        (f"FSDP2 fully_shard x {SHARDED_LAYERS} Linear(32, 32)", "fsdp2", "reduce-scatter", GOALS["bucket"], GOALS["step"]),
+        (f"FSDP2 fully_shard x {SHARDED_LAYERS} Linear(32, 32), one a group", "fsdp2", "reduce-scatter", GOALS["bucket"], GOALS["step"]),
+        (f"FSDP2 fully_shard x {SHARDED_LAYERS} groups of 4 Linear(32, 32)", "fsdp2_4", "reduce-scatter", GOALS["bucket"], GOALS["step"]),
         (f"DeepSpeed ZeRO-2 x {SHARDED_LAYERS} Linear(32, 32)", "deepspeed", "gradient hook", GOALS["bucket"], GOALS["step"]),
     ]
     lines = [f"{'rank 0, ops beyond the plain reduction':<58} {'unit':<15} {'per unit':<26} {'per step':<26} goal (unit; step)"]

@@ -574,23 +574,28 @@ class BucketStatsKernel:
             _segment_norms(product, plan.lengths, sq_norms, squared)
             return
         if one_chunk is not None and band is not None and sketching and not by_column:
-            # A band of FSDP2's rows in one chunk: the same, read through the row stride; a
-            # parameter's norm is that of its segments' norms over the rows (a column of them).
+            # A band of FSDP2's rows in one chunk: the same, read through the row stride. One
+            # parameter: its squared norm is one dot of the product. Several: the norms of their
+            # segments, parameter by parameter (each parameter's rows side by side), then each
+            # parameter's sum of its rows' squares is one batched dot, |n_j|^2 = n_j^T n_j: five
+            # operations whatever the number of rows and parameters.
             product, rows_t = views[plan.numel]
             signs, row_signs = one_chunk
             torch.mul(signs.view(band), flat, out=product.view(band))
             sketch_acc.addmv_(rows_t, row_signs)
-            if len(plan.lengths) == 1:
-                torch.linalg.vector_norm(product, out=sq_norms[0])
+            params = len(plan.lengths)
+            if params == 1:
+                torch.dot(product, product, out=sq_norms[0])
             else:
                 parts = chunk_parts.get(0)
                 if parts is None:
-                    parts = chunk_parts[0] = product.split(plan.lengths * plan.rows)
+                    segments = product.split(plan.lengths * plan.rows)  # row by row
+                    parts = chunk_parts[0] = [segments[r * params + j] for j in range(params) for r in range(plan.rows)]
                 norms = self._partials[: plan.n_segments]
                 torch.stack(torch._foreach_norm(parts, 2), out=norms)
-                torch.linalg.vector_norm(norms.view(plan.rows, len(plan.lengths)), dim=0, out=sq_norms)
-            if squared:
-                sq_norms.square_()
+                torch.bmm(norms.view(params, 1, plan.rows), norms.view(params, plan.rows, 1), out=sq_norms.view(params, 1, 1))
+            if not squared:
+                sq_norms.sqrt_()
             return
         bins, chunk_elems = self.bins, plan.chunk_elems
         # On accelerators a bucket of several chunks takes its norms from the gradient itself, in one

@@ -240,6 +240,27 @@ def test_a_bucket_at_ddps_default_cap_is_one_chunk_of_four_ops_in_any_dtype():
     torch.testing.assert_close(sketch, reference_sketch, rtol=1e-4, atol=1e-4 * reference_sketch.abs().max().item())
 
 
+@pytest.mark.parametrize(("lengths", "budget"), [([500], 3), ([300, 7, 1, 200], 5)], ids=["one-parameter", "four-parameters"])
+def test_an_fsdp2_band_of_one_chunk_takes_few_ops_whatever_its_rows(lengths, budget):
+    # FSDP2's reduce-scatter input, 16 rows (shards) in one chunk, as the torch path runs it on
+    # accelerators: the multiply, the matrix-vector product into the bins, and the parameters'
+    # squared norms over the rows (one dot; or the segments' norms, their stack and one batched dot).
+    rows, bins = 16, 61
+    flat = torch.randn(rows, sum(lengths), generator=torch.Generator().manual_seed(5))
+    table = _table(3, bins, 1 << 17)
+    plan = BucketPlan(lengths, bins, 0, CPU, 1 << 16, rows=rows)
+    kernel = BucketStatsKernel(bins, CPU, table, fused=True)
+    sketch, sq = torch.zeros(bins), torch.empty(len(lengths))
+    kernel.run(flat, plan, sketch, sq)  # the first run makes the plan's views
+    sketch.zero_()
+    with _DispatchedOps() as ops:
+        kernel.run(flat, plan, sketch, sq)
+    assert len(ops.names) <= budget, ops.names
+    expected = torch.stack([part.double().square().sum() for part in flat.split(lengths, dim=1)])
+    torch.testing.assert_close(sq.double(), expected, rtol=1e-5, atol=0)
+    torch.testing.assert_close(sketch.double(), _reference_sketch(flat.view(-1), plan, table), rtol=1e-4, atol=1e-4)
+
+
 def test_kernel_shares_scratch_between_plans_of_different_sizes():
     table = _table(0, 61, 1 << 14)
     kernel = BucketStatsKernel(61, CPU, table)
