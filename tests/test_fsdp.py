@@ -603,7 +603,7 @@ def test_hsdp_compact_wire_gives_the_whole_slots_statistics_and_unchanged_traini
     # norms divided by the 2 replicas, and each replica check's empty verdict: the shards differ
     # from each other, only each shard's replicas are compared
     compact = [r["compact"] for r in hsdp]
-    bins, params, groups, shards = compact[0]["bins"], 6, 3, 2
+    bins, params, groups = compact[0]["bins"], 6, 3
     # as plain FSDP2's on 4 ranks, and on every (check) step each parameter's checks within its
     # replica groups (their histograms summed over each group apart); the model has no buffers
     size = 6 * 4 + 2 * params + 4 * params + groups + 1 + 2 * bins + params + params * 3

@@ -11,7 +11,6 @@ on 127.0.0.1 only, every wait is bounded, and the servers are killed in the fixt
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import socket
 import subprocess

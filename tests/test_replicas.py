@@ -14,7 +14,6 @@ from test_hook import _spawn_cases
 import ddphooks
 from ddphooks.launch import spawn
 from ddphooks.replicas import ReplicaTensors
-from ddphooks.stats import NOT_COMPARED
 
 TIMEOUT = 180
 STEPS = 6
