@@ -218,7 +218,8 @@ class SignTable:
             values = torch.empty(self.page + self.window, dtype=torch.int8)
             hashed_signs(self.page, self.key, values[: self.page])
             for begin in range(self.page, self.page + self.window, self.page):  # T again, up to the window
-                values[begin : begin + min(self.page, self.page + self.window - begin)].copy_(values[: min(self.page, self.page + self.window - begin)])
+                count = min(self.page, self.page + self.window - begin)
+                values[begin : begin + count].copy_(values[:count])
             self._values = values.to(self.device)
         return self._values
 
@@ -353,8 +354,9 @@ class BucketStatsKernel:
     views into the scratch are shared by all its chunks, so its memory stays small at any size.
 
     On accelerators, where each op costs a kernel launch rather than bytes, a chunk is up to 16 M
-    elements (a bucket at DDP's default 25 MB cap is one chunk in any dtype). A bucket of one chunk (every bucket there, and
-    buckets of up to 512 KB on the CPU) takes three operations, four with several parameters,
+    elements (a bucket at DDP's default 25 MB cap is one chunk in any dtype). A bucket of one
+    chunk (every bucket there up to 16 M elements, and buckets of up to 512 KB on the CPU) takes
+    three operations, four with several parameters,
     whatever its size and dtype: the table signs multiply the gradient (``int8 * float``, one
     operation), one matrix-vector product sums the rows into the bins (the last, partial row
     padded with zeros in the scratch, so it needs no operation of its own), and one norm, or one

@@ -297,7 +297,8 @@ class TritonBucketStats:
         build for, a broken install) keeps the torch path instead of failing inside a backward:
 
         1. a probe bucket of 73,006 fp32 values in three parameters, on the device;
-        2. both paths' squared norms and sketch of it;
+        2. both paths' squared norms and sketch of it (the torch path with a sign table of its own,
+           the same signs, freed after: the kernel's own table never makes its int8 signs);
         3. None if every norm agrees to 1e-4 relative and the sketches to 1e-4 of their norm, else
            what differed, or the exception's repr.
 
@@ -307,7 +308,8 @@ class TritonBucketStats:
             flat = torch.randn(sum(lengths), generator=torch.Generator().manual_seed(0)).to(self.device)
             plan = BucketPlan(lengths, self.bins, 0, self.device, sum(lengths))
             results = []
-            for kernel in (BucketStatsKernel(self.bins, self.device, self.signs), self):
+            probe_signs = SignTable(self.signs.seed, self.bins, self.device, self.signs.page, window=plan.chunk_elems)
+            for kernel in (BucketStatsKernel(self.bins, self.device, probe_signs), self):
                 sq, sketch = torch.empty(len(lengths), device=self.device), torch.zeros(self.bins, device=self.device)
                 kernel.run(flat, plan, sketch, sq)
                 results.append((sq.double().cpu(), sketch.double().cpu()))
