@@ -99,7 +99,7 @@ def measure_layout(device: torch.device, size_mb: float, dtype: torch.dtype, n_p
     kernel, interleaved round by round; per path the median and IQR of its per-round ratio to the
     read pass and the kernels it launches per bucket."""
     bins = sketch_bins(sketch_dim)
-    table = SignTable(0, bins, device)
+    table = SignTable(0, bins, device, window=ACCELERATOR_CHUNK_ELEMS)  # as the state makes it for accelerator chunks
     lengths = bucket_layout(size_mb, dtype, n_params)
     numel = sum(lengths)
     plan = BucketPlan(lengths, bins, 0, device, ACCELERATOR_CHUNK_ELEMS)

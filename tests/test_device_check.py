@@ -141,3 +141,20 @@ def test_the_default_must_pick_the_triton_kernel_on_cuda_only_where_triton_is_in
     assert check.expected_kernel("auto", "cpu", ["torch", "triton", "auto"]) == "BucketStatsKernel"
     assert check.expected_kernel("triton", "cpu", ["torch", "triton"]) == "TritonBucketStats"
     assert check.expected_kernel("torch+compact", "cuda", ["torch", "triton"]) == "BucketStatsKernel"
+
+
+def test_the_stats_part_takes_a_bucket_larger_than_the_sign_tables_page():
+    # The device check's stats part (triton_sketch.measure_layout) times 25 MB bf16 buckets, 13.1 M
+    # elements: one accelerator chunk, more than the 8 M entries of T, so its torch path needs the
+    # table of a chunk's window, as the state makes it. Run on the CPU at 18 MB (9.4 M elements).
+    import sys
+
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        from triton_sketch import measure_layout
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    import torch
+
+    result = measure_layout(torch.device("cpu"), 18, torch.bfloat16, 8, 1, 256, with_triton=False, warmup=0)
+    assert result["numel"] > 1 << 23 and result["x_read"]["torch"]["median"] > 0 and result["launches"]["torch"] > 0, result
