@@ -507,16 +507,26 @@ class BucketStatsKernel:
             raise ValueError("the torch path does not divide buckets in its pass; allreduce_hook divides them")
         one_chunk = self._one_chunk.get(id(plan))
         if one_chunk is not None and one_chunk[0] is plan and sketch is not None and flat.dim() == 1 and flat.numel() == plan.numel:
-            # run()'s one-chunk path with its views made once (on a GPU host every us of Python counts)
-            _, product, rows_t, signs, row_signs, segments = one_chunk
-            torch.mul(signs, flat, out=product)
-            sketch.addmv_(rows_t, row_signs)
-            if segments is None:  # one parameter: its norm, written as a 1-element tensor (no view to make)
-                torch.linalg.vector_norm(product, dim=0, keepdim=True, out=norms)
-            else:
-                torch.stack(torch._foreach_norm(segments, 2), out=norms)
+            # run()'s one-chunk path, its checks and lookups skipped (on a GPU host every us of Python counts)
+            self._pass_one_chunk(one_chunk, flat, sketch, norms, squared=False)
             return
         self.run(flat, plan, sketch, norms, squared=False)
+
+    @staticmethod
+    def _pass_one_chunk(one_chunk: tuple, flat: torch.Tensor, sketch: torch.Tensor, norms: torch.Tensor, squared: bool) -> None:
+        """A bucket of one chunk, its views made once (``_one_chunk``): three operations, four with
+        several parameters, one more to square several parameters' norms."""
+        _, product, rows_t, signs, row_signs, segments = one_chunk
+        torch.mul(signs, flat, out=product)  # sign * gradient, promoted to fp32
+        sketch.addmv_(rows_t, row_signs)  # rows weighted by their signs, summed into bins
+        if segments is None and squared:  # one parameter: its squared norm is one dot
+            torch.dot(product, product, out=norms[0])
+        elif segments is None:  # its norm, written as a 1-element tensor (no view to make)
+            torch.linalg.vector_norm(product, dim=0, keepdim=True, out=norms)
+        else:
+            torch.stack(torch._foreach_norm(segments, 2), out=norms)
+            if squared:
+                norms.square_()
 
     def finish_step(self, sketch: torch.Tensor | None, norms: list[torch.Tensor]) -> None:
         """After the step's last bucket: square every bucket's norms at once (one multi-tensor
@@ -570,10 +580,8 @@ class BucketStatsKernel:
             product, rows_t = views[plan.numel]
             signs, row_signs = one_chunk
             segments = None if len(plan.lengths) == 1 else product.split(plan.lengths)
-            self._one_chunk[id(plan)] = (plan, product, rows_t, signs, row_signs, segments)
-            torch.mul(signs, flat, out=product)  # sign * gradient, promoted to fp32
-            sketch_acc.addmv_(rows_t, row_signs)  # rows weighted by their signs, summed into bins
-            _segment_norms(product, plan.lengths, sq_norms, squared)
+            cached = self._one_chunk[id(plan)] = (plan, product, rows_t, signs, row_signs, segments)
+            self._pass_one_chunk(cached, flat, sketch_acc, sq_norms, squared)
             return
         if one_chunk is not None and band is not None and sketching and not by_column:
             # A band of FSDP2's rows in one chunk: the same, read through the row stride. One
