@@ -89,7 +89,7 @@ def _bucket_stats(grad_ptr, key, rows_ptr, offsets_ptr, copies_ptr, sq_ptr, nume
         tl.store(grad_ptr + low + local, quotient.to(raw.dtype), mask=inside)
     if SKETCH:
         # The bucket's base enters as its table entry and row sign (base mod page, base row mod
-        # period): small numbers. The table is stored twice, so a tile's window needs no wrap.
+        # period): small numbers. Each element's entry wraps at the page by itself (the mask).
         # T's sign from the table entry (position mod page): sketch.table_sign_hash, in uint32
         entry = ((table_start + low + local) & (page - 1)).to(tl.uint32)
         h = entry * 0x9E3779B9 + key.to(tl.uint32)  # WEYL
