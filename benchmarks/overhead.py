@@ -13,10 +13,11 @@ JSONL file (a temporary one here), the loop recording each step's loss (``observ
 every step. For it the script also times, by wrapping the pieces of that one state, where the
 milliseconds of an instrumented step go: the statistics pass over each bucket, the squared norms
 of the reduced buckets (gloo's thread), the piggyback division and slot packing of the last
-bucket, publishing the step's SilentStats, handing it to the pipeline thread at the next step's
-first bucket, summary(), the synchronisation watchdog's forward pre-hook and sentinel gradient hook;
-on the pipeline thread the online detector and (rank 0) the writer's
-submit; and on rank 0's writer thread the building and the writing of each record.
+bucket, publishing the step's SilentStats, processing it at the next step's first bucket (within
+it, sending its slots to the detector's process, reading back the alerts of the step before, and
+on rank 0 submitting that step to the writer), summary(), the synchronisation watchdog's forward
+pre-hook and sentinel gradient hook; and on rank 0's writer thread the building and the writing of
+each record. The detector itself runs in a process of its own (``ddphooks.detect.process``).
 
 With ``--deepspeed`` the rounds compare plain DeepSpeed ZeRO-2 and ZeRO-3 engines (fp32, SGD, no
 accumulation) with ``ddphooks.attach`` on each (the defaults, a JsonlSink and summary() every
@@ -214,11 +215,13 @@ class Breakdown:
         ("statistics pass", "training"),  # the kernel's accumulate on every bucket
         ("last bucket: division into piggyback buffer + slot", "training"),  # _stats_buffer .. _pack_slot
         ("reduced norms + SilentStats", "gloo"),  # _step_reduced, once a step, in the last bucket's callback
-        ("processing: hand-off to the pipeline thread", "training"),  # the previous step's, at the first bucket
+        ("processing: the step to the detector, the one before's alerts and record", "training"),  # the previous step's, at the first bucket
         ("summary()", "training"),
         ("sync watchdog: forward pre-hook + sentinel gradient hook", "training"),
     )
-    THREAD_PARTS = (("detector", "pipeline"), ("submit to the writer", "pipeline"))  # once per step; submit on rank 0
+    # Within "processing", once per step, all on the training thread (the detector itself runs in a
+    # process of its own, ddphooks.detect.process); the submit on rank 0 only.
+    THREAD_PARTS = (("sending the step's slots to the detector's process", "training"), ("reading the alerts back", "training"), ("submit to the writer", "training"))
     RECORD_PARTS = (("record building", "writer"), ("writing (JsonlSink)", "writer"))
 
     def _time_kernel(self, state, device, method: str = "run") -> None:
@@ -256,8 +259,10 @@ class Breakdown:
     def _time_pipeline(self, state):
         """Time what follows a step, on every transport: hand-off, detector, writer, sink."""
         pipeline = state._pipeline
-        pipeline.process = self._timed("processing: hand-off to the pipeline thread", pipeline.process)
-        pipeline._detect = self._timed("detector", pipeline._detect)
+        pipeline.process = self._timed("processing: the step to the detector, the one before's alerts and record", pipeline.process)
+        pipeline._send = self._timed("sending the step's slots to the detector's process", pipeline._send)
+        if pipeline.detector is not None:  # detect=False: no detector to send to
+            pipeline.detector.receive = self._timed("reading the alerts back", pipeline.detector.receive)
         if pipeline.writer is not None:  # the log rank
             pipeline.writer.submit = self._timed("submit to the writer", pipeline.writer.submit)
             pipeline.writer.build = self._timed("record building", pipeline.writer.build)
@@ -336,7 +341,7 @@ class FsdpBreakdown(Breakdown):
     STEP_PARTS = (
         ("statistics pass", "training"),  # BucketStatsKernel.run on each reduce-scatter input
         ("end of backward: slot all-reduce + SilentStats", "training"),  # ShardedSilentState._gather
-        ("processing: hand-off to the pipeline thread", "training"),
+        ("processing: the step to the detector, the one before's alerts and record", "training"),
         ("summary()", "training"),
     )
 
@@ -355,7 +360,7 @@ class DeepSpeedBreakdown(Breakdown):
         ("statistics pass", "training"),  # BucketStatsKernel.run in each parameter's tensor hook
         ("hooks: rest (cross terms, bookkeeping)", "training"),  # DeepSpeedSilentState._measure minus the pass
         ("end of backward: reduced norms + slot all-reduce + SilentStats", "training"),  # DeepSpeedSilentState._gather
-        ("processing: hand-off to the pipeline thread", "training"),
+        ("processing: the step to the detector, the one before's alerts and record", "training"),
         ("summary()", "training"),
     )
 

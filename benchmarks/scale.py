@@ -17,7 +17,7 @@ the fake all-reduce then fills the other ranks' rows, sampled rows and sums alik
 marks the default's row. Each run builds the model twice (same weights): one DDP with
 ``allreduce_hook``, one with ``attach``; every step runs both, forward and backward, on the same
 random tokens. The step's
-statistics are then handed to the detector (``state.flush()``, untimed), so its thread never
+statistics are then handed to the detector (``state.flush()``, untimed), so it never
 competes with the timed hook calls. Figures, medians over the timed steps (after the detector's
 warm-up, so it scores):
 
@@ -27,7 +27,10 @@ warm-up, so it scores):
                    W slots (the last bucket's division into the piggyback buffer, the zeroed slots
                    and this rank's slot; its callback: the copy of the W slots and the bucket's
                    reduced norms; building SilentStats)
-  detector ms      its thread: Detector.update on the step (reading the step's statistics included)
+  detector ms      the detector's round trip a step: reading the step's statistics and the exchange
+                   with its process (the compact wire, on the pipeline's thread), or sending the
+                   step's slots and reading its alerts back (whole slots, on the training thread;
+                   the child reads the step), the child's Detector.update in between
   statistics bytes what the statistics add to the step's all-reduce (the W slots, W x slot x 4 B,
                    or the compact wire), and that against the gradient bytes; "with replica
                    and detail steps": averaged with one replica-check step in
@@ -402,16 +405,22 @@ def _measure(world: int, model_args: dict, steps: int, collectives: FakeCollecti
         timer.slot_parts += time.perf_counter() - marks["start"]
 
     state._stats_buffer, state._pack = timed_stats_buffer, timed_pack
-    detector_s, detect = [], state._pipeline._detect
+    # The detector's round trip per step: on the pipeline's thread (the compact wire) reading the
+    # step and the exchange with the detector's process; with whole slots, on the training thread,
+    # sending the slots and reading the alerts back (the child's work in between: flush() waits).
+    detector_s, this_step, pipeline = [], [0.0], state._pipeline
 
-    def timed_detect(stats):
-        start = time.perf_counter()
-        try:
-            return detect(stats)
-        finally:
-            detector_s.append(time.perf_counter() - start)
+    def timed(call):
+        def timed_call(*args):
+            start = time.perf_counter()
+            try:
+                return call(*args)
+            finally:
+                this_step[0] += time.perf_counter() - start
 
-    state._pipeline._detect = timed_detect
+        return timed_call
+
+    pipeline._detect, pipeline._send, pipeline.detector.receive = timed(pipeline._detect), timed(pipeline._send), timed(pipeline.detector.receive)
     generator = torch.Generator().manual_seed(1)
     slots = []
     for step in range(WARMUP + steps + 1):
@@ -420,6 +429,8 @@ def _measure(world: int, model_args: dict, steps: int, collectives: FakeCollecti
             model(input_ids=tokens, labels=tokens).loss.backward()
             model.zero_grad(set_to_none=True)
         collectives.state.flush()  # the detector on this step, before the next one is timed
+        detector_s.append(this_step[0])
+        this_step[0] = 0.0
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # the GPU's queue empty: each step's host time starts alike
         timed = WARMUP <= step < WARMUP + steps
@@ -624,7 +635,7 @@ def main() -> None:
     if args.only != "fsdp2":
         print("in-hook: median [IQR] per step of ddphooks' calls less allreduce_hook's (their medians in brackets; slots: the\n"
               "last bucket's buffer and slot, its callback with the copy of the W slots, and building SilentStats)\n")
-        print("| W | wire | DDP in-hook ms beyond allreduce_hook | detector ms (its thread) | statistics bytes/step (% of gradient bytes) "
+        print("| W | wire | DDP in-hook ms beyond allreduce_hook | detector ms (round trip) | statistics bytes/step (% of gradient bytes) "
               "| with replica and detail steps (the matrix's share) | compact record bytes | detail record bytes (identity; matrix) | detail build ms (CPU) "
               "| kept MB | replica check ms |")
         print("|---|---|---|---|---|---|---|---|---|---|---|")

@@ -275,7 +275,7 @@ class DeepSpeedSilentState(BaseSilentState):
         """The current step; opens it (and hands the previous one to the pipeline) at its first hook."""
         record = self._current
         if record is None:
-            self._pipeline.process()  # the previous step to the background thread, alerts of the one before
+            self._pipeline.process()  # the previous step to the detector, alerts of the one before
             record = self._current = _Step(self.step, self._instrumented(self.step))
             if record.instrumented:
                 record.seen = [False] * len(self._params)

@@ -99,6 +99,7 @@ import numpy as np
 import torch
 
 from ddphooks.detect import PARAMETER_RATE, DetectorConfig
+from ddphooks.devices import PendingHost
 from ddphooks.hosts import RANK_DECIMALS, HostBlocks, HostMatrix, block_cosines, rounded_rows
 from ddphooks.stats import (
     FINGERPRINT_WIDTH,
@@ -107,7 +108,6 @@ from ddphooks.stats import (
     NOT_COMPARED,
     REPLICA_CHECK_REQUESTED,
     BucketLayout,
-    PendingHost,
     SilentStats,
     _float,
     _floats,
@@ -577,6 +577,12 @@ class FleetStats(SilentStats):
         if replica_check is not None:
             check = replica_check
             self._replica_check = (check.step, check._histograms, check.fingerprinted, check.absent_ranks, check._shard_checks)
+
+    def slots(self) -> None:
+        """None: a compact step is read where it is (its rows, sums and sampled norms need the
+        layout and the layer state of this process); the detector's process gets its
+        ``Observation``."""
+        return None
 
     @cached_property
     def _arrays(self) -> tuple[np.ndarray, np.ndarray]:

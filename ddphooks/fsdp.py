@@ -241,7 +241,7 @@ class ShardedSilentState(BaseSilentState):
         with self._lock:
             record = self._current
             if record is None:
-                self._pipeline.process()  # the previous step to the background thread, alerts of the one before
+                self._pipeline.process()  # the previous step to the detector, alerts of the one before
                 record = self._current = _ShardedStep(self.step)
                 self._reset_sketch(flat.device)
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish_step)

@@ -562,7 +562,7 @@ def silent_hook(state: SilentState, bucket: dist.GradBucket) -> torch.futures.Fu
                 f"silent_hook received bucket 0 of a new step before the last bucket of step {state._current.step}: "
                 "use one SilentState per DDP model"
             )
-        state._pipeline.process()  # the previous step to the background thread, alerts of the one before
+        state._pipeline.process()  # the previous step to the detector, alerts of the one before
         state._start_step(bucket)
     if not state._instrumented(state.step):
         future = state._communicate(bucket)

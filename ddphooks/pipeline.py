@@ -1,29 +1,37 @@
 """What happens to a step's statistics once they are complete: detection, alerts, records.
 
 A step completes in a communication callback (possibly on a gloo thread); the pipeline only
-queues it there. The training thread hands the queued steps to a background thread at a point
-every rank reaches in the same order: the first bucket of the next step (inside backward), or
-``flush()`` / ``close()``. The background thread, one step at a time and in order:
+queues it there. The training thread hands the queued steps over at a point every rank reaches in
+the same order: the first bucket of the next step (inside backward), or ``flush()`` / ``close()``.
+Each step, in order:
 
-1. runs the detector (``ddphooks.detect``; the state gives it a ``DetectorProcess``, which runs
-   it in a process of its own) on it, the same on every rank, so every rank finds the same
-   alerts; a detector error is reported once and never reaches training; each alert is named
-   with the group's ``RankTable`` (global rank, host, device: ``ddphooks.identity``);
-2. queues, per new alert, one ``logging`` warning (logger ``"ddphooks"``, log rank only) and one
-   call of ``on_alert(alert)`` (every rank), each on a thread of its own: a logging handler that
-   blocks (a stalled stderr pipe) or an ``on_alert`` that pages over a slow network holds up
-   nothing but its own queue, and an exception in ``on_alert`` is logged, never raised;
-3. hands the statistics and their alerts (with any alert raised outside the detector since the
-   last record: the synchronisation watchdog's) to the record writer (log rank only). Nothing
-   is added to the ``SilentStats`` itself: ``state.latest`` is final when its step completes.
+1. goes to the detector (``ddphooks.detect``), the same on every rank, so every rank finds the
+   same alerts. The state gives the pipeline a ``DetectorProcess``, which runs the detector in a
+   process of its own; where every step is a ``SilentStats`` (``slots_only``: W <=
+   ``gather_max_world``) the training thread itself sends the step's slots there, which returns
+   at once, and at the next hand-over reads back the alerts of the steps handed over before
+   (the child has long answered them): no other thread of this process runs Python for a step,
+   where it would hold the GIL the training thread needs. Otherwise (the compact wire's steps,
+   read into an ``Observation`` in this process; a detector in this process: the child could
+   not start) a daemon thread, started with the first step, runs it. A detector error is
+   reported once and never reaches training; each alert is named with the group's
+   ``RankTable`` (global rank, host, device: ``ddphooks.identity``);
+2. per new alert, one ``logging`` warning (logger ``"ddphooks"``, log rank only) and one call of
+   ``on_alert(alert)`` (every rank) are queued, each on a thread of its own: a logging handler
+   that blocks (a stalled stderr pipe) or an ``on_alert`` that pages over a slow network holds
+   up nothing but its own queue, and an exception in ``on_alert`` is logged, never raised;
+3. the statistics and their alerts (with any alert raised outside the detector since the last
+   record: the synchronisation watchdog's) go to the record writer (log rank only), whose
+   thread builds and writes the record. Nothing is added to the ``SilentStats`` itself:
+   ``state.latest`` is final when its step completes.
 
 At the same point of the following step the training thread collects the alerts of the steps it
-handed over before (waiting only if the background thread is more than a step behind, so the
-detector costs the training thread nothing while it keeps up) into ``SilentState.alerts``. Every
-rank collects the same steps at the same point, so an alert of step ``s`` is in ``alerts`` on
-every rank from the first bucket of step ``s + 2`` on (at once on ``flush()`` and ``close()``):
-that is what lets every rank stop at the same step (``stop_on``, ``SilentState.should_stop``)
-without a collective of its own.
+handed over before (waiting only if the detector is more than a step behind, so it costs the
+training thread nothing while it keeps up) into ``SilentState.alerts``. Every rank collects the
+same steps at the same point, so an alert of step ``s`` is in ``alerts`` on every rank from the
+first bucket of step ``s + 2`` on (at once on ``flush()`` and ``close()``): that is what lets every
+rank stop at the same step (``stop_on``, ``SilentState.should_stop``) without a collective of its
+own.
 
 If the system cannot start a thread (out of threads or memory), nothing raises into backward and
 nothing is lost: the steps are processed on the training thread, and the warnings logged there,
@@ -44,6 +52,7 @@ from collections import deque
 from collections.abc import Callable
 
 from ddphooks.detect import Detector, Observation
+from ddphooks.detect.process import DetectorProcess
 from ddphooks.identity import RankTable
 from ddphooks.writer import RecordWriter
 
@@ -115,8 +124,8 @@ class _Serial:
 
 
 class StepPipeline:
-    """Detection and record writing for one ``SilentState``, on a daemon thread started with the
-    first step.
+    """Detection and record writing for one ``SilentState``: from the training thread to a
+    ``DetectorProcess``, or on a daemon thread started with the first step (see the module).
 
     Args:
         detector: the online detector, or None (``detect=False``).
@@ -125,11 +134,17 @@ class StepPipeline:
         warns: whether this rank logs the alerts (the log rank).
         ranks: the group's ``RankTable``: every alert is named with it (host, device, global rank).
         stop_on: the alert kinds that stop training (``should_stop``).
+        slots_only: every step is a ``SilentStats`` that travels as its slots (``slots()``: a state
+            at W <= ``gather_max_world``). Then, with a ``DetectorProcess`` (or no detector), the
+            training thread itself sends each step and reads its alerts back: no other thread
+            of this process runs Python for it. Otherwise (the compact wire, whose steps are read
+            into an ``Observation`` in this process: milliseconds at W = 4096) the background
+            thread does.
 
     Example::
         >>> pipeline = StepPipeline(Detector(), writer, on_alert=None, warns=True)
         >>> pipeline.complete(stats)   # communication thread
-        >>> pipeline.process()         # training thread, next step: hands it to the background thread
+        >>> pipeline.process()         # training thread, next step: hands it over
         >>> pipeline.process()         # the step after: its alerts
     """
 
@@ -141,8 +156,10 @@ class StepPipeline:
         warns: bool,
         ranks: RankTable | None = None,
         stop_on: frozenset[str] = frozenset(),
+        slots_only: bool = False,
     ) -> None:
         self.detector = detector
+        self.slots_only = slots_only
         self.writer = writer
         self.on_alert = on_alert
         self.warns = warns
@@ -153,8 +170,9 @@ class StepPipeline:
         self._cond = threading.Condition()
         self._pending: deque = deque()  # complete steps, not yet handed over
         self._work: deque = deque()  # handed over, not yet taken by the background thread
+        self._sent: deque = deque()  # (hand-over number, stats, sent to the detector's process), not finished yet
         self._handed = 0  # steps handed over so far
-        self._done = 0  # steps the background thread has finished
+        self._done = 0  # steps finished (by the background thread, or inline)
         self._found: deque = deque()  # (step number in hand-over order, its alerts), not yet collected
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -172,23 +190,25 @@ class StepPipeline:
             self._pending.append(stats)
 
     def process(self, wait: bool = False) -> None:
-        """Hand the queued steps to the background thread and collect the alerts of the steps
-        handed over before (of every step with ``wait``) into ``alerts`` (training thread)."""
-        started = True
+        """Hand the queued steps over and collect the alerts of the steps handed over before (of
+        every step with ``wait``) into ``alerts`` (training thread).
+
+        With ``slots_only`` and no detector in this process (none, or a ``DetectorProcess`` whose
+        child runs), this thread itself sends each step's slots to the detector's process and
+        finishes the steps due with the alerts read back: no other thread of this process runs
+        Python for a step (it would hold the GIL this thread needs: on a GPU host, the GIL every
+        launch needs). Otherwise the background thread does the work."""
         with self._cond:
             due = self._handed  # the same steps on every rank: those handed over at earlier calls
-            if self._pending and (self.detector is not None or self.writer is not None):
-                self._work.extend(self._pending)
-                self._handed += len(self._pending)
-                started = self._start()
-                self._cond.notify_all()
+            steps = list(self._pending) if self.detector is not None or self.writer is not None else []
+            first = self._handed
+            self._handed += len(steps)
             self._pending.clear()
             if wait:
                 due = self._handed
-        if not started:
-            # No thread to spare: this rank's steps are processed here, on the training thread, so
-            # they are neither lost nor waited for forever, and every rank collects the same alerts.
-            self._run(on_thread=False)
+        for number, stats in enumerate(steps, first):
+            self._hand_over(number, stats)
+        self._finish_sent(due)
         with self._cond:
             self._cond.wait_for(lambda: self._done >= due)
             found = []
@@ -201,6 +221,51 @@ class StepPipeline:
             self.stopping = next((alert for alert in found if alert["kind"] in self.stop_on), None)
             if self.stopping is not None and self.warns:
                 self.warn("ddphooks: training stops now (stop_on=%s): %s", sorted(self.stop_on), self.stopping["message"])
+
+    def _inline(self) -> bool:
+        """Whether steps are finished on the training thread: slots only, and no detector runs in
+        this process."""
+        detector = self.detector
+        return self.slots_only and (detector is None or (isinstance(detector, DetectorProcess) and not detector.in_process))
+
+    def _hand_over(self, number: int, stats) -> None:
+        """Step ``number`` (in hand-over order) to the detector's process (``_sent``), or to the
+        background thread where the detector runs in this process."""
+        if self._inline():
+            sent = self.detector is not None and not self._detector_failed and not stats.failed_ranks and self._send(stats)
+            self._sent.append((number, stats, sent))
+            return
+        self._finish_sent(number)  # a child that never started: its steps first, in order
+        with self._cond:
+            self._work.append(stats)
+            started = self._start()
+            self._cond.notify_all()
+        if not started:
+            # No thread to spare: this rank's steps are processed here, on the training thread, so
+            # they are neither lost nor waited for forever, and every rank collects the same alerts.
+            self._run(on_thread=False)
+
+    def _send(self, stats) -> bool:
+        """Send ``stats`` to the detector's process (returns at once); False if it failed."""
+        try:
+            self.detector.send_stats(stats)
+            return True
+        except Exception as error:  # a detector bug must never stop training
+            self._detector_off(stats.step, error)
+            return False
+
+    def _finish_sent(self, due: int) -> None:
+        """Finish the steps sent before hand-over number ``due``, in order, with the alerts the
+        detector's process found on them (waiting for those it has not answered yet)."""
+        while self._sent and self._sent[0][0] < due:
+            _, stats, sent = self._sent.popleft()
+            found: list[dict] = []
+            if sent and not self._detector_failed:
+                try:
+                    found = [self._named(alert) for alert in self.detector.receive()]
+                except Exception as error:
+                    self._detector_off(stats.step, error)
+            self._process(stats, found)
 
     def _start(self) -> bool:
         """Start the background thread unless it runs; False if the system cannot start one."""
@@ -232,8 +297,9 @@ class StepPipeline:
                 stats = self._work.popleft()
             self._process(stats)
 
-    def _process(self, stats) -> None:
-        found: list[dict] = []
+    def _process(self, stats, found: list[dict] | None = None) -> None:
+        """One step, in order: its alerts (``found``, read from the detector's process; None: run
+        the detector here), announced and written with the step."""
         try:
             if stats.failed_ranks:  # a rank's statistics failed (a bug): the step is not measured
                 if not self._said_not_measured:
@@ -243,7 +309,7 @@ class StepPipeline:
                         "training is unchanged (said once)", stats.step, stats.failed_ranks,
                     )  # fmt: skip
                 return
-            found = self._detect(stats)
+            found = self._detect(stats) if found is None else found
             for alert in found:
                 self._announce(alert)
             if self.writer is not None:
@@ -256,7 +322,7 @@ class StepPipeline:
             self._output_failed = True
         finally:
             with self._cond:
-                self._found.append((self._done, found))
+                self._found.append((self._done, found or []))
                 self._done += 1
                 self._cond.notify_all()
 
@@ -266,10 +332,13 @@ class StepPipeline:
         try:
             alerts = self.detector.update(Observation.from_stats(stats))
         except Exception as error:  # a detector bug must never stop training
-            self._detector_failed = True
-            self.warn("ddphooks: the detector failed at step %d and is off from now on: %s: %s", stats.step, type(error).__name__, error)
+            self._detector_off(stats.step, error)
             return []
         return [self._named(alert) for alert in alerts]
+
+    def _detector_off(self, step: int, error: Exception) -> None:
+        self._detector_failed = True
+        self.warn("ddphooks: the detector failed at step %d and is off from now on: %s: %s", step, type(error).__name__, error)
 
     def _named(self, alert: dict) -> dict:
         return alert if self.ranks is None else self.ranks.name_alert(alert)

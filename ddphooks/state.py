@@ -148,7 +148,10 @@ class BaseSilentState:
         detector = None
         if self.config.detect:  # in a process of its own: its Python would hold the training process's GIL
             detector = DetectorProcess(self.config.detect if isinstance(self.config.detect, DetectorConfig) else None, warn=lambda message: self._warn(message))
-        self._pipeline = StepPipeline(detector, writer, self.on_alert, warns=writes, ranks=ranks, stop_on=self.config.stop_kinds)
+        limit = self.config.gather_max_world  # above it the compact wire: steps read in this process (_fleet_layout)
+        self._pipeline = StepPipeline(
+            detector, writer, self.on_alert, warns=writes, ranks=ranks, stop_on=self.config.stop_kinds, slots_only=limit is None or self.world_size <= limit,
+        )  # fmt: skip
         # At interpreter exit, write what is still queued (bounded: a stuck sink cannot hang the exit).
         self._finalizer = weakref.finalize(self, self._pipeline.close, CLOSE_TIMEOUT_S)
 
@@ -596,7 +599,7 @@ class BaseSilentState:
             self._latest = result
         if isinstance(result, SilentStats):
             self._previous_stats = result
-            self._pipeline.complete(result)  # handed to the pipeline thread when the next step starts
+            self._pipeline.complete(result)  # handed over when the next step starts
         else:
             self._warn("ddphooks: statistics of step %d failed: %r", step, result)
 

@@ -44,12 +44,14 @@ import math
 import threading
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
-from ddphooks.devices import recorded_event
 from ddphooks.hosts import HostBlocks, HostMatrix, block_cosines, unit_sums
+
+if TYPE_CHECKING:  # torch only in annotations: the detector's process rebuilds steps here without it
+    import torch
 
 LOSS_SUM = 0
 LOSS_COUNT = 1
@@ -95,50 +97,25 @@ class BucketLayout:
         return sum(self.numels)
 
 
-class PendingHost:
-    """Tensors on their way to host memory.
+class HostArrays:
+    """A step's tensors already on the host as numpy arrays, in the dtype they travelled in (fp32
+    slots): ``PendingHost``'s interface with nothing to wait for. What a ``SilentStats`` rebuilt
+    from its ``StepSlots`` reads, in a process that never imports torch (the detector's)."""
 
-    On an accelerator (CUDA, NPU) every tensor is copied with ``non_blocking=True`` into pinned
-    host memory (PyTorch's caching host allocator reuses those buffers) and an event is recorded
-    behind the copies on the current stream; ``arrays()`` waits on that event only, never on the
-    whole device, and only when somebody reads a value. CPU tensors are used as they are.
-
-    Args:
-        tensors: tensors on one device; they must not be modified before the copy completes
-            (the hook hands over fresh clones).
-    """
-
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
-        device = tensors[0].device
-        self.asynchronous = device.type != "cpu"
-        self._event = None
-        if not self.asynchronous:
-            self._host = list(tensors)
-            return
-        self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
-        for host, tensor in zip(self._host, tensors):
-            host.copy_(tensor, non_blocking=True)
-        self._event = recorded_event(device)
+    def __init__(self, arrays: list[np.ndarray]) -> None:
+        self._host = list(arrays)
 
     def columns(self, begin: int, end: int) -> np.ndarray:
-        """Columns ``begin`` to ``end - 1`` of the first (W x slot) tensor as float64, without
-        converting the rest."""
-        if self._event is not None:
-            self._event.synchronize()
-        return _float64(self._host[0][:, begin:end])
+        """Columns ``begin`` to ``end - 1`` of the first (W x slot) array as float64."""
+        return self._host[0][:, begin:end].astype(np.float64)
 
     def arrays(self) -> list[np.ndarray]:
-        """The tensors as float64 numpy arrays (waits for the copy on an accelerator)."""
-        if self._event is not None:
-            self._event.synchronize()
-        return [_float64(t) for t in self._host]
+        """The arrays as new float64 arrays (fp32 widens exactly: what ``PendingHost`` gives)."""
+        return [array.astype(np.float64) for array in self._host]
 
-
-def _float64(tensor: torch.Tensor) -> np.ndarray:
-    """A host tensor as a new float64 numpy array."""
-    # fp32 widens to float64 exactly: in numpy, one call instead of a torch op and a conversion
-    tensor = tensor.detach()
-    return tensor.numpy().astype(np.float64) if tensor.dtype == torch.float32 else tensor.to(torch.float64).numpy()
+    def raw(self) -> list[np.ndarray]:
+        """The arrays as they travelled (not copied)."""
+        return self._host
 
 
 def slot_size(n_params: int, bins: int, n_fingerprinted: int = 0) -> int:
@@ -432,8 +409,9 @@ class SilentStats:
         step: index of the synchronised step (``SilentState.step`` when it ran).
         world_size: number of ranks W.
         buckets: layout of every bucket of the step, in bucket order.
-        gathered: W x slot tensor of every rank's slot.
-        reduced_sq: squared norm of the averaged gradient per parameter, in slot order.
+        gathered: W x slot tensor of every rank's slot (or a numpy array: ``StepSlots.stats``).
+        reduced_sq: squared norm of the averaged gradient per parameter, in slot order (a
+            tensor, or a numpy array with a numpy ``gathered``).
         bins: sketch entries (0: no sketch).
         transport: how the slots travelled ("piggyback" or "separate").
         fingerprinted: names of the tensors whose replica fingerprints the slots end with (on
@@ -461,8 +439,8 @@ class SilentStats:
         step: int,
         world_size: int,
         buckets: list[BucketLayout],
-        gathered: torch.Tensor,
-        reduced_sq: torch.Tensor,
+        gathered: torch.Tensor | np.ndarray,
+        reduced_sq: torch.Tensor | np.ndarray,
         bins: int,
         transport: str,
         fingerprinted: list[str] | None = None,
@@ -479,7 +457,7 @@ class SilentStats:
         self.n_params = sum(len(b.numels) for b in self.buckets)  # P: read on every step's path, summed once
         self.bins = bins
         self.transport = transport
-        self._host = PendingHost([gathered, reduced_sq])
+        self._host = HostArrays([gathered, reduced_sq]) if isinstance(gathered, np.ndarray) else _pending_host([gathered, reduced_sq])
         self._lock = threading.Lock()
         # The previous step's slots on their way to the host, not the step itself: a reference to
         # it would chain every step to the one before. Its sketch is comparable only where it used
@@ -911,5 +889,62 @@ class SilentStats:
         param_sq, bucket_sq = self.param_sq, self.bucket_sq
         return [over_ranks(param_sq[:, p]) for p in range(param_sq.shape[1])], [over_ranks(bucket_sq[:, b]) for b in range(bucket_sq.shape[1])]
 
+    def slots(self) -> "StepSlots | None":
+        """The step as its slots (``StepSlots``, numpy): what travels to the detector's process,
+        which reads the step there (``ddphooks.detect.process``). None for statistics that are
+        not rebuilt from the slots alone (the compact wire's ``FleetStats``)."""
+        with self._lock:
+            gathered, reduced_sq = self._host.raw()
+            previous = None if self._previous_host is None else self._previous_host.raw()[0]
+        return StepSlots(
+            self.step, self.world_size, self.buckets, gathered, reduced_sq, self.bins, self.transport, self.fingerprinted, previous,
+            self.replica_groups, self.divided_by_present,
+        )  # fmt: skip
+
     def __repr__(self) -> str:
         return f"SilentStats(step={self.step}, world_size={self.world_size}, buckets={len(self.buckets)}, sketch_dim={self.bins})"
+
+
+def _pending_host(tensors: list[torch.Tensor]):
+    """``ddphooks.devices.PendingHost`` of torch tensors, imported here where tensors are given:
+    this module imports no torch, so that the detector's process reads a step from its slots
+    (``StepSlots``) without it."""
+    from ddphooks.devices import PendingHost
+
+    return PendingHost(tensors)
+
+
+@dataclass
+class StepSlots:
+    """One step's statistics as they arrived: the gathered slots and the reduced squared norms
+    (numpy, fp32 as they travelled), the previous step's slots where its sketch is comparable, and
+    the layout. ``stats()`` rebuilds the same ``SilentStats`` with no torch: the pipeline sends this
+    to the detector's process (a few KB a step at W = 2) instead of reading the step into an
+    ``Observation`` on a thread of the training process, where its numpy would hold the GIL.
+
+    Example::
+        >>> slots = pickle.loads(pickle.dumps(state.latest.slots()))   # in another process
+        >>> Observation.from_stats(slots.stats())                       # the same observation
+    """
+
+    step: int
+    world_size: int
+    buckets: list[BucketLayout]
+    gathered: np.ndarray  # W x slot
+    reduced_sq: np.ndarray  # P
+    bins: int
+    transport: str
+    fingerprinted: list[str]
+    previous: np.ndarray | None  # W x slot of the previous instrumented step, where comparable
+    replica_groups: list[list[int]] | None
+    divided_by_present: bool
+
+    def stats(self) -> SilentStats:
+        """The ``SilentStats`` these slots are of: every value the same, bit for bit."""
+        stats = SilentStats(
+            self.step, self.world_size, self.buckets, self.gathered, self.reduced_sq, self.bins, self.transport, self.fingerprinted,
+            replica_groups=self.replica_groups, divided_by_present=self.divided_by_present,
+        )  # fmt: skip
+        # The previous step's slots themselves (its SilentStats stayed in the training process).
+        stats._previous_host = None if self.previous is None else HostArrays([self.previous])
+        return stats

@@ -1,8 +1,8 @@
 """The sink writer: records are built and written on a background thread, and sinks cannot hurt training.
 
-Monitoring must never be the reason a run stops or slows down. The step pipeline's thread (see
-``ddphooks.pipeline``) only appends the step's ``SilentStats`` to a bounded queue; a daemon
-thread builds the record and hands it to every sink. So:
+Monitoring must never be the reason a run stops or slows down. The step pipeline (see
+``ddphooks.pipeline``, on the training thread or its own) only appends the step's ``SilentStats``
+to a bounded queue; a daemon thread builds the record and hands it to every sink. So:
 
 1. serialisation and I/O never run on the training thread;
 2. a sink that raises is reported once (a ``logging`` warning on the ``"ddphooks"`` logger naming

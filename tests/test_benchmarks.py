@@ -25,7 +25,8 @@ def _run(script: str, *args: str, env: dict | None = None) -> str:
 
 BREAKDOWN_PARTS = {
     "statistics pass", "last bucket: division into piggyback buffer + slot", "reduced norms + SilentStats",
-    "processing: hand-off to the pipeline thread", "summary()", "detector", "submit to the writer", "record building",
+    "processing: the step to the detector, the one before's alerts and record", "summary()", "sending the step's slots to the detector's process",
+    "reading the alerts back", "submit to the writer", "record building",
     "writing (JsonlSink)", "sync watchdog: forward pre-hook + sentinel gradient hook",
 }  # fmt: skip
 
@@ -39,9 +40,12 @@ def _check_sink_config(result, instrumented_steps):
     for part, value in result["breakdown"].items():
         assert value["per"] == ("record" if value["thread"] == "writer" else "step"), part
         assert 0 < value["iqr"][0] <= value["median"] <= value["iqr"][1], part
-    # the detector and the submit run on the pipeline thread, not inside the training thread's hand-off
-    assert {part: result["breakdown"][part]["thread"] for part in ("detector", "submit to the writer")} == {"detector": "pipeline", "submit to the writer": "pipeline"}
-    assert result["breakdown"]["processing: hand-off to the pipeline thread"]["thread"] == "training"
+    # the detector runs in its own process: the training thread sends the step, reads the alerts
+    # back and submits the record (within "processing")
+    parts = ("sending the step's slots to the detector's process", "reading the alerts back", "submit to the writer")
+    assert {result["breakdown"][part]["thread"] for part in parts} == {"training"}
+    processing = result["breakdown"]["processing: the step to the detector, the one before's alerts and record"]
+    assert processing["thread"] == "training" and processing["median"] >= result["breakdown"]["reading the alerts back"]["median"]
 
 
 def test_overhead_json_fields(tmp_path):
@@ -102,7 +106,7 @@ def test_overhead_fsdp_rows(tmp_path):
         assert results[hook]["hook_s_per_step"] > 0 and isinstance(results[hook]["overhead_vs_fsdp"], float)
         assert 8 * 2**20 < results[hook]["persistent_bytes"] < 64 * 2**20  # the sign tables, nothing per element
     parts = results["fsdp_silent_sink"]["breakdown"]
-    assert {"statistics pass", "end of backward: slot all-reduce + SilentStats", "detector"} <= set(parts)
+    assert {"statistics pass", "end of backward: slot all-reduce + SilentStats", "reading the alerts back"} <= set(parts)
     assert results["fsdp_silent_sink"]["records_written"] == 1 + 2
     assert "vs fsdp" in stdout and "fsdp2 + silent + JsonlSink + summary()" in stdout
 
@@ -118,7 +122,7 @@ def test_overhead_deepspeed_rows(tmp_path):
         assert plain["persistent_bytes"] is None and plain["hook_s_per_step"] == 0 and plain["overhead_vs_deepspeed"] == 0
         assert measured["hook_s_per_step"] > 0 and isinstance(measured["overhead_vs_deepspeed"], float)
         assert 8 * 2**20 < measured["persistent_bytes"] < 64 * 2**20  # the sign tables, nothing per element
-        assert {"statistics pass", "end of backward: reduced norms + slot all-reduce + SilentStats", "detector"} <= set(measured["breakdown"])
+        assert {"statistics pass", "end of backward: reduced norms + slot all-reduce + SilentStats", "reading the alerts back"} <= set(measured["breakdown"])
         assert measured["records_written"] == 1 + 2
     assert "vs deepspeed" in stdout and "ZeRO-3 + silent + JsonlSink + summary()" in stdout
 

@@ -1,19 +1,27 @@
 """The detector in a process of its own (``ddphooks.detect.process``): the same alerts as in the
-training process, a child that cannot start replaced before any step, one that dies or hangs
-turned into an error (the pipeline turns detection off with it), never a hang."""
+training process, a step read there from its slots (``StepSlots``, without torch) as it reads
+here, sending that never waits for the child, a child that cannot start replaced before any
+step, one that dies or hangs turned into an error (the pipeline turns detection off with it),
+never a hang."""
 
+import dataclasses
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
+import threading
 
+import numpy as np
 import pytest
+import torch
 from detect_replays import FIXTURE, _online_observation, replay_records
 
 from ddphooks.detect import Detector, DetectorConfig, Observation
 from ddphooks.detect import process as detector_process
 from ddphooks.detect.process import DetectorProcess
+from ddphooks.stats import ABSENT, FINGERPRINT_WIDTH, BucketLayout, SilentStats
 
 REPLAYS = json.loads(FIXTURE.read_text())["replays"]
 # The online replays at W = 2, 4 and 8 with faults: every statistical kind, the split and the mirror.
@@ -82,3 +90,115 @@ def test_the_child_imports_no_torch_and_ends_with_its_input():
     child = detector._child
     detector.close()
     assert child.returncode == 0
+
+
+LAYOUT = BucketLayout(0, ("a", "b", "c"), (50, 30, 20))
+
+
+def _faulty_steps(count: int = 60, world: int = 4, bins: int = 16, fault_from: int = 40, seed: int = 0) -> list[SilentStats]:
+    """Steps as the hook hands them over (fp32 slots, each given the step before, for
+    ``cosine_previous``): every rank's gradient a shared direction plus noise, rank W - 1's loss
+    3x and its gradient unrelated from ``fault_from`` on (a loss alert at W = 4 a step later)."""
+    rng = np.random.default_rng(seed)
+    direction, steps, previous = rng.standard_normal(100), [], None
+    for step in range(count):
+        rows, gradients = [], []
+        for rank in range(world):
+            gradient = direction * (1 + 0.01 * step) + 0.3 * rng.standard_normal(100)
+            loss = 2.0 - 0.01 * step + 0.02 * rng.standard_normal()
+            if rank == world - 1 and step >= fault_from:
+                loss, gradient = 3.0 * loss, rng.standard_normal(100)
+            sketch = np.zeros(bins)
+            np.add.at(sketch, np.arange(100) % bins, gradient)
+            rows.append([loss, 1.0, 0.0, gradient[:50] @ gradient[:50], gradient[50:80] @ gradient[50:80], gradient[80:] @ gradient[80:], *sketch])
+            gradients.append(gradient)
+        mean = np.mean(gradients, axis=0)
+        reduced = torch.tensor([mean[:50] @ mean[:50], mean[50:80] @ mean[50:80], mean[80:] @ mean[80:]], dtype=torch.float32)
+        previous = SilentStats(step, world, [LAYOUT], torch.tensor(rows, dtype=torch.float32), reduced, bins, "piggyback", previous=previous)
+        steps.append(previous)
+    return steps
+
+
+def _unusual_step(case: str) -> SilentStats:
+    """One step of four ranks with what the slots carry beyond the plain case."""
+    world, bins, rng = 4, 8, np.random.default_rng(1)
+    names = ["a", "b", "c"] if case == "replica check" else []
+    rows = np.zeros((world, 3 + 3 + bins + FINGERPRINT_WIDTH * len(names)), dtype=np.float32)
+    rows[:, 0], rows[:, 1], rows[:, 3:] = rng.uniform(1, 2, world), 1.0, rng.uniform(0.1, 1, (world, rows.shape[1] - 3))
+    groups = None
+    if case == "absent rank":
+        rows[1], rows[1, 2] = 0.0, ABSENT
+    if case == "non-finite":
+        rows[2, 4], rows[3, 0] = np.inf, np.nan
+    if case == "replica check":
+        rows[:, -FINGERPRINT_WIDTH * len(names) :] = rows[0, -FINGERPRINT_WIDTH * len(names) :]
+        rows[3, -1] *= 1.5  # rank 3's last tensor differs from its replica's, rank 1 (group [1, 3])
+        groups = [[0, 2], [1, 3]]
+    reduced = torch.tensor(rng.uniform(0.1, 1, 3), dtype=torch.float32)
+    return SilentStats(5, world, [LAYOUT], torch.from_numpy(rows), reduced, bins, "separate", names, replica_groups=groups, divided_by_present=case == "absent rank")
+
+
+STEP_CASES = ["with its previous step", "absent rank", "non-finite", "replica check"]
+
+
+def _step(case: str) -> SilentStats:
+    return _faulty_steps(count=42)[-1] if case == "with its previous step" else _unusual_step(case)
+
+
+def _assert_same(observed: Observation, expected: Observation) -> None:
+    for field in dataclasses.fields(Observation):
+        got, wanted = getattr(observed, field.name), getattr(expected, field.name)
+        if isinstance(wanted, np.ndarray):
+            assert isinstance(got, np.ndarray) and got.dtype == wanted.dtype and np.array_equal(got, wanted, equal_nan=True), field.name
+        elif isinstance(wanted, float) and np.isnan(wanted):
+            assert np.isnan(got), field.name
+        else:
+            assert got == wanted, field.name
+
+
+@pytest.mark.parametrize("case", STEP_CASES)
+def test_a_step_rebuilt_from_its_slots_reads_as_the_same_observation(case):
+    stats = _step(case)
+    rebuilt = pickle.loads(pickle.dumps(stats.slots())).stats()
+    _assert_same(Observation.from_stats(rebuilt), Observation.from_stats(stats))
+    assert (rebuilt.cosine_previous is None) == (case != "with its previous step")
+    assert (rebuilt.replicas or {}).get("ranks") == ([1, 3] if case == "replica check" else None)  # 2 replicas: either may be wrong
+
+
+def test_a_step_is_read_from_its_slots_in_a_process_that_cannot_import_torch(tmp_path):
+    steps = [_step(case) for case in STEP_CASES]
+    (tmp_path / "slots.pkl").write_bytes(pickle.dumps([stats.slots() for stats in steps]))
+    root = str(detector_process.Path(detector_process.__file__).resolve().parents[2])
+    program = detector_process.BOOTSTRAP.replace("from ddphooks.detect.process import serve\nserve()", (
+        "sys.modules['torch'] = None  # any import of torch raises\n"
+        "import pickle\nfrom ddphooks.detect import Observation\n"
+        "slots = pickle.loads(open(sys.argv[2], 'rb').read())\n"
+        "open(sys.argv[3], 'wb').write(pickle.dumps([Observation.from_stats(s.stats()) for s in slots]))\n"
+    ))  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", program, root, str(tmp_path / "slots.pkl"), str(tmp_path / "read.pkl")], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    for observed, stats in zip(pickle.loads((tmp_path / "read.pkl").read_bytes()), steps):
+        _assert_same(observed, Observation.from_stats(stats))
+
+
+def test_sending_never_waits_for_a_busy_child_and_the_alerts_come_back_in_order():
+    # 4 ranks x (6 + 100,000) fp32 and the step before: 3.2 MB a step, beyond what the pipe holds.
+    steps = _faulty_steps(count=50, bins=100_000)
+    reference = Detector()
+    expected = [reference.update(Observation.from_stats(stats)) for stats in steps]
+    assert any(expected)
+    detector = DetectorProcess(warn=pytest.fail)
+    try:
+        detector.send_stats(steps[0])
+        received = [detector.receive()]  # the child is ready
+        os.kill(detector._child.pid, signal.SIGSTOP)  # busy: it reads nothing
+        sender = threading.Thread(target=lambda: [detector.send_stats(stats) for stats in steps[1:]], daemon=True)
+        sender.start()
+        sender.join(timeout=60)
+        assert not sender.is_alive(), "send_stats waited for the child"
+        assert len(detector._outbox) > detector_process.PIPE_BYTES  # what the pipe could not take waits here
+        os.kill(detector._child.pid, signal.SIGCONT)
+        received += [detector.receive() for _ in steps[1:]]
+    finally:
+        detector.close()
+    assert received == expected

@@ -7,9 +7,12 @@ import time
 
 import numpy as np
 import pytest
+from test_detect_process import _faulty_steps
 from test_stats import _stats
 
 from ddphooks.detect import Detector
+from ddphooks.detect import process as detector_process
+from ddphooks.detect.process import DetectorProcess
 from ddphooks.pipeline import StepPipeline
 
 
@@ -319,3 +322,59 @@ def test_an_alert_raised_outside_the_detector_is_not_kept_where_no_records_are_w
     for step in range(3):
         pipeline.raise_alert({"step": step, "rank": 1, "kind": "unsynchronised", "message": "rank 1: not synchronised"})
     assert len(pipeline.alerts) == 3 and pipeline._carried == []  # nothing waits for a record that never comes
+
+
+def _collected(pipeline: StepPipeline, steps: list) -> list[list[int]]:
+    """Run ``steps`` through ``pipeline`` as the hook does; per ``process()`` call, the steps of
+    the alerts collected there (then ``close()``'s)."""
+    calls, seen = [], 0
+    for stats in steps:
+        pipeline.complete(stats)
+        pipeline.process()
+        calls.append([a["step"] for a in pipeline.alerts[seen:]])
+        seen = len(pipeline.alerts)
+    assert pipeline.close(10.0)
+    return calls + [[a["step"] for a in pipeline.alerts[seen:]]]
+
+
+def test_the_training_thread_feeds_the_detectors_process_and_collects_its_alerts_as_a_thread_would():
+    steps = _faulty_steps()
+    reference_writer, writer = _Writer(), _Writer()
+    reference = _collected(StepPipeline(Detector(), reference_writer, on_alert=None, warns=False), steps)
+    detector = DetectorProcess(warn=pytest.fail)
+    pipeline = StepPipeline(detector, writer, on_alert=None, warns=False, slots_only=True)
+    try:
+        assert _collected(pipeline, steps) == reference and any(reference)
+    finally:
+        detector.close()
+    assert pipeline._thread is None  # no thread of this process ran a step
+    assert writer.submitted == reference_writer.submitted == steps and writer.alerts == reference_writer.alerts
+
+
+@pytest.mark.parametrize("executable", ["/nonexistent/python", "/bin/false"], ids=["cannot start", "exits at once"])
+def test_a_detectors_process_that_never_starts_is_replaced_with_no_step_lost(monkeypatch, executable):
+    monkeypatch.setattr(detector_process.sys, "executable", executable)
+    steps, said = _faulty_steps(), []
+    reference = _collected(StepPipeline(Detector(), _Writer(), on_alert=None, warns=False), steps)
+    writer, detector = _Writer(), DetectorProcess(warn=said.append)
+    pipeline = StepPipeline(detector, writer, on_alert=None, warns=False, slots_only=True)
+    assert _collected(pipeline, steps) == reference and any(reference)
+    assert detector.in_process and len(said) == 1 and "could not start" in said[0]
+    assert pipeline._thread is not None  # from then on the detector runs on the pipeline's thread
+    assert writer.submitted == steps
+
+
+def test_a_detectors_process_that_dies_turns_detection_off_and_every_step_is_still_written(caplog):
+    steps, writer = _faulty_steps(count=12), _Writer()
+    detector = DetectorProcess(warn=pytest.fail)
+    pipeline = StepPipeline(detector, writer, on_alert=None, warns=True, slots_only=True)
+    with caplog.at_level(logging.WARNING, logger="ddphooks"):
+        for index, stats in enumerate(steps):
+            if index == 6:
+                detector._child.kill()
+            pipeline.complete(stats)
+            pipeline.process()
+        assert pipeline.close(10.0)
+    failed = [r.getMessage() for r in caplog.records if "detector failed" in r.getMessage()]
+    assert len(failed) == 1 and "gave no answer" in failed[0] and "exited with code -9" in failed[0]
+    assert writer.submitted == steps and pipeline.alerts == []
