@@ -39,7 +39,9 @@ Then the time: the wall time of ``loss.backward()`` with ddphooks minus with all
 bucket (and the same in the training thread's CPU time, its own work without its waits for the GIL), 64 buckets of 1K elements, median over interleaved rounds [IQR], on PyTorch's fake process
 group (one process, W = 2, the real DDP reducer, collectives that complete at once, one intra-op
 thread): no peer and no network to wait for, so what is left is the host's own work, the
-callbacks included, as a GPU host pays it. Four rows: the defaults, where the detector runs in a
+callbacks included, as a GPU host pays it. Between configurations each one's threads finish what
+it handed them (untimed), so that no configuration's background work lands in another's time. Four
+rows: the defaults, where the detector runs in a
 process of its own, the same with a ``JsonlSink`` (a record built and written a step on the writer
 thread), the same with the detector on the pipeline's thread, where its Python shares the GIL with
 the training thread (as before 1337100), and ``detect=False``.
@@ -330,6 +332,8 @@ def _timed() -> dict[str, tuple[list[float], list[float]]]:
             start, start_cpu = time.perf_counter(), time.thread_time()
             loss.backward()
             wall, cpu = wall + time.perf_counter() - start, cpu + time.thread_time() - start_cpu
+        if name in states:
+            _settle(states[name])
         return wall / REPEAT, cpu / REPEAT
 
     names = list(models)
@@ -351,6 +355,18 @@ def _timed() -> dict[str, tuple[list[float], list[float]]]:
         dist.all_reduce = all_reduce
         dist.destroy_process_group()
     return per_bucket
+
+
+def _settle(state) -> None:
+    """Wait, untimed, until the steps ``state`` handed over are processed (by its pipeline's thread)
+    and written (by its writer's): none of its threads' work runs into the next configuration's
+    timed backward. The step still pending is handed over by this state's next backward, which
+    pays for it."""
+    pipeline = state._pipeline
+    with pipeline._cond:  # the steps sent to the detector's process wait for the next hand-over
+        pipeline._cond.wait_for(lambda: pipeline._done + len(pipeline._sent) >= pipeline._handed, timeout=TIMEOUT)
+    if pipeline.writer is not None:
+        pipeline.writer.flush(TIMEOUT)
 
 
 def _skip(error: BaseException) -> str:

@@ -326,7 +326,7 @@ def main():
                  else f"submit {1e6 * g['submit_s']:.0f} us"
                  + (f" + hand-off {1e6 * g['handoff_s']:.0f} us" if "handoff_s" in g else "")
                  + f", {1e3 * g['with_writer_s']:.2f} ms with all the writer's time per step"
-                 + (" and the detector's" if "detector" in g["goal"] else ""))  # fmt: skip
+                 + (" (the detector's runs in its own process)" if "detector" in g["goal"] else ""))  # fmt: skip
         limit = f"{g['limit']:,d} B" if "compact_bytes" in g else f"{1e3 * g['limit']:.0f} ms"
         print(f"goal: {g['goal']} at W={g['world_size']}, {g['parameters']} parameters <= {limit}: {value} -> {'met' if g['met'] else 'NOT met'}")
     if args.json:

@@ -106,7 +106,6 @@ from ddphooks.stats import (
     MAX_NONFINITE_LISTED,
     MAX_REPLICA_DIFFERENCES,
     NOT_COMPARED,
-    REPLICA_CHECK_REQUESTED,
     BucketLayout,
     SilentStats,
     _float,
@@ -599,9 +598,8 @@ class FleetStats(SilentStats):
         rows = np.column_stack([wire[:, WIRE_LOSS], count, status, wire[:, WIRE_RANK_SQ : WIRE_LAYER + 1], parameter])
         return rows, reduced
 
-    @cached_property
-    def replica_check_requested(self) -> bool:
-        return bool(((self.status & REPLICA_CHECK_REQUESTED) != 0).any())
+    def _status_column(self) -> np.ndarray:
+        return self.status  # packed with the loss in the wire's rows: decoded with them
 
     @cached_property
     def _rest(self) -> np.ndarray:

@@ -494,16 +494,22 @@ class SilentStats:
     @cached_property
     def failed_ranks(self) -> list[int]:
         """Ranks whose statistics of this step failed (status ``FAILED``): where any did, the
-        step is not measured (``state.latest`` raises, the detector and the records skip it)."""
-        return [int(r) for r in np.flatnonzero((self.status & FAILED) != 0)]
+        step is not measured (``state.latest`` raises, the detector and the records skip it).
+        Read on the training thread at every step: the status column alone."""
+        return np.flatnonzero(self._status_column() & FAILED).tolist()
 
     @cached_property
     def replica_check_requested(self) -> bool:
         """Whether a rank asked every rank to check the replicas on the next instrumented step
         (read by the transport on the training thread: the status column alone)."""
+        return bool((self._status_column() & REPLICA_CHECK_REQUESTED).any())
+
+    def _status_column(self) -> np.ndarray:
+        """``status`` without converting the rest of the slots (where it is not known yet)."""
+        if "status" in self.__dict__:
+            return self.status
         with self._lock:
-            status = self._host.columns(STATUS, STATUS + 1)[:, 0].astype(np.int64)
-        return bool(((status & REPLICA_CHECK_REQUESTED) != 0).any())
+            return self._host.columns(STATUS, STATUS + 1)[:, 0].astype(np.int64)
 
     def _present_reduced(self, reduced_sq: np.ndarray | float) -> np.ndarray | float:
         """Squared norms of the present ranks' mean gradient from those of ``gbar``: the same
