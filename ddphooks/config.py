@@ -6,6 +6,7 @@ import importlib.util
 from dataclasses import asdict, dataclass
 
 from ddphooks.detect import LIKELY_CAUSES, DetectorConfig
+from ddphooks.records import PER_RANK_MAX_WORLD
 from ddphooks.sketch import MAX_CHUNK_ELEMS, MAX_SKETCH_DIM, MIN_SKETCH_DIM
 
 TRANSPORTS = ("auto", "piggyback", "separate")
@@ -93,7 +94,7 @@ class SilentConfig:
     matrix (``cosine_hosts``, ``ddphooks.hosts``: the compact wire then sends each host's sum of
     its ranks' unit sketches, H x sketch_dim numbers) instead."""
 
-    per_rank_max_world: int = 256
+    per_rank_max_world: int = PER_RANK_MAX_WORLD
     """Largest world size whose compact records carry one value per rank of each per-rank signal
     (losses, gradient norms, cosines: ``ddphooks.stats.PER_RANK_KEYS``). Above it a compact record
     carries ``<key>_over_ranks`` instead: quantiles over the ranks and the 16 ranks farthest from

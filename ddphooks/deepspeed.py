@@ -447,13 +447,10 @@ class DeepSpeedSilentState(BaseSilentState):
 class DeepSpeedStats(SilentStats):
     """``SilentStats`` of a DeepSpeed step; its record also says what the per-parameter norms are
     with gradient accumulation (``accumulation``: ``"exact"`` or ``"micro_batch_norms"``, see
-    ``ddphooks.deepspeed``)."""
+    ``ddphooks.deepspeed``), as one of its ``record_fields`` (which its slots carry to the
+    detector's process, where the record is built)."""
 
     def __init__(self, *args, accumulation: str = EXACT, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.accumulation = accumulation
-
-    def to_dict(self, *args, **kwargs) -> dict:
-        record = super().to_dict(*args, **kwargs)
-        record["accumulation"] = self.accumulation
-        return record
+        self.record_fields = {"accumulation": accumulation}

@@ -22,7 +22,8 @@ Each step, in order:
    up nothing but its own queue, and an exception in ``on_alert`` is logged, never raised;
 3. the statistics and their alerts (with any alert raised outside the detector since the last
    record: the synchronisation watchdog's) go to the record writer (log rank only), whose
-   thread builds and writes the record. Nothing is added to the ``SilentStats`` itself:
+   thread builds the record (where the detector's process has not built it from the step's
+   slots already: then it only adds the alerts) and writes it. Nothing is added to the ``SilentStats`` itself:
    ``state.latest`` is final when its step completes.
 
 At the same point of the following step the training thread collects the alerts of the steps it
@@ -259,13 +260,14 @@ class StepPipeline:
         detector's process found on them (waiting for those it has not answered yet)."""
         while self._sent and self._sent[0][0] < due:
             _, stats, sent = self._sent.popleft()
-            found: list[dict] = []
+            found, built = [], None
             if sent and not self._detector_failed:
                 try:
-                    found = [self._named(alert) for alert in self.detector.receive()]
+                    alerts, built = self.detector.receive()
+                    found = [self._named(alert) for alert in alerts]
                 except Exception as error:
                     self._detector_off(stats.step, error)
-            self._process(stats, found)
+            self._process(stats, found, built)
 
     def _start(self) -> bool:
         """Start the background thread unless it runs; False if the system cannot start one."""
@@ -297,9 +299,10 @@ class StepPipeline:
                 stats = self._work.popleft()
             self._process(stats)
 
-    def _process(self, stats, found: list[dict] | None = None) -> None:
+    def _process(self, stats, found: list[dict] | None = None, built: tuple | None = None) -> None:
         """One step, in order: its alerts (``found``, read from the detector's process; None: run
-        the detector here), announced and written with the step."""
+        the detector here), announced and written with the step (``built``: its record as the
+        detector's process built it, see ``RecordBuilder.build``)."""
         try:
             if stats.failed_ranks:  # a rank's statistics failed (a bug): the step is not measured
                 if not self._said_not_measured:
@@ -315,7 +318,7 @@ class StepPipeline:
             if self.writer is not None:
                 with self._cond:
                     carried, self._carried = self._carried, []
-                self.writer.submit((stats, carried + found))
+                self.writer.submit((stats, carried + found, built))
         except Exception as error:  # reported once; the thread lives on, the training thread waits for its count
             if not self._output_failed:
                 self.warn("ddphooks: step %d could not be written: %s: %s", stats.step, type(error).__name__, error)

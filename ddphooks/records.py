@@ -1,20 +1,23 @@
 """From ``SilentStats`` to the records the sinks receive: compact or detailed, plus what spans steps.
 
-A record is built on the sink writer thread, one step after the other, so this is also where the
-statistics that need the previous steps live: the smoothed gradient noise scale.
+A record is built one step after the other, so this is also where the statistics that need the
+previous steps live: the smoothed gradient noise scale. It is built in the detector's process from
+the step's slots (with a copy of the log rank's ``RecordBuilder``, ``ddphooks.detect.process``),
+where the steps travel as slots, else on the sink writer thread. This module imports no torch.
 """
 
 from __future__ import annotations
 
 import math
 
-from ddphooks.config import SilentConfig
 from ddphooks.hosts import HostBlocks, host_blocks
 from ddphooks.identity import RankTable
 from ddphooks.stats import SilentStats, _float
 
 #: Weight of the past in the smoothed noise scale: about 1 / (1 - 0.95) = 20 records.
 NOISE_SCALE_DECAY = 0.95
+#: ``SilentConfig.per_rank_max_world``'s default.
+PER_RANK_MAX_WORLD = 256
 
 
 def is_detail_step(step: int, every: int, detail_every: int) -> bool:
@@ -64,7 +67,7 @@ class RecordBuilder:
         detail_every: int,
         detail_max_world: int,
         global_ranks: list[int] | None = None,
-        per_rank_max_world: int = SilentConfig.per_rank_max_world,
+        per_rank_max_world: int = PER_RANK_MAX_WORLD,
         ranks: RankTable | None = None,
         hosts: HostBlocks | None = None,
     ) -> None:
@@ -80,13 +83,24 @@ class RecordBuilder:
         self.detail_max_world = detail_max_world
         self.trace_average = 0.0
         self.signal_average = 0.0
+        self.restored = 0  # calls of load_state_dict: a copy in the detector's process takes the state up again
 
     def is_detailed(self, step: int) -> bool:
         return is_detail_step(step, self.every, self.detail_every)
 
-    def build(self, stats: SilentStats, alerts: list[dict] = ()) -> dict:
+    def build(self, stats: SilentStats, alerts: list[dict] = (), built: tuple[dict, dict] | None = None) -> dict:
         """The record of one step, with the alerts the pipeline found on it (and those raised
-        outside the detector since the last record)."""
+        outside the detector since the last record).
+
+        ``built``: the record as a copy of this builder built it from the step's slots in the
+        detector's process, and that builder's state after it: this sets its alerts and takes
+        up the state, so a record built here next goes on from it."""
+        if built is not None:
+            record, state = built
+            record["alerts"] = list(alerts)
+            self._take_state(state)
+            self._identity_written = self._identity_written or "identity" in record
+            return record
         detailed = self.is_detailed(stats.step)
         per_rank = detailed or stats.world_size <= self.per_rank_max_world
         record = stats.to_dict(detail=detailed, detail_max_world=self.detail_max_world, alerts=alerts, per_rank=per_rank, hosts=self.hosts)
@@ -108,5 +122,9 @@ class RecordBuilder:
         return {"trace_average": self.trace_average, "signal_average": self.signal_average}
 
     def load_state_dict(self, state: dict) -> None:
+        self._take_state(state)
+        self.restored += 1
+
+    def _take_state(self, state: dict) -> None:
         self.trace_average = float(state["trace_average"])
         self.signal_average = float(state["signal_average"])

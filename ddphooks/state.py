@@ -147,7 +147,11 @@ class BaseSilentState:
             writer = RecordWriter(self.sinks, lambda item: records.build(*item), self.config.max_pending_records)
         detector = None
         if self.config.detect:  # in a process of its own: its Python would hold the training process's GIL
-            detector = DetectorProcess(self.config.detect if isinstance(self.config.detect, DetectorConfig) else None, warn=lambda message: self._warn(message))
+            # On the log rank it builds each record too, from the step's slots (a copy of self._records).
+            detector = DetectorProcess(
+                self.config.detect if isinstance(self.config.detect, DetectorConfig) else None, warn=lambda message: self._warn(message),
+                records=self._records if writer is not None else None,
+            )  # fmt: skip
         limit = self.config.gather_max_world  # above it the compact wire: steps read in this process (_fleet_layout)
         self._pipeline = StepPipeline(
             detector, writer, self.on_alert, warns=writes, ranks=ranks, stop_on=self.config.stop_kinds, slots_only=limit is None or self.world_size <= limit,

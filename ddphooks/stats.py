@@ -523,6 +523,9 @@ class SilentStats:
     #: The ranks whose per-parameter norms the step carries, where not every rank's (the compact
     #: wire's sampled ranks, ``ddphooks.fleet``); None: every rank's, in ``param_sq``.
     parameter_rows: list[int] | None = None
+    #: What a transport adds to the step's record, after the statistics (DeepSpeed's
+    #: ``accumulation``); the slots carry it (``StepSlots``).
+    record_fields: dict = {}
 
     @property
     def param_sq(self) -> np.ndarray:
@@ -818,6 +821,7 @@ class SilentStats:
         }
         if detail:
             record.update(self._detail(detail_max_world, hosts))
+        record.update(self.record_fields)
         return record
 
     def _cosine_rows(self) -> list[list[float | None]] | None:
@@ -904,7 +908,7 @@ class SilentStats:
             previous = None if self._previous_host is None else self._previous_host.raw()[0]
         return StepSlots(
             self.step, self.world_size, self.buckets, gathered, reduced_sq, self.bins, self.transport, self.fingerprinted, previous,
-            self.replica_groups, self.divided_by_present,
+            self.replica_groups, self.divided_by_present, self.record_fields,
         )  # fmt: skip
 
     def __repr__(self) -> str:
@@ -944,6 +948,7 @@ class StepSlots:
     previous: np.ndarray | None  # W x slot of the previous instrumented step, where comparable
     replica_groups: list[list[int]] | None
     divided_by_present: bool
+    record_fields: dict  # SilentStats.record_fields
 
     def stats(self) -> SilentStats:
         """The ``SilentStats`` these slots are of: every value the same, bit for bit."""
@@ -953,4 +958,5 @@ class StepSlots:
         )  # fmt: skip
         # The previous step's slots themselves (its SilentStats stayed in the training process).
         stats._previous_host = None if self.previous is None else HostArrays([self.previous])
+        stats.record_fields = self.record_fields
         return stats

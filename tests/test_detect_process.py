@@ -21,6 +21,7 @@ from detect_replays import FIXTURE, _online_observation, replay_records
 from ddphooks.detect import Detector, DetectorConfig, Observation
 from ddphooks.detect import process as detector_process
 from ddphooks.detect.process import DetectorProcess
+from ddphooks.records import RecordBuilder
 from ddphooks.stats import ABSENT, FINGERPRINT_WIDTH, BucketLayout, SilentStats
 
 REPLAYS = json.loads(FIXTURE.read_text())["replays"]
@@ -157,28 +158,40 @@ def _assert_same(observed: Observation, expected: Observation) -> None:
 
 
 @pytest.mark.parametrize("case", STEP_CASES)
-def test_a_step_rebuilt_from_its_slots_reads_as_the_same_observation(case):
+def test_a_step_rebuilt_from_its_slots_reads_as_the_same_observation_and_record(case):
     stats = _step(case)
     rebuilt = pickle.loads(pickle.dumps(stats.slots())).stats()
     _assert_same(Observation.from_stats(rebuilt), Observation.from_stats(stats))
+    assert json.dumps(rebuilt.to_dict()) == json.dumps(stats.to_dict())
     assert (rebuilt.cosine_previous is None) == (case != "with its previous step")
     assert (rebuilt.replicas or {}).get("ranks") == ([1, 3] if case == "replica check" else None)  # 2 replicas: either may be wrong
 
 
-def test_a_step_is_read_from_its_slots_in_a_process_that_cannot_import_torch(tmp_path):
+def test_a_deepspeed_step_carries_its_record_field_in_its_slots():
+    from ddphooks.deepspeed import DeepSpeedStats
+
+    plain = _faulty_steps(count=1)[0]
+    stats = DeepSpeedStats(0, 4, [LAYOUT], torch.from_numpy(plain.slots().gathered), torch.from_numpy(plain.slots().reduced_sq), 16, "deepspeed-zero2", accumulation="micro_batch_norms")
+    record = pickle.loads(pickle.dumps(stats.slots())).stats().to_dict()
+    assert record["accumulation"] == "micro_batch_norms" and json.dumps(record) == json.dumps(stats.to_dict())
+
+
+def test_a_step_is_read_and_its_record_built_from_its_slots_in_a_process_that_cannot_import_torch(tmp_path):
     steps = [_step(case) for case in STEP_CASES]
     (tmp_path / "slots.pkl").write_bytes(pickle.dumps([stats.slots() for stats in steps]))
     root = str(detector_process.Path(detector_process.__file__).resolve().parents[2])
     program = detector_process.BOOTSTRAP.replace("from ddphooks.detect.process import serve\nserve()", (
         "sys.modules['torch'] = None  # any import of torch raises\n"
-        "import pickle\nfrom ddphooks.detect import Observation\n"
+        "import pickle\nfrom ddphooks.detect import Observation\nfrom ddphooks.records import RecordBuilder\n"
         "slots = pickle.loads(open(sys.argv[2], 'rb').read())\n"
-        "open(sys.argv[3], 'wb').write(pickle.dumps([Observation.from_stats(s.stats()) for s in slots]))\n"
+        "read = [(Observation.from_stats(s.stats()), RecordBuilder(1, 10, 256).build(s.stats())) for s in slots]\n"
+        "open(sys.argv[3], 'wb').write(pickle.dumps(read))\n"
     ))  # fmt: skip
     result = subprocess.run([sys.executable, "-c", program, root, str(tmp_path / "slots.pkl"), str(tmp_path / "read.pkl")], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    for observed, stats in zip(pickle.loads((tmp_path / "read.pkl").read_bytes()), steps):
+    for (observed, record), stats in zip(pickle.loads((tmp_path / "read.pkl").read_bytes()), steps):
         _assert_same(observed, Observation.from_stats(stats))
+        assert json.dumps(record) == json.dumps(RecordBuilder(1, 10, 256).build(stats))
 
 
 def test_sending_never_waits_for_a_busy_child_and_the_alerts_come_back_in_order():
@@ -190,7 +203,7 @@ def test_sending_never_waits_for_a_busy_child_and_the_alerts_come_back_in_order(
     detector = DetectorProcess(warn=pytest.fail)
     try:
         detector.send_stats(steps[0])
-        received = [detector.receive()]  # the child is ready
+        received = [detector.receive()[0]]  # the child is ready
         os.kill(detector._child.pid, signal.SIGSTOP)  # busy: it reads nothing
         sender = threading.Thread(target=lambda: [detector.send_stats(stats) for stats in steps[1:]], daemon=True)
         sender.start()
@@ -198,7 +211,7 @@ def test_sending_never_waits_for_a_busy_child_and_the_alerts_come_back_in_order(
         assert not sender.is_alive(), "send_stats waited for the child"
         assert len(detector._outbox) > detector_process.PIPE_BYTES  # what the pipe could not take waits here
         os.kill(detector._child.pid, signal.SIGCONT)
-        received += [detector.receive() for _ in steps[1:]]
+        received += [detector.receive()[0] for _ in steps[1:]]
     finally:
         detector.close()
     assert received == expected

@@ -10,21 +10,27 @@ import pytest
 from test_detect_process import _faulty_steps
 from test_stats import _stats
 
+from ddphooks import JsonlSink
 from ddphooks.detect import Detector
 from ddphooks.detect import process as detector_process
 from ddphooks.detect.process import DetectorProcess
+from ddphooks.identity import RankIdentity, RankTable
 from ddphooks.pipeline import StepPipeline
+from ddphooks.records import RecordBuilder
+from ddphooks.writer import RecordWriter
 
 
 class _Writer:
     def __init__(self) -> None:
         self.submitted = []  # the steps, in order
         self.alerts = []  # the alerts each step's record carries
+        self.built = []
 
     def submit(self, item) -> None:
-        stats, alerts = item
+        stats, alerts, built = item  # built: the record as the detector's process built it, or None
         self.submitted.append(stats)
         self.alerts.append(alerts)
+        self.built.append(built)
 
     def flush(self, timeout: float) -> bool:
         return True
@@ -378,3 +384,46 @@ def test_a_detectors_process_that_dies_turns_detection_off_and_every_step_is_sti
     failed = [r.getMessage() for r in caplog.records if "detector failed" in r.getMessage()]
     assert len(failed) == 1 and "gave no answer" in failed[0] and "exited with code -9" in failed[0]
     assert writer.submitted == steps and pipeline.alerts == []
+
+
+def _records_of(tmp_path, name: str, steps: list, in_child: bool, restore_at: int) -> tuple[list[str], list]:
+    """The JSONL lines a log rank's pipeline writes for ``steps`` (detailed every 10th, the rank
+    table in the first), the builder's state loaded from a checkpoint before step
+    ``restore_at`` (the child takes it up before its next record); with ``in_child`` the
+    detector's process builds the records."""
+    hosts = ["node0", "node0", "node1", "node1"]
+    ranks = RankTable([RankIdentity(r, r, hosts[r], r % 2, 1000 + r, "cpu") for r in range(4)], subgroup=False)
+    records, sink = RecordBuilder(1, 10, 256, ranks=ranks), JsonlSink(tmp_path / f"{name}.jsonl")
+    writer = RecordWriter([sink], lambda item: records.build(*item), 64)
+    detector = DetectorProcess(warn=pytest.fail, records=records) if in_child else Detector()
+    pipeline = StepPipeline(detector, writer, on_alert=None, warns=False, slots_only=True)
+    try:
+        for stats in steps:
+            if stats.step == restore_at:  # a checkpoint's state, loaded between steps (the records before it written)
+                assert pipeline.flush(10.0)
+                records.load_state_dict({"trace_average": 0.5, "signal_average": 2.0})
+            pipeline.complete(stats)
+            pipeline.process()
+        assert pipeline.close(10.0)
+    finally:
+        if in_child:
+            detector.close()
+    return sink.path.read_text().splitlines(), pipeline.alerts
+
+
+def test_the_detectors_process_builds_the_records_the_writer_would_have(tmp_path, monkeypatch):
+    steps = _faulty_steps()
+    built, build = [], RecordBuilder.build
+
+    def counted(self, stats, alerts=(), record=None):
+        built.append(record is not None)  # the writer got the record from the detector's process
+        return build(self, stats, alerts, record)
+
+    monkeypatch.setattr(RecordBuilder, "build", counted)
+    expected, expected_alerts = _records_of(tmp_path, "thread", steps, in_child=False, restore_at=25)
+    assert not any(built)
+    built.clear()
+    lines, alerts = _records_of(tmp_path, "child", steps, in_child=True, restore_at=25)
+    assert lines == expected and alerts == expected_alerts and any(alerts)
+    assert all(built) and len(built) == len(steps)  # every record came built from the detector's process
+    assert '"identity"' in lines[0] and '"identity"' in lines[10] and '"identity"' not in lines[1]
