@@ -211,9 +211,6 @@ class DetectorProcess:
             return
         if not self._ready:
             self._unanswered.append((kind, value))
-        if self.records is not None and self.records.restored != self._records_restored:  # a checkpoint's state, loaded
-            self._post(("records", self.records.state_dict()))  # taken up before the next record; no answer
-            self._records_restored = self.records.restored
         if kind == "slots":
             if value.buckets != self._buckets_sent:  # the same objects step after step: an identity check each
                 self._buckets_sent = value.buckets
@@ -223,6 +220,9 @@ class DetectorProcess:
                 value = dataclasses.replace(value, buckets=None)  # the original kept whole, for _take_over
         self._awaited += 1
         try:
+            if self.records is not None and self.records.restored != self._records_restored:  # a checkpoint's state, loaded
+                self._post(("records", self.records.state_dict()))  # taken up before the next record; no answer
+                self._records_restored = self.records.restored
             self._post((kind, value))
         except Exception as error:  # the child is gone
             self._failed(error)
