@@ -169,6 +169,7 @@ class StepPipeline:
         self.alerts: list[dict] = []
         self.stopping: dict | None = None  # the first collected detector alert of a kind in stop_on
         self._cond = threading.Condition()
+        self._processing = threading.Lock()  # process() on one thread at a time
         self._pending: deque = deque()  # complete steps, not yet handed over
         self._work: deque = deque()  # handed over, not yet taken by the background thread
         self._sent: deque = deque()  # (hand-over number, stats, sent to the detector's process), not finished yet
@@ -198,30 +199,34 @@ class StepPipeline:
         child runs), this thread itself sends each step's slots to the detector's process and
         finishes the steps due with the alerts read back: no other thread of this process runs
         Python for a step (it would hold the GIL this thread needs: on a GPU host, the GIL every
-        launch needs). Otherwise the background thread does the work."""
-        with self._cond:
-            due = self._handed  # the same steps on every rank: those handed over at earlier calls
-            steps = list(self._pending) if self.detector is not None or self.writer is not None else []
-            first = self._handed
-            self._handed += len(steps)
-            self._pending.clear()
-            if wait:
-                due = self._handed
-        for number, stats in enumerate(steps, first):
-            self._hand_over(number, stats)
-        self._finish_sent(due)
-        with self._cond:
-            self._cond.wait_for(lambda: self._done >= due)
-            found = []
-            while self._found and self._found[0][0] < due:
-                found.extend(self._found.popleft()[1])
-        self.alerts.extend(found)
-        if self.stopping is None:
-            # Collected at the same point on every rank, from the same statistics: every rank
-            # decides to stop at the same step (see ``BaseSilentState.should_stop``).
-            self.stopping = next((alert for alert in found if alert["kind"] in self.stop_on), None)
-            if self.stopping is not None and self.warns:
-                self.warn("ddphooks: training stops now (stop_on=%s): %s", sorted(self.stop_on), self.stopping["message"])
+        launch needs). Otherwise the background thread does the work.
+
+        One call at a time: a ``flush()`` from another thread while backward hands a step over
+        waits for it (the detector's process is one pipe, read in order)."""
+        with self._processing:
+            with self._cond:
+                due = self._handed  # the same steps on every rank: those handed over at earlier calls
+                steps = list(self._pending) if self.detector is not None or self.writer is not None else []
+                first = self._handed
+                self._handed += len(steps)
+                self._pending.clear()
+                if wait:
+                    due = self._handed
+            for number, stats in enumerate(steps, first):
+                self._hand_over(number, stats)
+            self._finish_sent(due)
+            with self._cond:
+                self._cond.wait_for(lambda: self._done >= due)
+                found = []
+                while self._found and self._found[0][0] < due:
+                    found.extend(self._found.popleft()[1])
+            self.alerts.extend(found)
+            if self.stopping is None:
+                # Collected at the same point on every rank, from the same statistics: every rank
+                # decides to stop at the same step (see ``BaseSilentState.should_stop``).
+                self.stopping = next((alert for alert in found if alert["kind"] in self.stop_on), None)
+                if self.stopping is not None and self.warns:
+                    self.warn("ddphooks: training stops now (stop_on=%s): %s", sorted(self.stop_on), self.stopping["message"])
 
     def _inline(self) -> bool:
         """Whether steps are finished on the training thread: slots only, and no detector runs in

@@ -427,3 +427,32 @@ def test_the_detectors_process_builds_the_records_the_writer_would_have(tmp_path
     assert lines == expected and alerts == expected_alerts and any(alerts)
     assert all(built) and len(built) == len(steps)  # every record came built from the detector's process
     assert '"identity"' in lines[0] and '"identity"' in lines[10] and '"identity"' not in lines[1]
+
+
+def test_a_flush_from_another_thread_while_steps_are_handed_over_loses_nothing():
+    steps, writer = _faulty_steps(), _Writer()
+    reference = _collected(StepPipeline(Detector(), _Writer(), on_alert=None, warns=False), steps)
+    detector = DetectorProcess(warn=pytest.fail)
+    pipeline = StepPipeline(detector, writer, on_alert=None, warns=False, slots_only=True)
+    done, failures = threading.Event(), []
+
+    def flush_often():  # a monitoring thread's flush() at any moment
+        while not done.is_set():
+            try:
+                pipeline.flush(10.0)
+            except Exception as error:  # pragma: no cover - what the test looks for
+                failures.append(error)
+
+    flusher = threading.Thread(target=flush_often, daemon=True)
+    flusher.start()
+    try:
+        for stats in steps:
+            pipeline.complete(stats)
+            pipeline.process()
+    finally:
+        done.set()
+        flusher.join(timeout=30)
+    assert pipeline.close(10.0)
+    detector.close()
+    assert not failures and not flusher.is_alive()
+    assert writer.submitted == steps and [a["step"] for a in pipeline.alerts] == [s for call in reference for s in call]
