@@ -238,7 +238,7 @@ class StepPipeline:
         """Step ``number`` (in hand-over order) to the detector's process (``_sent``), or to the
         background thread where the detector runs in this process."""
         if self._inline():
-            sent = self.detector is not None and not self._detector_failed and not stats.failed_ranks and self._send(stats)
+            sent = self.detector is not None and not self._detector_failed and self._send(stats)
             self._sent.append((number, stats, sent))
             return
         self._finish_sent(number)  # a child that never started: its steps first, in order
@@ -252,8 +252,11 @@ class StepPipeline:
             self._run(on_thread=False)
 
     def _send(self, stats) -> bool:
-        """Send ``stats`` to the detector's process (returns at once); False if it failed."""
+        """Send ``stats`` to the detector's process (returns at once); False if it failed, or the
+        step is not measured (``_process`` says so)."""
         try:
+            if stats.failed_ranks:  # inside the guard: this runs inside backward
+                return False
             self.detector.send_stats(stats)
             return True
         except Exception as error:  # a detector bug must never stop training

@@ -152,9 +152,8 @@ class BaseSilentState:
                 self.config.detect if isinstance(self.config.detect, DetectorConfig) else None, warn=lambda message: self._warn(message),
                 records=self._records if writer is not None else None,
             )  # fmt: skip
-        limit = self.config.gather_max_world  # above it the compact wire: steps read in this process (_fleet_layout)
         self._pipeline = StepPipeline(
-            detector, writer, self.on_alert, warns=writes, ranks=ranks, stop_on=self.config.stop_kinds, slots_only=limit is None or self.world_size <= limit,
+            detector, writer, self.on_alert, warns=writes, ranks=ranks, stop_on=self.config.stop_kinds, slots_only=self._sends_whole_slots(),
         )  # fmt: skip
         # At interpreter exit, write what is still queued (bounded: a stuck sink cannot hang the exit).
         self._finalizer = weakref.finalize(self, self._pipeline.close, CLOSE_TIMEOUT_S)
@@ -450,8 +449,7 @@ class BaseSilentState:
         shares: W, the layouts, the settings, whether this is a replica-check step, ``reduced``
         (the transport's: ``FleetLayout.reduced``) and under HSDP the parameter shards
         (``_sharded_fingerprints``)."""
-        limit = self.config.gather_max_world
-        if limit is None or self.world_size <= limit:
+        if self._sends_whole_slots():
             return None
         fingerprinted = len(record.fingerprinted)
         detail = is_detail_step(record.step, self.config.every, self.config.detail_every)
@@ -460,6 +458,12 @@ class BaseSilentState:
             self.world_size, n_params, len(record.layouts), self.bins, self.config.sampled_ranks, fingerprinted, reduced,
             sharded=self._sharded_fingerprints() if fingerprinted else 0, matrix_rows=matrix_rows, host_form=host_form,
         )  # fmt: skip
+
+    def _sends_whole_slots(self) -> bool:
+        """Whether every step carries every rank's whole slot (W <= ``gather_max_world``), not the
+        compact wire: from W and the settings, the same on every rank."""
+        limit = self.config.gather_max_world
+        return limit is None or self.world_size <= limit
 
     def _detail_matrix(self) -> tuple[int, bool]:
         """What the compact wire sends on a detail step for the cosine matrix: ``(rows, host_form)``,
