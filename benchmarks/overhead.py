@@ -259,10 +259,27 @@ class Breakdown:
     def _time_pipeline(self, state):
         """Time what follows a step, on every transport: hand-off, detector, writer, sink."""
         pipeline = state._pipeline
-        pipeline.process = self._timed("processing: the step to the detector, the one before's alerts and record", pipeline.process)
+        # The reads are meant to happen within processing, on the thread that processes.
+        self.processing, self.reads_outside_processing = None, 0
+        process = self._timed("processing: the step to the detector, the one before's alerts and record", pipeline.process)
+
+        def flagged_process(*args, **kwargs):
+            self.processing = threading.get_ident()
+            try:
+                return process(*args, **kwargs)
+            finally:
+                self.processing = None
+
+        pipeline.process = flagged_process
         pipeline._send = self._timed("sending the step's slots to the detector's process", pipeline._send)
         if pipeline.detector is not None:  # detect=False: no detector to send to
-            pipeline.detector.receive = self._timed("reading the alerts back", pipeline.detector.receive)
+            receive = self._timed("reading the alerts back", pipeline.detector.receive)
+
+            def counted_receive(*args):
+                self.reads_outside_processing += self.processing != threading.get_ident()
+                return receive(*args)
+
+            pipeline.detector.receive = counted_receive
         if pipeline.writer is not None:  # the log rank
             pipeline.writer.submit = self._timed("submit to the writer", pipeline.writer.submit)
             pipeline.writer.build = self._timed("record building", pipeline.writer.build)
@@ -320,8 +337,16 @@ class Breakdown:
                     self.samples[part].clear()
 
     def close(self):
-        """Close the state (flushes the sink); return the lines its file got and the records dropped."""
+        """Close the state (flushes the sink); return the lines its file got and the records dropped.
+
+        What close() does on the training thread (its final process() waits for the detector's
+        last answers) is the run's end, not a step's: those samples are dropped."""
+        with self.lock:
+            kept = {part: len(self.samples[part]) for part, _ in self.THREAD_PARTS}
         self.state.close()
+        with self.lock:
+            for part, count in kept.items():
+                del self.samples[part][count:]
         path = self.state.sinks[0].path
         written = len(path.read_text().splitlines()) if path.exists() else 0  # only rank 0 writes
         shutil.rmtree(path.parent, ignore_errors=True)
@@ -541,14 +566,15 @@ def bench_model(rank, world, name, configs, args, device):
         if breakdown is not None:
             written, dropped = breakdown.close()
             ranks = [None] * world
-            dist.all_gather_object(ranks, breakdown.result())
+            dist.all_gather_object(ranks, (breakdown.result(), breakdown.reads_outside_processing))
             # The slowest rank per part (rank 0 alone has the writer thread's parts).
             parts = {}
-            for result in ranks:
+            for result, _ in ranks:
                 for part, value in result.items():
                     if part not in parts or value["median"] > parts[part]["median"]:
                         parts[part] = value
-            sink_results[i] = {"breakdown": parts, "records_written": written, "dropped_records": dropped}
+            outside = sum(count for _, count in ranks)
+            sink_results[i] = {"breakdown": parts, "records_written": written, "dropped_records": dropped, "reads_outside_processing": outside}
     results = []
     for i, (config, samples, hook_samples) in enumerate(zip(configs, slowest, hooks)):
         hook, sketch_dim, every = config

@@ -44,8 +44,7 @@ def _check_sink_config(result, instrumented_steps):
     # back and submits the record (within "processing")
     parts = ("sending the step's slots to the detector's process", "reading the alerts back", "submit to the writer")
     assert {result["breakdown"][part]["thread"] for part in parts} == {"training"}
-    processing = result["breakdown"]["processing: the step to the detector, the one before's alerts and record"]
-    assert processing["thread"] == "training" and processing["median"] >= result["breakdown"]["reading the alerts back"]["median"]
+    assert result["reads_outside_processing"] == 0  # every read back of alerts was timed within "processing"
 
 
 def test_overhead_json_fields(tmp_path):
