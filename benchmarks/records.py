@@ -217,7 +217,7 @@ def measure_handoff(fresh_variant, steps, budget_s):
     as ``attach`` sets it up up to ``gather_max_world``), after the detector's warm-up; between
     steps (untimed) the detector finishes the step."""
     detector = DetectorProcess(warn=print)
-    pipeline, times = StepPipeline(detector, None, on_alert=None, warns=False, slots_only=True), []
+    pipeline, times = StepPipeline(detector, None, on_alert=None, warns=False), []
     warmup = DetectorConfig().warmup
     for step in range(warmup + steps):
         pipeline.complete(fresh_variant(step))

@@ -27,10 +27,9 @@ warm-up, so it scores):
                    W slots (the last bucket's division into the piggyback buffer, the zeroed slots
                    and this rank's slot; its callback: the copy of the W slots and the bucket's
                    reduced norms; building SilentStats)
-  detector ms      the detector's round trip a step: reading the step's statistics and the exchange
-                   with its process (the compact wire, on the pipeline's thread), or sending the
-                   step's slots and reading its alerts back (whole slots, on the training thread;
-                   the child reads the step), the child's Detector.update in between
+  detector ms      the detector's round trip a step: sending the step's slots (the W whole slots,
+                   or the compact wire's buffer) and reading its alerts back, on the training
+                   thread, the child's reading of the step and Detector.update in between
   statistics bytes what the statistics add to the step's all-reduce (the W slots, W x slot x 4 B,
                    or the compact wire), and that against the gradient bytes; "with replica
                    and detail steps": averaged with one replica-check step in
@@ -106,7 +105,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import ddphooks
-from ddphooks import fleet
+from ddphooks import fleet_stats
 from ddphooks.config import SilentConfig
 from ddphooks.detect import DetectorConfig
 from ddphooks.hook import silent_hook
@@ -223,8 +222,8 @@ class FakeCollectives:
         normal = partial(torch.randn, generator=self.generator, device=self.device)
         rows = wire[layout.part("per_rank")].view(self.world, -1)
         rows[1:] = rows[:1]
-        rows[1:, fleet.WIRE_LOSS] *= 1 + LOSS_SPREAD * normal(self.world - 1)
-        rows[1:, fleet.WIRE_RANK_SQ] *= torch.exp(2 * NORM_SPREAD * normal(self.world - 1))
+        rows[1:, fleet_stats.WIRE_LOSS] *= 1 + LOSS_SPREAD * normal(self.world - 1)
+        rows[1:, fleet_stats.WIRE_RANK_SQ] *= torch.exp(2 * NORM_SPREAD * normal(self.world - 1))
         own = torch.cat(self.record.local_sq)
         sampled = wire[layout.part("sampled")].view(layout.rows, layout.n_params)
         sampled.copy_(own * torch.exp(NORM_SPREAD * normal(layout.rows, layout.n_params)))
@@ -405,9 +404,8 @@ def _measure(world: int, model_args: dict, steps: int, collectives: FakeCollecti
         timer.slot_parts += time.perf_counter() - marks["start"]
 
     state._stats_buffer, state._pack = timed_stats_buffer, timed_pack
-    # The detector's round trip per step: on the pipeline's thread (the compact wire) reading the
-    # step and the exchange with the detector's process; with whole slots, on the training thread,
-    # sending the slots and reading the alerts back (the child's work in between: flush() waits).
+    # The detector's round trip per step, on the training thread: sending the step's slots and
+    # reading the alerts back (the child's work in between: flush() waits).
     detector_s, this_step, pipeline = [], [0.0], state._pipeline
 
     def timed(call):
@@ -570,7 +568,7 @@ def measure_fsdp(world: int, model_args: dict, steps: int, gather_max_world: int
         return {
             "world_size": world,
             "replicas": replicas,
-            "wire": "compact" if isinstance(stats, fleet.FleetStats) else "whole slots",
+            "wire": "compact" if isinstance(stats, fleet_stats.FleetStats) else "whole slots",
             "pass_ms": 1e3 * statistics.median(spent),
             "pass_ms_iqr": [1e3 * q for q in quartiles(spent)],
             "end_of_backward_ms": 1e3 * statistics.median(gathered),

@@ -33,7 +33,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
-from ddphooks import fleet
+from ddphooks import fleet, fleet_stats
 from ddphooks.detect import DetectorConfig
 from ddphooks.identity import model_device
 from ddphooks.replicas import ReplicaTensors
@@ -407,11 +407,11 @@ class ShardedSilentState(BaseSilentState):
         (``fleet.count_shards``), summed over this rank's replica group alone, the R ranks that
         hold its shards, so its size does not grow with the number of shards; each shard's first
         replica (ranks 0 to S - 1) then sends what the record needs of it in the compact wire
-        (``fleet.histogram_checks``). Every rank of the group takes part whatever its own statistics
+        (``fleet_stats.histogram_checks``). Every rank of the group takes part whatever its own statistics
         did: a rank whose counting failed adds zeros and is FAILED in the step's statistics."""
         sharded = record.fleet.sharded
-        counts = self._stats_buffer("_shard_counts", sharded * (fleet.FINGERPRINT_BINS + 1), torch.float32, device)
-        counts = counts.view(sharded, fleet.FINGERPRINT_BINS + 1)
+        counts = self._stats_buffer("_shard_counts", sharded * (fleet_stats.FINGERPRINT_BINS + 1), torch.float32, device)
+        counts = counts.view(sharded, fleet_stats.FINGERPRINT_BINS + 1)
         try:
             fleet.count_shards(record.fingerprint.to(device), counts)
         except Exception as error:  # never into backward, never a missing collective
@@ -419,7 +419,7 @@ class ShardedSilentState(BaseSilentState):
             record.error = record.error or error
         dist.all_reduce(counts, group=self._replicate_group)
         record.shard_counts = counts.clone()
-        record.shard_checks = fleet.histogram_checks(record.shard_counts) if self.rank < self._shards else None
+        record.shard_checks = fleet_stats.histogram_checks(record.shard_counts) if self.rank < self._shards else None
 
     def _pack(self, record: _ShardedStep, slots: torch.Tensor, stride: int, status: int) -> None:
         """Write this rank's share of the step into the zeroed ``slots`` (``_pack_or_fail``): with

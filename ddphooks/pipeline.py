@@ -7,13 +7,13 @@ Each step, in order:
 
 1. goes to the detector (``ddphooks.detect``), the same on every rank, so every rank finds the
    same alerts. The state gives the pipeline a ``DetectorProcess``, which runs the detector in a
-   process of its own; where every step is a ``SilentStats`` (``slots_only``: W <=
-   ``gather_max_world``) the training thread itself sends the step's slots there, which returns
-   at once, and at the next hand-over reads back the alerts of the steps handed over before
-   (the child has long answered them): no other thread of this process runs Python for a step,
-   where it would hold the GIL the training thread needs. Otherwise (the compact wire's steps,
-   read into an ``Observation`` in this process; a detector in this process: the child could
-   not start) a daemon thread, started with the first step, runs it. A detector error is
+   process of its own; the training thread itself sends the step's slots there (``slots()``:
+   the whole slots, or the compact wire's buffer above ``gather_max_world``), which returns at
+   once, and at the next hand-over reads back the alerts of the steps handed over before (the
+   child has long answered them): no other thread of this process runs Python for a step,
+   where it would hold the GIL the training thread needs. Where the detector runs in this
+   process (the child could not start, or the caller gave a ``Detector``) a daemon thread,
+   started with the first step, runs it. A detector error is
    reported once and never reaches training; each alert is named with the group's
    ``RankTable`` (global rank, host, device: ``ddphooks.identity``);
 2. per new alert, one ``logging`` warning (logger ``"ddphooks"``, log rank only) and one call of
@@ -135,12 +135,6 @@ class StepPipeline:
         warns: whether this rank logs the alerts (the log rank).
         ranks: the group's ``RankTable``: every alert is named with it (host, device, global rank).
         stop_on: the alert kinds that stop training (``should_stop``).
-        slots_only: every step is a ``SilentStats`` that travels as its slots (``slots()``: a state
-            at W <= ``gather_max_world``). Then, with a ``DetectorProcess`` (or no detector), the
-            training thread itself sends each step and reads its alerts back: no other thread
-            of this process runs Python for it. Otherwise (the compact wire, whose steps are read
-            into an ``Observation`` in this process: milliseconds at W = 4096) the background
-            thread does.
 
     Example::
         >>> pipeline = StepPipeline(Detector(), writer, on_alert=None, warns=True)
@@ -157,10 +151,8 @@ class StepPipeline:
         warns: bool,
         ranks: RankTable | None = None,
         stop_on: frozenset[str] = frozenset(),
-        slots_only: bool = False,
     ) -> None:
         self.detector = detector
-        self.slots_only = slots_only
         self.writer = writer
         self.on_alert = on_alert
         self.warns = warns
@@ -195,7 +187,7 @@ class StepPipeline:
         """Hand the queued steps over and collect the alerts of the steps handed over before (of
         every step with ``wait``) into ``alerts`` (training thread).
 
-        With ``slots_only`` and no detector in this process (none, or a ``DetectorProcess`` whose
+        With no detector in this process (none, or a ``DetectorProcess`` whose
         child runs), this thread itself sends each step's slots to the detector's process and
         finishes the steps due with the alerts read back: no other thread of this process runs
         Python for a step (it would hold the GIL this thread needs: on a GPU host, the GIL every
@@ -232,7 +224,7 @@ class StepPipeline:
         """Whether steps are finished on the training thread: slots only, and no detector runs in
         this process."""
         detector = self.detector
-        return self.slots_only and (detector is None or (isinstance(detector, DetectorProcess) and not detector.in_process))
+        return detector is None or (isinstance(detector, DetectorProcess) and not detector.in_process)
 
     def _hand_over(self, number: int, stats) -> None:
         """Step ``number`` (in hand-over order) to the detector's process (``_sent``), or to the

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ddphooks import fleet
+from ddphooks import fleet, fleet_stats
 from ddphooks.config import SilentConfig
 from ddphooks.detect import DetectorConfig
 from ddphooks.detect.process import DetectorProcess
@@ -54,7 +54,7 @@ class StepRecord:
         self.error: BaseException | None = None
         self.failed = False  # this rank's pass or packing failed: its slot went out as FAILED
         # -- the compact wire (ddphooks.fleet) --
-        self.fleet: fleet.FleetLayout | None = None  # its layout (above gather_max_world), None: whole slots
+        self.fleet: fleet_stats.FleetLayout | None = None  # its layout (above gather_max_world), None: whole slots
         self.sampled: list[int] = []  # the ranks whose per-parameter norms travel
         self.cosines_step: int | None = None  # the step of the values this rank sends
         self.replica_check: object = None  # after a replica check: that step's FleetStats
@@ -152,9 +152,7 @@ class BaseSilentState:
                 self.config.detect if isinstance(self.config.detect, DetectorConfig) else None, warn=lambda message: self._warn(message),
                 records=self._records if writer is not None else None,
             )  # fmt: skip
-        self._pipeline = StepPipeline(
-            detector, writer, self.on_alert, warns=writes, ranks=ranks, stop_on=self.config.stop_kinds, slots_only=self._sends_whole_slots(),
-        )  # fmt: skip
+        self._pipeline = StepPipeline(detector, writer, self.on_alert, warns=writes, ranks=ranks, stop_on=self.config.stop_kinds)
         # At interpreter exit, write what is still queued (bounded: a stuck sink cannot hang the exit).
         self._finalizer = weakref.finalize(self, self._pipeline.close, CLOSE_TIMEOUT_S)
 
@@ -443,7 +441,7 @@ class BaseSilentState:
         return slot, self._stats_buffer("_slots", self.world_size * (slot + n_params), torch.float32, device, capacity)
 
     # -- the compact wire (ddphooks.fleet): one implementation for every transport that sends it ----
-    def _fleet_layout(self, record: StepRecord, n_params: int, reduced: int = 0) -> fleet.FleetLayout | None:
+    def _fleet_layout(self, record: StepRecord, n_params: int, reduced: int = 0) -> fleet_stats.FleetLayout | None:
         """The compact wire's layout of this step above ``gather_max_world`` ranks (None: every
         rank's whole slot). It sets the all-reduce's size, so it depends only on what every rank
         shares: W, the layouts, the settings, whether this is a replica-check step, ``reduced``
@@ -454,7 +452,7 @@ class BaseSilentState:
         fingerprinted = len(record.fingerprinted)
         detail = is_detail_step(record.step, self.config.every, self.config.detail_every)
         matrix_rows, host_form = self._detail_matrix() if detail else (0, False)
-        return fleet.FleetLayout(
+        return fleet_stats.FleetLayout(
             self.world_size, n_params, len(record.layouts), self.bins, self.config.sampled_ranks, fingerprinted, reduced,
             sharded=self._sharded_fingerprints() if fingerprinted else 0, matrix_rows=matrix_rows, host_form=host_form,
         )  # fmt: skip
@@ -483,7 +481,7 @@ class BaseSilentState:
         every rank (DDP, plain FSDP2)."""
         return 0
 
-    def _fleet_capacity(self, layout: fleet.FleetLayout) -> int:
+    def _fleet_capacity(self, layout: fleet_stats.FleetLayout) -> int:
         """The size of ``layout``'s buffer on a replica-check detail step: what the persistent
         buffer is sized for at once, so that a check's or a detail step's wider wire does not
         reallocate it."""
@@ -511,8 +509,8 @@ class BaseSilentState:
         if record.fleet is None:
             self._send_failed(record.step, record.error, slots[self.rank * slot : (self.rank + 1) * slot])
         else:
-            rows = slots[record.fleet.part("per_rank")].view(self.world_size, fleet.PER_RANK)
-            self._send_failed(record.step, record.error, rows[self.rank], fleet.WIRE_STATUS)
+            rows = slots[record.fleet.part("per_rank")].view(self.world_size, fleet_stats.PER_RANK)
+            self._send_failed(record.step, record.error, rows[self.rank], fleet_stats.WIRE_STATUS)
         record.failed, record.error = True, None
 
     def _pack(self, record: StepRecord, slots: torch.Tensor, slot: int, status: int) -> None:
@@ -531,7 +529,7 @@ class BaseSilentState:
         # half the sampled ranks, so a rank whose layer stands out sends its layer view every step.
         previous = self._previous_stats
         try:
-            scores = previous.layer_scores if isinstance(previous, fleet.FleetStats) else None
+            scores = previous.layer_scores if isinstance(previous, fleet_stats.FleetStats) else None
         except Exception:  # never into backward: the window alone (only which rows, not the size, could differ)
             scores = None
         record.sampled = fleet.choose_sampled(self.world_size, self.config.sampled_ranks, record.step // self.config.every, scores)
@@ -539,7 +537,7 @@ class BaseSilentState:
         # After a replica check: this rank's verdict in its status, the check's histograms in the
         # statistics (every rank has the same previous statistics: the same record).
         differs, self._replica_differs = self._replica_differs, None
-        if differs is not None and isinstance(previous, fleet.FleetStats) and previous.step == differs[0]:
+        if differs is not None and isinstance(previous, fleet_stats.FleetStats) and previous.step == differs[0]:
             record.replica_check, differs = previous, differs[1].to(out.device)
         else:
             differs = None
@@ -582,10 +580,10 @@ class BaseSilentState:
         kept = self._layer_state
         return kept[1] if kept is not None and kept[0] == layouts else None
 
-    def _fleet_stats(self, record: StepRecord, reduced_sq: torch.Tensor) -> fleet.FleetStats:
+    def _fleet_stats(self, record: StepRecord, reduced_sq: torch.Tensor) -> fleet_stats.FleetStats:
         """The step's statistics from the compact wire (``record.gathered``) and ``reduced_sq``,
         the P squared norms of the averaged gradient."""
-        return fleet.FleetStats(
+        return fleet_stats.FleetStats(
             record.step,
             record.layouts,
             record.fleet,

@@ -899,10 +899,10 @@ class SilentStats:
         param_sq, bucket_sq = self.param_sq, self.bucket_sq
         return [over_ranks(param_sq[:, p]) for p in range(param_sq.shape[1])], [over_ranks(bucket_sq[:, b]) for b in range(bucket_sq.shape[1])]
 
-    def slots(self) -> "StepSlots | None":
+    def slots(self) -> "StepSlots":
         """The step as its slots (``StepSlots``, numpy): what travels to the detector's process,
-        which reads the step there (``ddphooks.detect.process``). None for statistics that are
-        not rebuilt from the slots alone (the compact wire's ``FleetStats``)."""
+        which reads the step there (``ddphooks.detect.process``; the compact wire's
+        ``FleetStats`` gives its ``FleetSlots``)."""
         with self._lock:
             gathered, reduced_sq = self._host.raw()
             previous = None if self._previous_host is None else self._previous_host.raw()[0]

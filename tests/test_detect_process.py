@@ -1,6 +1,6 @@
 """The detector in a process of its own (``ddphooks.detect.process``): the same alerts as in the
-training process, a step read there from its slots (``StepSlots``, without torch) as it reads
-here, sending that never waits for the child, a child that cannot start replaced before any
+training process, a step read there from its slots (``StepSlots``, or the compact wire's
+``FleetSlots``, without torch) as it reads here, sending that never waits for the child, a child that cannot start replaced before any
 step, one that dies or hangs turned into an error (the pipeline turns detection off with it),
 never a hang."""
 
@@ -177,7 +177,9 @@ def test_a_deepspeed_step_carries_its_record_field_in_its_slots():
 
 
 def test_a_step_is_read_and_its_record_built_from_its_slots_in_a_process_that_cannot_import_torch(tmp_path):
-    steps = [_step(case) for case in STEP_CASES]
+    from test_fleet import _compact_steps
+
+    steps = [_step(case) for case in STEP_CASES] + _compact_steps()  # whole slots, and the compact wire's buffers
     (tmp_path / "slots.pkl").write_bytes(pickle.dumps([stats.slots() for stats in steps]))
     root = str(detector_process.Path(detector_process.__file__).resolve().parents[2])
     program = detector_process.BOOTSTRAP.replace("from ddphooks.detect.process import serve\nserve()", (

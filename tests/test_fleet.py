@@ -10,12 +10,13 @@ The DDP runs (compact wire against whole slots, same data) are in ``tests/test_h
 
 import json
 import math
+import pickle
 
 import numpy as np
 import pytest
 import torch
 
-from ddphooks import fleet
+from ddphooks import fleet, fleet_stats
 from ddphooks.config import SilentConfig
 from ddphooks import hosts as fleet_hosts
 from ddphooks.hosts import host_blocks, matrix_from_record
@@ -52,7 +53,7 @@ def _full_stats(step: int, ranks: list[dict], reduced_sq: torch.Tensor, previous
     return SilentStats(step, len(ranks), BUCKETS, gathered, reduced_sq, BINS, "piggyback", previous=previous)
 
 
-def _compact(layout: fleet.FleetLayout, rows: list[int], ranks: list[dict], own: list[torch.Tensor] | None) -> torch.Tensor:
+def _compact(layout: fleet_stats.FleetLayout, rows: list[int], ranks: list[dict], own: list[torch.Tensor] | None) -> torch.Tensor:
     """Every rank's part of the compact wire, summed."""
     total = torch.zeros(layout.size)
     for rank, r in enumerate(ranks):
@@ -63,7 +64,7 @@ def _compact(layout: fleet.FleetLayout, rows: list[int], ranks: list[dict], own:
     return total
 
 
-def _own(layout: fleet.FleetLayout, wire: torch.Tensor, ranks: list[dict], previous: list[dict] | None, averages: list) -> list[torch.Tensor]:
+def _own(layout: fleet_stats.FleetLayout, wire: torch.Tensor, ranks: list[dict], previous: list[dict] | None, averages: list) -> list[torch.Tensor]:
     """Every rank's ``own_values`` of the step (``averages`` updated in place)."""
     values = []
     for rank, r in enumerate(ranks):
@@ -124,7 +125,7 @@ def test_sampled_ranks_move_on_every_step_and_cover_every_rank():
 @pytest.mark.parametrize("absent", [(), (2,)])
 def test_compact_wire_gives_the_whole_slots_statistics(absent):
     world = 6
-    layout = fleet.FleetLayout(world, N_PARAMS, len(BUCKETS), BINS, sampled=4)
+    layout = fleet_stats.FleetLayout(world, N_PARAMS, len(BUCKETS), BINS, sampled=4)
     reduced_sq = torch.rand(N_PARAMS) + 0.05
     first, second = _ranks(world, 1, absent), _ranks(world, 2, absent)
     full_first = _full_stats(0, first, reduced_sq)
@@ -133,13 +134,13 @@ def test_compact_wire_gives_the_whole_slots_statistics(absent):
     # Step 0: no cosines yet. Each rank computes its own from the sum, and sends them at step 1.
     averages = [None] * world
     wire = _compact(layout, [0, 1, 2, 3], first, None)
-    stats = fleet.FleetStats(0, BUCKETS, layout, wire, reduced_sq, "piggyback", [0, 1, 2, 3], None)
+    stats = fleet_stats.FleetStats(0, BUCKETS, layout, wire, reduced_sq, "piggyback", [0, 1, 2, 3], None)
     assert stats.cosine_loo is None and stats.cosine_to_others is None and stats.cosine is None and stats.layer_scores is None
     cosines = _own(layout, wire, first, None, averages)
     # Step 1: the values of step 0 travel; each rank compares with its own sketch of step 0.
     wire2 = _compact(layout, [4, 5, 0, 1], second, cosines)
     later = _own(layout, wire2, second, first, averages)
-    stats2 = fleet.FleetStats(1, BUCKETS, layout, wire2, reduced_sq, "piggyback", [4, 5, 0, 1], 0)
+    stats2 = fleet_stats.FleetStats(1, BUCKETS, layout, wire2, reduced_sq, "piggyback", [4, 5, 0, 1], 0)
 
     for full, compact, own in ((full_first, stats, cosines), (full_second, stats2, later)):
         np.testing.assert_array_equal(compact.losses, full.losses)
@@ -186,7 +187,7 @@ def test_compact_records_of_a_whole_slot_run_are_those_the_compact_wire_writes()
     the detector reads: losses, norms, the lagged cosines, the sampled ranks chosen from the
     layer scores, their layer norms and the mean norms)."""
     world, sampled = 6, 2
-    layout = fleet.FleetLayout(world, N_PARAMS, len(BUCKETS), BINS, sampled=sampled)
+    layout = fleet_stats.FleetLayout(world, N_PARAMS, len(BUCKETS), BINS, sampled=sampled)
     reduced_sq = torch.rand(N_PARAMS) + 0.05
     steps = [_ranks(world, seed) for seed in (5, 6, 7, 8, 9)]
     whole, compact, own, previous, stats, averages = [], [], None, None, None, [None] * world
@@ -195,7 +196,7 @@ def test_compact_records_of_a_whole_slot_run_are_those_the_compact_wire_writes()
         whole.append(full.to_dict())
         rows = fleet.choose_sampled(world, sampled, index, None if stats is None else stats.layer_scores)  # as the hook chooses
         wire = _compact(layout, rows, ranks, own)
-        stats = fleet.FleetStats(index, BUCKETS, layout, wire, reduced_sq, "piggyback", rows, index - 1 if index else None)
+        stats = fleet_stats.FleetStats(index, BUCKETS, layout, wire, reduced_sq, "piggyback", rows, index - 1 if index else None)
         compact.append(stats.to_dict())
         own = _own(layout, wire, ranks, steps[index - 1] if index else None, averages)
         previous = full
@@ -223,7 +224,7 @@ def test_own_values_layer_cusum_against_the_slow_way_and_every_rank_at_once():
     its CUSUM kept, its rises of step 9 never sent). The fault's level crosses the detector's
     layer limit (15) on its parameter."""
     world, n_params, steps = 5, 7, 40
-    layout = fleet.FleetLayout(world, n_params, 1, 0, 1)
+    layout = fleet_stats.FleetLayout(world, n_params, 1, 0, 1)
     generator = np.random.default_rng(3)
     base = np.exp(generator.standard_normal(n_params))
     states, slow, twin = [None] * world, {}, None
@@ -297,13 +298,71 @@ def test_on_healthy_steps_the_whole_budget_rotates_over_every_rank(world, sample
 
 def test_compact_wire_lists_the_rank_and_parameters_of_a_non_finite_gradient():
     world = 5
-    layout = fleet.FleetLayout(world, N_PARAMS, len(BUCKETS), BINS, sampled=2)
+    layout = fleet_stats.FleetLayout(world, N_PARAMS, len(BUCKETS), BINS, sampled=2)
     ranks = _ranks(world, 3)
     ranks[4]["local_sq"][1][2] = math.inf  # rank 4 (not sampled), parameter "e"
     wire = _compact(layout, [0, 1], ranks, None)
-    stats = fleet.FleetStats(0, BUCKETS, layout, wire, torch.ones(N_PARAMS), "piggyback", [0, 1], None)
+    stats = fleet_stats.FleetStats(0, BUCKETS, layout, wire, torch.ones(N_PARAMS), "piggyback", [0, 1], None)
     assert stats.nonfinite["gradients"] == [{"rank": 4, "bucket": 1, "parameter": "e"}]
     assert stats.nonfinite["gradient_count"] == 1
+
+
+def _compact_steps() -> list[fleet_stats.FleetStats]:
+    """Compact steps with what their buffers carry beyond the plain case, at W = 6: the ranks' own
+    values of the step before and an absent rank; a replica check's verdict on the step after it
+    (rank 4 flags itself) with a non-finite gradient; a detail step's W x W matrix; above
+    ``detail_max_world`` a detail step's host-by-host matrix."""
+    world, names = 6, ["a", "b", "c"]
+    reduced_sq = torch.rand(N_PARAMS, generator=torch.Generator().manual_seed(5)) + 0.05
+    plain = fleet_stats.FleetLayout(world, N_PARAMS, len(BUCKETS), BINS, sampled=4)
+    checking = fleet_stats.FleetLayout(world, N_PARAMS, len(BUCKETS), BINS, sampled=4, fingerprinted=len(names))
+    first, second, third = _ranks(world, 31, (2,)), _ranks(world, 32, (2,)), _ranks(world, 33)
+    averages = [None] * world
+    cosines = _own(plain, _compact(plain, [0, 1, 2, 3], first, None), first, None, averages)
+    own = fleet_stats.FleetStats(1, BUCKETS, plain, _compact(plain, [4, 5, 0, 1], second, cosines), reduced_sq, "piggyback", [4, 5, 0, 1], 0, divided_by_present=True)
+    fingerprints = torch.rand(world, len(names), 2, generator=torch.Generator().manual_seed(6))
+    fingerprints[4, 1] *= 1.5
+    wire = torch.zeros(checking.size)
+    for rank, r in enumerate(third):
+        out = torch.zeros(checking.size)
+        fleet.pack(checking, [0, 1, 2, 3], rank, r["head"], r["local_sq"], r["sketch"], torch.zeros(fleet.OWN_VALUES), fingerprints[rank].reshape(-1), False, out)
+        wire += out
+    check = fleet_stats.FleetStats(2, BUCKETS, checking, wire, reduced_sq, "piggyback", [0, 1, 2, 3], 1, names)
+    after = _ranks(world, 34)
+    after[3]["local_sq"][0][1] = math.inf
+    wire = torch.zeros(plain.size)
+    for rank, r in enumerate(after):
+        out = torch.zeros(plain.size)
+        fleet.pack(plain, [2, 3, 4, 5], rank, r["head"], r["local_sq"], r["sketch"], torch.zeros(fleet.OWN_VALUES), None, False, out, differs=torch.tensor(float(rank == 4)))
+        wire += out
+    verdict = fleet_stats.FleetStats(3, BUCKETS, plain, wire, reduced_sq, "piggyback", [2, 3, 4, 5], 2, replica_check=check)
+    detail = fleet_stats.FleetLayout(world, N_PARAMS, len(BUCKETS), BINS, sampled=4, matrix_rows=world)
+    ranks = _ranks(world, 35)
+    matrix = fleet_stats.FleetStats(4, BUCKETS, detail, _compact_detail(detail, ranks), reduced_sq, "piggyback", [0, 1], 3)
+    blocks = host_blocks([f"node{r % 3}" for r in range(world)])
+    by_host = fleet_stats.FleetLayout(world, N_PARAMS, len(BUCKETS), BINS, sampled=4, matrix_rows=blocks.count, host_form=True)
+    hosts = fleet_stats.FleetStats(5, BUCKETS, by_host, _compact_detail(by_host, ranks, blocks), reduced_sq, "piggyback", [0, 1], 4, hosts=blocks)
+    return [own, verdict, matrix, hosts]
+
+
+def test_a_compact_step_rebuilt_from_its_slots_reads_as_the_same_observation_and_record():
+    """What the detector's process gets of a compact step (``FleetSlots``, pickled) gives the
+    same ``Observation`` and the same records, field for field, as the step itself."""
+    from test_detect_process import _assert_same
+
+    from ddphooks.detect import Observation
+
+    steps = _compact_steps()
+    for stats in steps:
+        rebuilt = pickle.loads(pickle.dumps(stats.slots())).stats()
+        assert type(rebuilt) is fleet_stats.FleetStats and rebuilt.sampled == stats.sampled
+        _assert_same(Observation.from_stats(rebuilt), Observation.from_stats(stats))
+        for settings in ({"detail": True}, {"detail": False}, {"detail": True, "detail_max_world": 4}):
+            assert json.dumps(rebuilt.to_dict(**settings)) == json.dumps(stats.to_dict(**settings))
+    own, verdict, matrix, hosts = steps
+    assert not np.isnan(own.cosine_loo[[0, 1, 3, 4, 5]]).any() and own.absent.tolist() == [False, False, True, False, False, False]
+    assert verdict.replicas["ranks"] == [4] and verdict.nonfinite["gradients"] == [{"rank": 3, "bucket": 0, "parameter": "b"}]
+    assert matrix.cosine is not None and hosts.cosine_hosts() is not None
 
 
 def test_compact_wire_against_the_fleet_budget():
@@ -311,7 +370,7 @@ def test_compact_wire_against_the_fleet_budget():
     Llama of the scale benchmark (273 parameters, 4 buckets, sketch 256): 24 B a rank (8 more than
     the budget's 16) and the sums and sampled rows' 23 KB fit up to W = 5203; at 4096 the wire is
     122 KB against 128 KB."""
-    size = lambda world: 4 * fleet.FleetLayout(world, 273, 4, 256, SilentConfig().sampled_ranks).size
+    size = lambda world: 4 * fleet_stats.FleetLayout(world, 273, 4, 256, SilentConfig().sampled_ranks).size
     for world in (8, 32, 64, 256, 1024, 2048, 4096, 5203):
         assert size(world) <= 64 * 1024 + 16 * world, world
     assert size(4096) == 24 * 4096 + 4 * (16 * 273 + 4 * 273 + 4 + 1 + 2 * 256) == 122_212
@@ -322,8 +381,8 @@ def test_the_reduced_part_comes_last_and_only_where_a_transport_asks_for_it():
     """FSDP2's summed reduced shard norms (``FleetLayout.reduced``) follow every other part, so
     that DDP's wire (no such part) keeps its size and every offset; ``pack`` leaves the part to
     the transport (zeros)."""
-    ddp = fleet.FleetLayout(4, N_PARAMS, len(BUCKETS), BINS, sampled=2, fingerprinted=3)
-    sharded = fleet.FleetLayout(4, N_PARAMS, len(BUCKETS), BINS, sampled=2, fingerprinted=3, reduced=N_PARAMS)
+    ddp = fleet_stats.FleetLayout(4, N_PARAMS, len(BUCKETS), BINS, sampled=2, fingerprinted=3)
+    sharded = fleet_stats.FleetLayout(4, N_PARAMS, len(BUCKETS), BINS, sampled=2, fingerprinted=3, reduced=N_PARAMS)
     names = ("per_rank", "sampled", "param_sq", "param_norms", "rise_sum", "rise_count", "bucket_norms", "present", "sketch_sum", "unit_sum", "fingerprints")
     assert [ddp.part(name) for name in names] == [sharded.part(name) for name in names]
     assert ddp.part("reduced_sq") == slice(ddp.size, ddp.size) and sharded.part("reduced_sq") == slice(ddp.size, ddp.size + N_PARAMS)
@@ -341,24 +400,24 @@ def _replica_check(fingerprints: torch.Tensor, names: list[str], shards: int = 1
     shard i % shards): their histograms summed over each replica group apart (the transport's
     all-reduce over it), each shard's first replica sending its group's ``histogram_checks``."""
     world, tensors = fingerprints.shape[:2]
-    layout = fleet.FleetLayout(world, N_PARAMS, len(BUCKETS), 0, sampled=2, fingerprinted=tensors, sharded=sharded)
-    groups = torch.zeros(shards, sharded, fleet.FINGERPRINT_BINS + 1)
+    layout = fleet_stats.FleetLayout(world, N_PARAMS, len(BUCKETS), 0, sampled=2, fingerprinted=tensors, sharded=sharded)
+    groups = torch.zeros(shards, sharded, fleet_stats.FINGERPRINT_BINS + 1)
     for rank in range(world):
-        counts = torch.empty(sharded, fleet.FINGERPRINT_BINS + 1)
+        counts = torch.empty(sharded, fleet_stats.FINGERPRINT_BINS + 1)
         fleet.count_shards(fingerprints[rank].reshape(-1), counts)
         groups[rank % shards] += counts
     ranks = _ranks(world, 11)
     total = torch.zeros(layout.size)
     for rank, r in enumerate(ranks):
         out = torch.zeros(layout.size)
-        checks = fleet.histogram_checks(groups[rank]) if sharded and rank < shards else None
+        checks = fleet_stats.histogram_checks(groups[rank]) if sharded and rank < shards else None
         fleet.pack(layout, [0, 1], rank, r["head"], r["local_sq"], None, torch.zeros(fleet.OWN_VALUES), fingerprints[rank].reshape(-1), False, out, shard_checks=checks)
         total += out
     differs = lambda rank: fleet.replica_differs(layout, total, fingerprints[rank].reshape(-1), groups[rank % shards] if sharded else None)
     flagged = [rank for rank in range(world) if differs(rank).item() == 1.0]
-    histograms = total[layout.part("fingerprints")].view(layout.histogram_rows, fleet.FINGERPRINT_BINS + 1).double().numpy()
-    checks = total[layout.part("shard_checks")].view(sharded, fleet.SHARD_CHECK).double().numpy() if sharded else None
-    return flagged, fleet.replica_verdict(histograms, names, flagged, [], checked_step=7, shard_checks=checks)
+    histograms = total[layout.part("fingerprints")].view(layout.histogram_rows, fleet_stats.FINGERPRINT_BINS + 1).double().numpy()
+    checks = total[layout.part("shard_checks")].view(sharded, fleet_stats.SHARD_CHECK).double().numpy() if sharded else None
+    return flagged, fleet_stats.replica_verdict(histograms, names, flagged, [], checked_step=7, shard_checks=checks)
 
 
 @pytest.mark.parametrize(
@@ -435,9 +494,9 @@ def test_hsdp_compact_replica_check_compares_each_shard_within_its_replicas(worl
     for name, holders in buffer_ranks.items():  # a buffer: every flagged rank (which one differs is not sent)
         assert "shards_differing" not in got[name] and got[name]["ranks"] == ranks and got[name]["ranks_differing"] == len(holders)
     # in the wire over the whole mesh: a histogram per buffer and 3 numbers per parameter, whatever the shards
-    layout = fleet.FleetLayout(world, N_PARAMS, len(BUCKETS), 0, sampled=2, fingerprinted=len(names), sharded=sharded)
-    assert layout.part("fingerprints").stop - layout.part("fingerprints").start == buffers * (fleet.FINGERPRINT_BINS + 1)
-    assert layout.part("shard_checks").stop - layout.part("shard_checks").start == sharded * fleet.SHARD_CHECK
+    layout = fleet_stats.FleetLayout(world, N_PARAMS, len(BUCKETS), 0, sampled=2, fingerprinted=len(names), sharded=sharded)
+    assert layout.part("fingerprints").stop - layout.part("fingerprints").start == buffers * (fleet_stats.FINGERPRINT_BINS + 1)
+    assert layout.part("shard_checks").stop - layout.part("shard_checks").start == sharded * fleet_stats.SHARD_CHECK
 
 
 def test_fingerprint_bins_are_equal_for_equal_fingerprints_and_spread_over_the_bins():
@@ -445,8 +504,8 @@ def test_fingerprint_bins_are_equal_for_equal_fingerprints_and_spread_over_the_b
     prints = torch.rand(4096, 2, generator=generator) + 0.5
     bins = fleet.fingerprint_bins(prints.reshape(-1))
     assert torch.equal(bins, fleet.fingerprint_bins(prints.clone().reshape(-1)))
-    counts = torch.bincount(bins, minlength=fleet.FINGERPRINT_BINS)
-    assert counts.numel() == fleet.FINGERPRINT_BINS and counts.min() > 30 and counts.max() < 100  # about 64 each
+    counts = torch.bincount(bins, minlength=fleet_stats.FINGERPRINT_BINS)
+    assert counts.numel() == fleet_stats.FINGERPRINT_BINS and counts.min() > 30 and counts.max() < 100  # about 64 each
     nudged = prints.clone()
     nudged[:, 0] = torch.nextafter(nudged[:, 0], torch.tensor(9.0))  # one ulp in every L1 norm
     moved = (fleet.fingerprint_bins(nudged.reshape(-1)) != bins).float().mean().item()
@@ -473,19 +532,19 @@ def test_compact_row_carries_mean_loss_status_and_layer_parameter_exactly():
     from ddphooks.stats import REPLICA_CHECK_REQUESTED
 
     world = 4
-    layout = fleet.FleetLayout(world, N_PARAMS, len(BUCKETS), BINS, sampled=4)
+    layout = fleet_stats.FleetLayout(world, N_PARAMS, len(BUCKETS), BINS, sampled=4)
     ranks = _ranks(world, 5)
     ranks[0]["head"] = torch.tensor([3.0, 2.0, 0.0])  # two losses: the mean 1.5
     ranks[1]["head"] = torch.tensor([0.0, 0.0, float(REPLICA_CHECK_REQUESTED)])  # no loss, asks for a check
     ranks[2]["head"] = torch.tensor([math.inf, 1.0, 0.0])  # a non-finite loss
-    largest = 2**24 // fleet.STATUS_ROOM - 2  # status + STATUS_ROOM (parameter + 1) stays below 2**24: exact in fp32
+    largest = 2**24 // fleet_stats.STATUS_ROOM - 2  # status + STATUS_ROOM (parameter + 1) stays below 2**24: exact in fp32
     own = [torch.tensor([0.5, 0.25, 3.0, p]) for p in (4.0, math.nan, largest, 0.0)]
     wire = _compact(layout, [0, 1, 2, 3], ranks, own)
-    stats = fleet.FleetStats(1, BUCKETS, layout, wire, torch.ones(N_PARAMS), "piggyback", [0, 1, 2, 3], 0)
+    stats = fleet_stats.FleetStats(1, BUCKETS, layout, wire, torch.ones(N_PARAMS), "piggyback", [0, 1, 2, 3], 0)
     losses = stats.losses
     assert losses[0] == 1.5 and math.isnan(losses[1]) and losses[2] == math.inf and losses[3] == 4.5
     assert stats.nonfinite["losses"] == [2]
-    assert stats.replica_check_requested and stats.status.tolist() == [0, REPLICA_CHECK_REQUESTED | fleet.NO_LOSS, 0, 0]
+    assert stats.replica_check_requested and stats.status.tolist() == [0, REPLICA_CHECK_REQUESTED | fleet_stats.NO_LOSS, 0, 0]
     parameters = stats.layer_parameters
     assert parameters[0] == 4 and math.isnan(parameters[1]) and parameters[2] == largest and parameters[3] == 0
     assert stats.layer_scores.tolist() == [3.0] * world and stats.cosine_loo.tolist() == [0.5] * world
@@ -539,7 +598,7 @@ def test_hsdp_check_steps_carry_the_shards_checks_whatever_the_shards_and_the_bu
         check = state._fleet_layout(SimpleNamespace(step=1, layouts=BUCKETS, fingerprinted=state._replica_tensors.names), N_PARAMS, reduced=N_PARAMS)
         assert (plain.sharded, plain.histogram_rows) == (0, 0)
         assert (check.sharded, check.histogram_rows) == (2, 1)  # weight and bias checked within the replica groups; the mask
-        assert check.size == plain.size + (fleet.FINGERPRINT_BINS + 1) + 2 * fleet.SHARD_CHECK
+        assert check.size == plain.size + (fleet_stats.FINGERPRINT_BINS + 1) + 2 * fleet_stats.SHARD_CHECK
         # The buffer's capacity: a check on a detail step (step 0), whose matrix part is W rows
         # (8 ranks) or one row and count per block (4096 ranks on 512 hosts, two a block).
         detail = state._fleet_layout(SimpleNamespace(step=0, layouts=BUCKETS, fingerprinted=state._replica_tensors.names), N_PARAMS, reduced=N_PARAMS)
@@ -552,7 +611,7 @@ def test_hsdp_check_steps_carry_the_shards_checks_whatever_the_shards_and_the_bu
 
 
 # -- the cosine matrix on detail steps (issue 56) ------------------------------------------------
-def _compact_detail(layout: fleet.FleetLayout, ranks: list[dict], blocks=None) -> torch.Tensor:
+def _compact_detail(layout: fleet_stats.FleetLayout, ranks: list[dict], blocks=None) -> torch.Tensor:
     """Every rank's part of a detail step's compact wire, summed: its sketch in its row (the rank
     form), or its unit sketch in its host's row (``blocks``: the host form)."""
     total = torch.zeros(layout.size)
@@ -583,16 +642,16 @@ def test_a_detail_step_carries_every_ranks_sketch_and_the_whole_slots_matrix(abs
     gather): the W x W matrix is the whole slots' (to fp32 rounding; the record's rounded to 3
     decimals), an absent rank's row and column NaN; the step's other statistics are unchanged."""
     world = 6
-    layout = fleet.FleetLayout(world, N_PARAMS, len(BUCKETS), BINS, sampled=4, matrix_rows=world)
-    plain = fleet.FleetLayout(world, N_PARAMS, len(BUCKETS), BINS, sampled=4)
+    layout = fleet_stats.FleetLayout(world, N_PARAMS, len(BUCKETS), BINS, sampled=4, matrix_rows=world)
+    plain = fleet_stats.FleetLayout(world, N_PARAMS, len(BUCKETS), BINS, sampled=4)
     assert layout.size == plain.size + world * BINS and layout.part("matrix").start == plain.size  # after every other part
     ranks, reduced_sq = _ranks(world, 21, absent), torch.rand(N_PARAMS) + 0.05
     full = _full_stats(0, ranks, reduced_sq)
     wire = _compact_detail(layout, ranks)
-    stats = fleet.FleetStats(0, BUCKETS, layout, wire, reduced_sq, "piggyback", [0, 1], None)
+    stats = fleet_stats.FleetStats(0, BUCKETS, layout, wire, reduced_sq, "piggyback", [0, 1], None)
     np.testing.assert_allclose(stats.cosine, full.cosine, rtol=1e-5, atol=1e-6)
     assert np.isnan(stats.cosine[list(absent)]).all() and np.isnan(stats.cosine[:, list(absent)]).all()
-    without = fleet.FleetStats(0, BUCKETS, plain, torch.cat([wire[: plain.size]]), reduced_sq, "piggyback", [0, 1], None)
+    without = fleet_stats.FleetStats(0, BUCKETS, plain, torch.cat([wire[: plain.size]]), reduced_sq, "piggyback", [0, 1], None)
     assert without.cosine is None and without.summary() == pytest.approx(stats.summary(), nan_ok=True)
     record = stats.to_dict(detail=True)
     matrix = np.array([[np.nan if v is None else v for v in row] for row in record["cosine"]])
@@ -612,11 +671,11 @@ def test_above_detail_max_world_a_detail_step_carries_each_hosts_unit_sketches_a
     hosts = [f"node{(r * 5) % 4}" for r in range(world)]  # 3 ranks a host, not in rank order
     blocks = host_blocks(hosts)
     assert blocks.count == 4 and blocks.labels == ("node0", "node1", "node2", "node3") and blocks.ranks[1] == [1, 5, 9]
-    layout = fleet.FleetLayout(world, N_PARAMS, len(BUCKETS), BINS, sampled=4, matrix_rows=blocks.count, host_form=True)
+    layout = fleet_stats.FleetLayout(world, N_PARAMS, len(BUCKETS), BINS, sampled=4, matrix_rows=blocks.count, host_form=True)
     ranks, reduced_sq = _ranks(world, 22, absent), torch.rand(N_PARAMS) + 0.05
     full = _full_stats(0, ranks, reduced_sq)
     wire = _compact_detail(layout, ranks, blocks)
-    stats = fleet.FleetStats(0, BUCKETS, layout, wire, reduced_sq, "piggyback", [0, 1], None, hosts=blocks)
+    stats = fleet_stats.FleetStats(0, BUCKETS, layout, wire, reduced_sq, "piggyback", [0, 1], None, hosts=blocks)
     assert stats.cosine is None
     slow = _block_means(full.cosine, blocks, ~full.absent)
     got = stats.cosine_hosts()
@@ -677,17 +736,17 @@ def test_the_matrices_against_the_exact_cosines_of_the_gradients():
     exact = (unit @ unit.T).numpy()
     blocks = host_blocks([f"node{r // 8}" for r in range(world)])
     bound = 1 / math.sqrt(bins)
-    rank_layout = fleet.FleetLayout(world, N_PARAMS, len(BUCKETS), bins, sampled=4, matrix_rows=world)
-    host_layout = fleet.FleetLayout(world, N_PARAMS, len(BUCKETS), bins, sampled=4, matrix_rows=blocks.count, host_form=True)
+    rank_layout = fleet_stats.FleetLayout(world, N_PARAMS, len(BUCKETS), bins, sampled=4, matrix_rows=world)
+    host_layout = fleet_stats.FleetLayout(world, N_PARAMS, len(BUCKETS), bins, sampled=4, matrix_rows=blocks.count, host_form=True)
     reference = _block_means(exact, blocks, np.ones(world, dtype=bool))
     off = ~np.eye(world, dtype=bool)
     rank_rms, host_rms = [], []
     for seed in range(4):
         sketches = _sketch_rows(gradients.float(), bins, seed)
         ranks = [{"head": torch.tensor([1.0, 1.0, 0.0]), "local_sq": [torch.ones(2), torch.ones(3)], "sketch": s, "absent": False} for s in sketches]
-        rank_stats = fleet.FleetStats(0, BUCKETS, rank_layout, _compact_detail(rank_layout, ranks), torch.ones(N_PARAMS), "piggyback", [0, 1], None)
+        rank_stats = fleet_stats.FleetStats(0, BUCKETS, rank_layout, _compact_detail(rank_layout, ranks), torch.ones(N_PARAMS), "piggyback", [0, 1], None)
         rank_rms.append(float(np.sqrt(np.mean((rank_stats.cosine - exact)[off] ** 2))))
-        host_stats = fleet.FleetStats(0, BUCKETS, host_layout, _compact_detail(host_layout, ranks, blocks), torch.ones(N_PARAMS), "piggyback", [0, 1], None, hosts=blocks)
+        host_stats = fleet_stats.FleetStats(0, BUCKETS, host_layout, _compact_detail(host_layout, ranks, blocks), torch.ones(N_PARAMS), "piggyback", [0, 1], None, hosts=blocks)
         host_rms.append(float(np.sqrt(np.mean((host_stats.cosine_hosts().cosine - reference) ** 2))))
         # The two data distributions: within a group well above across groups, in both forms.
         matrix = host_stats.cosine_hosts().cosine
@@ -706,9 +765,9 @@ def test_detail_steps_keep_the_compact_wire_within_its_budget_averaged_over_deta
     for world in (32, 256, 1024, 4096):
         hosts = host_blocks([f"node{r // 8}" for r in range(world)])
         rows, host_form = (world, False) if world <= config.detail_max_world else (hosts.count, True)
-        plain = fleet.FleetLayout(world, 273, 4, bins, config.sampled_ranks)
-        detail = fleet.FleetLayout(world, 273, 4, bins, config.sampled_ranks, matrix_rows=rows, host_form=host_form)
-        check = fleet.FleetLayout(world, 273, 4, bins, config.sampled_ranks, fingerprinted=275)
+        plain = fleet_stats.FleetLayout(world, 273, 4, bins, config.sampled_ranks)
+        detail = fleet_stats.FleetLayout(world, 273, 4, bins, config.sampled_ranks, matrix_rows=rows, host_form=host_form)
+        check = fleet_stats.FleetLayout(world, 273, 4, bins, config.sampled_ranks, fingerprinted=275)
         averaged = 4 * (plain.size + (detail.size - plain.size) / config.detail_every + (check.size - plain.size) / config.check_replicas_every)
         assert averaged <= 64 * 1024 + 16 * world, world
         extra = 4 * (detail.size - plain.size) / config.detail_every

@@ -391,6 +391,8 @@ def _check_compact_wire(rank: int, world: int) -> list[str]:
         assert drifted["ranks"] == [1] and compact.replicas["ranks"] == [1]  # step 4's check, named at 4 and 5
         for a, b in zip(models[0].parameters(), models[1].parameters()):
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+        # Both wires' steps go to the detector's process from the training thread: no other thread ran one.
+        assert all(state._pipeline._thread is None and not state._pipeline.detector.in_process for state in states)
         for state in states:
             state.close()
         assert [(a["step"], a["kind"]) for a in states[1].alerts] == [(a["step"] + 1, a["kind"]) for a in states[0].alerts]  # the replica alert, a step later

@@ -348,7 +348,7 @@ def test_the_training_thread_feeds_the_detectors_process_and_collects_its_alerts
     reference_writer, writer = _Writer(), _Writer()
     reference = _collected(StepPipeline(Detector(), reference_writer, on_alert=None, warns=False), steps)
     detector = DetectorProcess(warn=pytest.fail)
-    pipeline = StepPipeline(detector, writer, on_alert=None, warns=False, slots_only=True)
+    pipeline = StepPipeline(detector, writer, on_alert=None, warns=False)
     try:
         assert _collected(pipeline, steps) == reference and any(reference)
     finally:
@@ -363,7 +363,7 @@ def test_a_detectors_process_that_never_starts_is_replaced_with_no_step_lost(mon
     steps, said = _faulty_steps(), []
     reference = _collected(StepPipeline(Detector(), _Writer(), on_alert=None, warns=False), steps)
     writer, detector = _Writer(), DetectorProcess(warn=said.append)
-    pipeline = StepPipeline(detector, writer, on_alert=None, warns=False, slots_only=True)
+    pipeline = StepPipeline(detector, writer, on_alert=None, warns=False)
     assert _collected(pipeline, steps) == reference and any(reference)
     assert detector.in_process and len(said) == 1 and "could not start" in said[0]
     assert pipeline._thread is not None  # from then on the detector runs on the pipeline's thread
@@ -373,7 +373,7 @@ def test_a_detectors_process_that_never_starts_is_replaced_with_no_step_lost(mon
 def test_a_detectors_process_that_dies_turns_detection_off_and_every_step_is_still_written(caplog):
     steps, writer = _faulty_steps(count=12), _Writer()
     detector = DetectorProcess(warn=pytest.fail)
-    pipeline = StepPipeline(detector, writer, on_alert=None, warns=True, slots_only=True)
+    pipeline = StepPipeline(detector, writer, on_alert=None, warns=True)
     with caplog.at_level(logging.WARNING, logger="ddphooks"):
         for index, stats in enumerate(steps):
             if index == 6:
@@ -396,7 +396,7 @@ def _records_of(tmp_path, name: str, steps: list, in_child: bool, restore_at: in
     records, sink = RecordBuilder(1, 10, 256, ranks=ranks), JsonlSink(tmp_path / f"{name}.jsonl")
     writer = RecordWriter([sink], lambda item: records.build(*item), 64)
     detector = DetectorProcess(warn=pytest.fail, records=records) if in_child else Detector()
-    pipeline = StepPipeline(detector, writer, on_alert=None, warns=False, slots_only=True)
+    pipeline = StepPipeline(detector, writer, on_alert=None, warns=False)
     try:
         for stats in steps:
             if stats.step == restore_at:  # a checkpoint's state, loaded between steps (the records before it written)
@@ -433,7 +433,7 @@ def test_a_flush_from_another_thread_while_steps_are_handed_over_loses_nothing()
     steps, writer = _faulty_steps(), _Writer()
     reference = _collected(StepPipeline(Detector(), _Writer(), on_alert=None, warns=False), steps)
     detector = DetectorProcess(warn=pytest.fail)
-    pipeline = StepPipeline(detector, writer, on_alert=None, warns=False, slots_only=True)
+    pipeline = StepPipeline(detector, writer, on_alert=None, warns=False)
     done, failures = threading.Event(), []
 
     def flush_often():  # a monitoring thread's flush() at any moment

@@ -20,8 +20,8 @@ How:
    start: its "ready" is read with the first step's alerts;
 2. each step, one message goes into the child's stdin (8 bytes of length, then a pickle: the
    step's slots, which the child reads into its ``Observation`` with ``ddphooks.stats``, numpy
-   only; the compact wire's steps as their ``Observation``; the bucket layouts only when they
-   change) and returns at once: the pipe is enlarged to ``PIPE_BYTES`` where the system allows,
+   only, or above ``gather_max_world`` the compact wire's buffer, read with
+   ``ddphooks.fleet_stats``; the bucket layouts only when they change) and returns at once: the pipe is enlarged to ``PIPE_BYTES`` where the system allows,
    and what it cannot take waits in this process and is written while ``receive`` waits;
 3. ``receive`` reads the alerts of the oldest step sent, in order, waiting at most ``timeout``
    seconds (the pipeline asks for them a step later, when the child has long answered); on the
@@ -148,15 +148,11 @@ class DetectorProcess:
 
     def send_stats(self, stats) -> None:
         """Hand a live step (``SilentStats``) to the detector; its alerts come from a later
-        ``receive``. Its slots travel (``stats.slots()``: a few KB at W = 2) and the child reads
-        the ``Observation`` from them, so that reading the step, numpy on small arrays, takes
-        no time of the training process either. A step with no slots to send (the compact wire's
-        ``FleetStats``) travels as its ``Observation``."""
-        slots = stats.slots()
-        if slots is None:
-            self._send("update", Observation.from_stats(stats))
-        else:
-            self._send("slots", slots)
+        ``receive``. Its slots travel (``stats.slots()``: a few KB at W = 2, the compact wire's
+        buffer above ``gather_max_world``: 122 KB at W = 4096) and the child reads the
+        ``Observation`` from them, so that reading the step, numpy on small arrays, takes no
+        time of the training process either."""
+        self._send("slots", stats.slots())
 
     def receive(self) -> tuple[list[dict], tuple[dict, dict] | None]:
         """The alerts of the oldest step sent and not received yet, and where the child built its
@@ -200,7 +196,7 @@ class DetectorProcess:
 
     # -- the exchange ------------------------------------------------------------------------
     def _send(self, kind: str, value) -> None:
-        """``value`` (an ``Observation``, or ``StepSlots`` with ``kind="slots"``) to the detector."""
+        """``value`` (an ``Observation``, or with ``kind="slots"`` a step's ``StepSlots`` or ``FleetSlots``) to the detector."""
         if self._local is None and self._child is None:
             try:
                 self._start()
@@ -344,8 +340,8 @@ def _end(child: subprocess.Popen) -> None:
 
 
 def _observation(kind: str, value) -> Observation:
-    """The step's ``Observation``: ``value`` itself, or read from its ``StepSlots`` (``kind="slots"``:
-    unpickling them imports ``ddphooks.stats``, numpy only)."""
+    """The step's ``Observation``: ``value`` itself, or read from its slots (``kind="slots"``:
+    unpickling them imports ``ddphooks.stats`` or ``ddphooks.fleet_stats``, numpy only)."""
     return Observation.from_stats(value.stats()) if kind == "slots" else value
 
 
