@@ -2,7 +2,13 @@
 
 All configurations train their own replica of the same model on the same data; each timed round
 runs one step of every configuration in turn (A B C, then B C A, ...), so machine drift hits them
-alike, and overheads are medians of the per-round ratios to the baseline of the same round.
+alike, and overheads are medians of the per-round ratios to the baseline of the same round. With
+``--block B`` (``--small``: 10) a round runs B consecutive steps of each configuration instead,
+after every state's background work of earlier steps has finished (its detector's process caught
+up, its writer's records written), and the first of the B is untimed: what a step's detector and
+writer do after it lands on the same configuration's next step, as in a run of its own, never on
+another configuration's (with one step each, a configuration's detector worked through the next
+configuration's step). Overheads then pair the j-th timed step of each block.
 "in hook ms" is the time spent inside the hook's calls on the training thread per step (median,
 slowest rank): a far less noisy view of the hook's own work than step times on a shared machine.
 "kept MB" is what the state keeps on its device between steps (sign tables, scratch, plans,
@@ -26,7 +32,7 @@ step); the breakdown covers the statistics pass in the gradient hooks and the en
 
 With ``--small`` the rounds run a 2-layer character-level GPT (``tiny-gpt``: steps of tens of
 milliseconds, where a fixed cost per step shows) with ``allreduce_hook`` and the user's
-configuration, detector on and off, 200 rounds; every mode also prints the training thread's CPU
+configuration, detector on and off, 200 timed steps in blocks of 10; every mode also prints the training thread's CPU
 time per step (``thread_time``) over ``allreduce_hook``'s in the same round, and for a breakdown
 that less its statistics pass.
 
@@ -51,6 +57,7 @@ import gc
 import json
 import os
 import platform
+import select
 import shutil
 import statistics
 import sys
@@ -68,12 +75,15 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddphooks import JsonlSink, SilentState, attach, silent_hook
+from ddphooks.detect.process import _HEADER, DetectorProcess
 from ddphooks.devices import set_device
 from ddphooks.launch import spawn
 from ddphooks.models import mlp, parameter_count, tiny_gpt, tiny_llama
 
 # -- config ----------------------------------------------------------------------------------------
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+#: Seconds ``settle`` waits for a state's background work before it gives up (raises).
+SETTLE_TIMEOUT_S = 120.0
 LLAMA_BATCH, LLAMA_TOKENS = 8, 128
 MLP_BATCH = 64
 GPT_BATCH, GPT_TOKENS = 8, 64  # tiny-gpt: character-level, steps of tens of milliseconds
@@ -323,7 +333,7 @@ class Breakdown:
         self.state.latest.summary()["mean_cosine"]
         self._add("summary()", time.perf_counter() - start)
 
-    def end_step(self, timed):
+    def end_step(self, timed, warmup=False):
         if timed:
             self.kernel_cpu.append(self._kernel_cpu_step)
         self._kernel_cpu_step = 0.0
@@ -332,7 +342,7 @@ class Breakdown:
                 if timed:
                     self.samples[part].append(self.current[part])
                 self.current[part] = 0.0
-            if not timed:  # warm-up steps detected and records built so far
+            if warmup:  # warm-up steps detected and records built so far
                 for part, _ in self.THREAD_PARTS + self.RECORD_PARTS:
                     self.samples[part].clear()
 
@@ -473,6 +483,46 @@ def register(model, config, group, timer, device):
     return None, None, None
 
 
+def settle(states):
+    """Wait, untimed, until every state's background work of the steps so far is done: its
+    detector's process has answered every step sent (the answers read into its inbox, not taken:
+    the pipeline takes them at its next hand-over), its pipeline's thread has processed what it
+    was handed and its writer has written every record submitted. Before a block of steps, so
+    that none of it runs into another configuration's timed steps."""
+    for state in states:
+        pipeline = getattr(state, "_pipeline", None)
+        if pipeline is None:
+            continue
+        detector = pipeline.detector
+        if isinstance(detector, DetectorProcess) and detector._child is not None:
+            _caught_up(detector)
+        with pipeline._cond:
+            pipeline._cond.wait_for(lambda: pipeline._done + len(pipeline._sent) >= pipeline._handed, timeout=SETTLE_TIMEOUT_S)
+        if pipeline.writer is not None:
+            pipeline.writer.flush(SETTLE_TIMEOUT_S)
+
+
+def _caught_up(detector):
+    """Read the detector's process's answers into its inbox until it holds one for every step
+    sent (and the "ready" before them), writing what the pipe could not take before."""
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    expected = detector._awaited + (0 if detector._ready else 1)
+    fd = detector._child.stdout.fileno()
+    while True:
+        detector._write_some()
+        inbox, count, offset = detector._inbox, 0, 0
+        while offset + _HEADER.size <= len(inbox):  # the answers complete so far
+            offset += _HEADER.size + _HEADER.unpack_from(inbox, offset)[0]
+            count += offset <= len(inbox)
+        if count >= expected:
+            return
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"the detector's process answered {count} of {expected} steps in {SETTLE_TIMEOUT_S} s")
+        if select.select([fd], [], [], remaining)[0]:
+            detector._read_some(fd)
+
+
 def synchronize(device):
     if device.type != "cpu":
         getattr(torch, device.type).synchronize()
@@ -504,10 +554,16 @@ def bench_model(rank, world, name, configs, args, device):
     cpu_times = [[] for _ in configs]  # the training thread's CPU time (thread_time) per step
     hook_times = [[] for _ in configs]
     gc.disable()  # a collection inside one configuration's step would be charged to it
-    for round_index in range(args.warmup + args.steps):
+    block = args.block
+    timed_per_round = block - 1 if block > 1 else 1  # a block's first step takes the spill-over of none: untimed
+    for round_index in range(args.warmup + -(-args.steps // timed_per_round)):
         # Rotate the order every round so that no configuration always follows the same one.
         order = [(round_index + i) % len(configs) for i in range(len(configs))]
-        for i in order:
+        for i, in_block in ((i, j) for i in order for j in range(block)):
+            if block > 1 and in_block == 0:
+                settle(states)
+            warmup = round_index < args.warmup
+            timed = not warmup and (block == 1 or in_block > 0) and len(times[i]) < args.steps
             synchronize(device)
             timers[i].seconds = 0.0
             start, cpu_start = time.perf_counter(), time.thread_time()
@@ -526,12 +582,12 @@ def bench_model(rank, world, name, configs, args, device):
                 optimizers[i].step()
                 optimizers[i].zero_grad(set_to_none=False)
             synchronize(device)
-            if round_index >= args.warmup:
+            if timed:
                 times[i].append(time.perf_counter() - start)
                 cpu_times[i].append(time.thread_time() - cpu_start)
                 hook_times[i].append(timers[i].seconds)
             if breakdowns[i] is not None:
-                breakdowns[i].end_step(timed=round_index >= args.warmup)
+                breakdowns[i].end_step(timed, warmup)
         gc.collect()
     gc.enable()
     # A step lasts as long as its slowest rank.
@@ -661,7 +717,8 @@ def main():
     parser.add_argument("--nproc", type=int, default=2, help="workers to spawn on CPU when not under torchrun")
     parser.add_argument("--models", nargs="+", default=None, help="tiny-llama, mlp, tiny-mlp (smoke test), or a Hugging Face causal LM path")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per configuration (30; --small: 200)")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed rounds first (3; --small: 10)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed rounds first (3; --small: 2 of --block steps)")
+    parser.add_argument("--block", type=int, default=None, help="consecutive steps of a configuration in a round, the first untimed (1; --small: 10)")
     parser.add_argument("--quick", action="store_true", help="a subset in under 3 minutes on a 2-core CPU")
     parser.add_argument("--configs", nargs="+", default=None, help="only these hooks (none, allreduce, fp16_compress, noop, norms_separate, silent, silent_sink)")
     parser.add_argument("--small", action="store_true", help="small steps (tiny-gpt, tens of ms): allreduce_hook against the defaults with a JsonlSink, detector on and off")
@@ -671,7 +728,10 @@ def main():
     args = parser.parse_args()
     args.models = args.models or (["tiny-llama"] if args.quick else ["tiny-gpt"] if args.small else ["tiny-llama", "mlp"])
     args.steps = args.steps if args.steps is not None else 200 if args.small else 30
-    args.warmup = args.warmup if args.warmup is not None else 10 if args.small else 3
+    args.warmup = args.warmup if args.warmup is not None else 2 if args.small else 3
+    args.block = args.block if args.block is not None else 10 if args.small else 1
+    if args.block < 1:
+        parser.error(f"--block {args.block}: a round runs at least one step of each configuration")
     if args.quick:
         args.steps, args.warmup = min(args.steps, 12), min(args.warmup, 2)
 
@@ -688,7 +748,8 @@ def main():
         results = spawn(run, args.nproc, args=(args,), timeout=3600)[0]
 
     print(f"\nddphooks overhead, {date.today()}, torch {torch.__version__}, {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} cores, {results[0]['world_size']} x {args.device}, {args.steps} timed steps after {args.warmup} warm-up rounds\n")
+          f"{os.cpu_count()} cores, {results[0]['world_size']} x {args.device}, {args.steps} timed steps after {args.warmup} warm-up rounds"
+          f"{f', in blocks of {args.block} steps (the first untimed)' if args.block > 1 else ''}\n")
     plain = "deepspeed" if args.deepspeed else "fsdp" if args.fsdp else "allreduce"  # the baseline a user compares with
     print(f"{'model':<12} {'configuration':<36} {'median ms':>10} {'min-max ms':>12} {'vs ' + plain:>13} {'(IQR)':>17} {'vs none':>9} {'in hook ms':>11} {'kept MB':>8}")
     for r in results:

@@ -81,7 +81,7 @@ def test_overhead_small_steps(tmp_path):
     """--small: tiny-gpt, allreduce_hook against the defaults with a JsonlSink, detector on and off,
     with the training thread's CPU per step over allreduce_hook's."""
     out = tmp_path / "small.json"
-    stdout = _run("overhead.py", "--small", "--steps", "3", "--warmup", "1", "--json", str(out))
+    stdout = _run("overhead.py", "--small", "--steps", "3", "--warmup", "1", "--block", "3", "--json", str(out))
     results = {r["config"]["hook"]: r for r in json.loads(out.read_text())}
     assert set(results) == {"allreduce", "silent_sink", "silent_sink_nodetect"}
     for r in results.values():
@@ -90,8 +90,9 @@ def test_overhead_small_steps(tmp_path):
     assert results["allreduce"]["thread_cpu_s_vs_allreduce"]["median"] == 0
     for hook in ("silent_sink", "silent_sink_nodetect"):  # the breakdowns also subtract their statistics pass
         assert set(results[hook]["thread_cpu_s_vs_allreduce_less_pass"]) == {"median", "iqr"}
-    _check_sink_config(results["silent_sink"], instrumented_steps=1 + 3)
-    assert results["silent_sink_nodetect"]["records_written"] == 1 + 3
+    _check_sink_config(results["silent_sink"], instrumented_steps=3 * 3)  # a warm-up round and two timed ones, blocks of 3
+    assert results["silent_sink_nodetect"]["records_written"] == 3 * 3
+    assert "in blocks of 3 steps" in stdout
     assert "training thread's CPU per step" in stdout and "less statistics pass ms" in stdout and "detect=False" in stdout
 
 
