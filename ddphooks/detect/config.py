@@ -62,7 +62,7 @@ class DetectorConfig:
     under a high cap the healthy levels come from single wild steps, which the threshold must
     clear, while a corrupted layer rises a steady 3-5 standard deviations a step (the ``sdc`` runs
     from step 150 at W = 2 and 4). With 10 and a threshold of 20, median / worst delay at W = 2 /
-    4 / 8: 14 / 25, 12.5 / 17, 3 on the eleventh session's held-out set, where this was chosen, and
+    4 / 8: 14 / 25, 12.5 / 17, 3 on the held-out set of e66939c (2026-12-02), where this was chosen, and
     5.5 / 17, 8.5 / 10, 5 on 11 runs held out from the choice; with 5 and 12, 8 / 16, 8.5 / 11, 5
     and 5 / 10, 6 / 7, 5, with no false alarm in either set (benchmarks/README.md). A strong
     corruption needs more steps than before: from step 30, where the corrupted weight rose about
@@ -74,7 +74,7 @@ class DetectorConfig:
     """Level at which a per-parameter CUSUM alerts (times ``alert_level``: 15 at the default level).
     Its own, like ``repeat_threshold``: with scores capped at ``layer_cap`` its healthy levels are
     lower than those of the few CUSUMs of ``threshold``. Just above the highest level of any
-    per-parameter CUSUM on the eleventh session's 13,030 held-out healthy steps (11.2, at W = 2;
+    per-parameter CUSUM on the 13,030 held-out healthy steps of e66939c (11.2, at W = 2;
     at W = 4 0.7 of that); on 17,770 healthy steps held out from the choice the per-parameter
     CUSUMs stayed under 10.1 (W = 2) and 6.3 (W = 4)."""
 
@@ -88,7 +88,7 @@ class DetectorConfig:
     rank whose batch often draws an outlier. 0.5: the MAD alone. Chosen on the workload zoo's
     development seeds (benchmarks/README.md "Workload zoo"): with the MAD alone and the loss on a
     log scale, a domain mixture raised 37 false alarms in 5,900 healthy steps at W = 2, 4 and 8;
-    0 at 0.8, which was the default until the twenty-fifth session. 0.9 since then: on fresh zoo
+    0 at 0.8, which was the default until d6a58dc (2026-12-05). 0.9 since then: on fresh zoo
     sets 0.8 raised 3, 3, 1 and 8 false alarms at W = 2, 4, 8 and 20 (22,400 healthy steps each
     at W <= 8, 5,600 at 20; the `heavy` and `mixture` families), 0.9 raised 1, 0, 0 and 0, with
     the same faults named about as fast; on fresh experiment runs (seeds 150-151) neither raised
@@ -126,7 +126,7 @@ class DetectorConfig:
     would take), and while it is left out its baseline is held, not aged out of the window:
     otherwise a shift too small to alert within a window (x1.5 on a rank whose healthy gap is
     wide, d' about 2) outlived its baseline, scored nothing, and was learned once the CUSUM had
-    drained (twenty-fifth session, benchmarks/README.md "Gradient-scale faults"). A step's score
+    drained (e9c3ca5, 2026-12-05, benchmarks/README.md "Gradient-scale faults"). A step's score
     is signed: a fall of the gap takes from the CUSUM of its rises, and the other way round (a
     spread that widens around the same level is no shift). At W = 2 a rise of one rank is the
     other's fall, the same split in two mirrored CUSUMs: it accumulates on both and, as it
@@ -135,7 +135,7 @@ class DetectorConfig:
     alert, when one is, as the same fault; until then the split makes neither rank suspect, so
     the healthy rank's other baselines keep learning). Giving each step to the
     rank whose own norm moved the more, as the loss does, stalled under a steep schedule,
-    whose shared moves are larger than a lasting x1.5 (twenty-sixth session)."""
+    whose shared moves are larger than a lasting x1.5 (8ec6cae, 2026-12-05)."""
 
     level_cap: float = 3.0
     """Cap on one step's score in the gradient-norm level CUSUM: a step adds at most ``level_cap -
