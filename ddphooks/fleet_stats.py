@@ -34,7 +34,7 @@ from ddphooks.stats import (
 if TYPE_CHECKING:
     import torch
 
-#: Numbers per rank in the compact wire's row (see the module docstring), and their places.
+#: Numbers per rank in the compact wire's row (see ``ddphooks.fleet``), and their places.
 PER_RANK = 6
 WIRE_LOSS, WIRE_RANK_SQ, WIRE_COSINE_LOO, WIRE_COSINE_PREVIOUS, WIRE_LAYER, WIRE_STATUS = range(PER_RANK)
 #: The row as ``FleetStats`` reads it, decoded: ``SilentStats``'s first three columns, then these.
@@ -56,7 +56,7 @@ FINGERPRINT_BINS = 64
 
 @dataclass(frozen=True)
 class FleetLayout:
-    """Where each part sits in the compact wire's flat buffer of one step (see the module docstring).
+    """Where each part sits in the compact wire's flat buffer of one step (see ``ddphooks.fleet``).
 
     ``reduced``: numbers of the last part, ``reduced_sq``, a plain sum over the ranks that only a
     sharded transport fills: under FSDP2 each rank holds its shard of the averaged gradient and
@@ -71,7 +71,7 @@ class FleetLayout:
     one histogram each here, over the whole mesh. 0 elsewhere (one histogram per tensor).
 
     ``matrix_rows``: on a detail step (``ddphooks.records.is_detail_step``), rows of ``bins``
-    numbers for the cosine matrix (7 in the module docstring): ``world`` rows, each rank's sketch
+    numbers for the cosine matrix (7 in ``ddphooks.fleet``'s docstring): ``world`` rows, each rank's sketch
     in its own row (the W x W matrix, up to ``detail_max_world``), or with ``host_form`` one row
     per block of ``ddphooks.hosts.HostBlocks``, each host's ranks' unit sketches summed, and as
     many counts of the ranks summed (the host-by-host matrix). 0 on other steps."""
@@ -162,7 +162,7 @@ def _array_module(array):
 
 
 class FleetStats(SilentStats):
-    """``SilentStats`` of a step that travelled in the compact wire (see the module docstring).
+    """``SilentStats`` of a step that travelled in the compact wire (see ``ddphooks.fleet``).
 
     The same API and records, with what the compact wire does not carry said so:
 

@@ -221,8 +221,8 @@ class StepPipeline:
                     self.warn("ddphooks: training stops now (stop_on=%s): %s", sorted(self.stop_on), self.stopping["message"])
 
     def _inline(self) -> bool:
-        """Whether steps are finished on the training thread: slots only, and no detector runs in
-        this process."""
+        """Whether steps are finished on the training thread: no detector runs in this process
+        (none, or a ``DetectorProcess`` whose child runs)."""
         detector = self.detector
         return detector is None or (isinstance(detector, DetectorProcess) and not detector.in_process)
 

@@ -21,8 +21,9 @@ How:
 2. each step, one message goes into the child's stdin (8 bytes of length, then a pickle: the
    step's slots, which the child reads into its ``Observation`` with ``ddphooks.stats``, numpy
    only, or above ``gather_max_world`` the compact wire's buffer, read with
-   ``ddphooks.fleet_stats``; the bucket layouts only when they change) and returns at once: the pipe is enlarged to ``PIPE_BYTES`` where the system allows,
-   and what it cannot take waits in this process and is written while ``receive`` waits;
+   ``ddphooks.fleet_stats``; the bucket layouts only when they change) and returns at once: the
+   pipe is enlarged to ``PIPE_BYTES`` where the system allows, and what it cannot take waits in
+   this process and is written while ``receive`` waits;
 3. ``receive`` reads the alerts of the oldest step sent, in order, waiting at most ``timeout``
    seconds (the pipeline asks for them a step later, when the child has long answered); on the
    log rank, with them, the step's record, which the child builds from the same slots with a
