@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddphooks
-from ddphooks.detect import DetectorConfig, detect_run
+from ddphooks.detect import Detector, DetectorConfig, Observation, detect_run
 from ddphooks.experiment.report import read_run
 from ddphooks.fleet import as_compact_records
 from ddphooks.launch import spawn
@@ -460,13 +460,14 @@ def brief(alert: dict) -> dict:
     return {k: alert[k] for k in ("step", "rank", "kind", "since", "score", "signals", "parameters")}
 
 
-def redetect(rows: list[dict], files: Path, config: DetectorConfig | None = None, compact_wire: int | None = None) -> list[dict]:
+def redetect(rows: list[dict], files: Path, config: DetectorConfig | None = None, compact_wire: int | None = None, peaks: bool = False) -> list[dict]:
     """The rows with their alerts detected again, offline, from each run's records (written with
     ``--records``: every step in detail, all the detector reads) by the detector of this checkout:
     the same alerts as online for the same detector, so a changed rule is measured on finished runs.
     ``compact_wire``: the records as the compact wire with that many sampled ranks would have
     written them (``ddphooks.fleet.as_compact_records``: cosines one step late, the sampled
-    ranks' layer norms), what the detector would have read above ``gather_max_world``."""
+    ranks' layer norms), what the detector would have read above ``gather_max_world``. ``peaks``:
+    the healthy runs also get each CUSUM's highest level (``healthy_peaks``)."""
     out = []
     for row in rows:
         path = files / f"run-{row['name']}.jsonl"
@@ -476,7 +477,34 @@ def redetect(rows: list[dict], files: Path, config: DetectorConfig | None = None
         if compact_wire is not None:
             records = as_compact_records(records, compact_wire)
         out.append({**row, "alerts": [brief(a) for a in detect_run(records, config)]})
+        if peaks and row["kind"] is None:
+            out[-1]["peaks"] = healthy_peaks(records, config)
     return out
+
+
+def healthy_peaks(records: list[dict], config: DetectorConfig | None) -> dict[str, float]:
+    """Per CUSUM (``kind/signal``), the highest level a run's ranks reached, as a fraction of its
+    alert level (1: an alert): on a healthy run, the margin left before a false alarm."""
+    detector, peaks = Detector(config), {}
+    for record in records:
+        detector.update(Observation.from_record(record))
+        for key, level in (detector.cusums.cusum.items() if detector.world else ()):
+            name = "/".join(key)
+            peaks[name] = max(peaks.get(name, 0.0), float(level.max() / detector.cusums.limit[key]))
+    return peaks
+
+
+def print_peaks(rows: list[dict]) -> dict[str, tuple[float, str]]:
+    """The highest healthy level of each CUSUM over ``rows`` (``healthy_peaks``) and its run."""
+    top: dict[str, tuple[float, str]] = {}
+    for row in rows:
+        for name, peak in row.get("peaks", {}).items():
+            if peak > top.get(name, (-1.0, ""))[0]:
+                top[name] = (peak, row["name"])
+    print("\nhighest level of each CUSUM on the healthy runs, as a fraction of its alert level (1: an alert)")
+    for name, (peak, run) in sorted(top.items()):
+        print(f"{name:<26} {peak:5.2f}  {run}")
+    return top
 
 
 #: Healthy steps before the fault, and steps after it, over which ``norm_gap_dprime`` separates them.
@@ -657,6 +685,7 @@ def main() -> int:
     parser.add_argument("--summarize", default=None, metavar="RESULTS", help="only print the tables of an existing results.jsonl")
     parser.add_argument("--redetect", action="store_true", help="with --summarize: detect every run again from its records (RESULTS' folder/files) with this checkout's detector")
     parser.add_argument("--norm-dprime", action="store_true", help="with --summarize: per fault run, d' of the faulty rank's log gradient norm against the others' (from RESULTS' folder/files) and the delay it allows")
+    parser.add_argument("--peaks", action="store_true", help="with --redetect: also each CUSUM's highest level on the healthy runs, as a fraction of its alert level")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="with --redetect: a DetectorConfig field (repeatable), e.g. --set scale_quantile=0.5")
     parser.add_argument("--compact-wire", type=int, default=None, metavar="SAMPLED", help="with --redetect: the records as the compact wire (gather_max_world below W) with SAMPLED ranks' layer norms a step would have written them")
     parser.add_argument("--json", default=None, help="also write the tables to this file")
@@ -680,7 +709,7 @@ def main() -> int:
     if args.summarize:
         rows = [json.loads(line) for line in Path(args.summarize).read_text().splitlines() if line.strip()]
         if args.redetect:
-            rows = redetect(rows, Path(args.summarize).parent / "files", DetectorConfig.from_overrides(args.set), args.compact_wire)
+            rows = redetect(rows, Path(args.summarize).parent / "files", DetectorConfig.from_overrides(args.set), args.compact_wire, args.peaks)
     elif args.smoke:
         specs = [Spec(f, args.smoke_world, 0, None, args.smoke_steps, None, None) for f in args.families]
         rows = spawn(train_many, args.smoke_world, args=(specs, None, None, False), timeout=1200)[0]
@@ -714,6 +743,8 @@ def main() -> int:
                 print(f"group {number + 1}/{len(groups)} W={w} {len(batch)} runs {time.time() - started:.0f} s {status}", flush=True)
         rows = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
     table = print_tables(rows)
+    if args.summarize and args.peaks:
+        table["peaks"] = print_peaks(rows)
     if args.summarize and args.norm_dprime:
         table["norm_dprimes"] = print_norm_dprimes(rows, Path(args.summarize).parent / "files")
     steps = defaultdict(int)

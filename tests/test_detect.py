@@ -15,6 +15,7 @@ from ddphooks import detect
 from ddphooks.detect import Detector, DetectorConfig, Observation
 from ddphooks.detect import detect_run as _detect_run
 from ddphooks.detect.evidence import Evidence
+from ddphooks.detect.signals import PERSISTENT_LAYER
 from ddphooks.experiment.report import read_run
 
 # These tests exercise the detector's mechanisms at alert level 1 (threshold 20), where their delays
@@ -1300,3 +1301,43 @@ def test_the_level_scores_match_a_slow_reference():
         longest = max(longest, int(out.max()))
     assert compared > 100
     assert longest > config.window - 8  # a rank left out long enough that an aged-out window would score nothing
+
+
+def _persistence_run(records: list[dict], **config) -> tuple[Detector, float]:
+    """A W = 2 run through the detector at level 1; with the persistence CUSUMs' highest level."""
+    detector, highest = Detector(DetectorConfig(alert_level=LEVEL_ONE, **config), keep_scores=True), 0.0
+    for record in records:
+        detector.update(Observation.from_record(record))
+        if detector.world == 2:
+            highest = max(highest, float(detector.cusums.cusum[PERSISTENT_LAYER].max()))
+    return detector, highest
+
+
+def test_at_two_ranks_a_moderate_lasting_rise_of_one_layer_is_named_by_how_long_it_lasts():
+    # Rank 1's gradient of one layer x1.45 from step 100: its per-parameter score sits a little
+    # above layer_drift's allowance, so that CUSUM gains a fraction of a standard deviation a step
+    # and names it at step 142; the persistence CUSUM counts the steps raised over 1.5 (1 each,
+    # 0.7 off for the others) and names it at step 126, past 17 (level 1).
+    records = _stream(2, 200, seed=3)
+    for record in records[100:]:
+        record["parameters"][3]["grad_norms"][1] *= 1.45
+    detector, _ = _persistence_run(records)
+    first = detector.alerts[0]
+    assert (first["step"], first["rank"], first["kind"], first["parameters"][0]) == (126, 1, "layer", NAMES[3]), detector.alerts
+    assert detector.fired[0] == (126, 1, PERSISTENT_LAYER, 3)
+    assert f"the gradient norm of {NAMES[3]} rose against the median rank's" in first["message"]
+    assert f"on most steps since step {first['since']}; CUSUM" in first["message"]
+    without, _ = _persistence_run(records, pair_persistence_threshold=math.inf)
+    assert [(a["step"], a["rank"], a["kind"]) for a in without.alerts] == [(142, 1, "layer")]
+    assert without.fired[0][2] == ("own", "layer")
+
+
+def test_at_two_ranks_a_rise_that_ends_before_the_persistence_threshold_never_counts_to_it():
+    # The same rise for 16 steps: each adds at most 1, so the persistence CUSUM stays under 17
+    # (level 1) whatever the height of the steps; nothing is named.
+    records = _stream(2, 200, seed=3)
+    for record in records[100:116]:
+        record["parameters"][3]["grad_norms"][1] *= 1.45
+    detector, highest = _persistence_run(records)
+    assert detector.alerts == [] and 10 < highest <= 16, (detector.alerts, highest)
+

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "workloads.py"
@@ -85,6 +86,41 @@ def test_redetect_tables_come_from_the_run_files_with_this_detector(tmp_path):
     (tmp_path / "files" / "run-heavy-labels-w4-s1.jsonl").unlink()
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode != 0 and "run-heavy-labels-w4-s1.jsonl is missing" in result.stderr, result.stderr[-3000:]
+
+
+def test_redetect_peaks_are_each_cusums_highest_healthy_level(tmp_path):
+    # --peaks: per CUSUM, the highest level on the healthy runs over its alert level. Checked for
+    # the W = 2 persistence CUSUM against its recursion written out here, fed the layer scores.
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_detect import _stream
+
+    from ddphooks.detect import Detector, DetectorConfig, Observation
+
+    records = _stream(2, 160, seed=3)
+    for record in records[100:116]:  # a moderate rise of one layer for 16 steps
+        record["parameters"][3]["grad_norms"][1] *= 1.45
+    (tmp_path / "files").mkdir()
+    lines = [json.dumps({"header": {"setting": "sync"}})] + [json.dumps(record) for record in records]
+    (tmp_path / "files" / "run-heavy-healthy-w2-s1.jsonl").write_text("\n".join(lines) + "\n")
+    row = {"family": "heavy", "world": 2, "seed": 1, "kind": None, "steps": 160, "fault_step": None, "fault_rank": None,
+           "name": "heavy-healthy-w2-s1", "alerts": [], "healthy_steps": 160}  # fmt: skip
+    (tmp_path / "results.jsonl").write_text(json.dumps(row) + "\n")
+    command = [sys.executable, "-W", "ignore", str(SCRIPT), "--summarize", str(tmp_path / "results.jsonl"), "--redetect", "--peaks", "--json", str(tmp_path / "t.json")]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    peaks = json.loads((tmp_path / "t.json").read_text())["peaks"]
+    config, detector = DetectorConfig(), Detector(keep_scores=True)
+    levels, highest = {}, 0.0
+    for record in records:
+        detector.update(Observation.from_record(record))
+        for (rank, parameter), z in np.ndenumerate(detector.step_scores.get(("own", "layer"), np.zeros((0, 0)))):
+            raised = z > config.pair_persistence_score
+            levels[rank, parameter] = max(0.0, levels.get((rank, parameter), 0.0) + (1.0 if raised else -config.pair_persistence_drift))
+            highest = max(highest, levels[rank, parameter])
+    limit = config.pair_persistence_threshold * config.alert_level
+    assert 10 < highest < limit
+    assert peaks["persistent/layer"] == [pytest.approx(highest / limit, rel=1e-9), "heavy-healthy-w2-s1"]
+    assert set(peaks) >= {"own/layer", "own/loss", "cross/cosine_previous", "level/grad_norm"}
 
 
 def test_norm_gap_dprime_against_the_plain_computation():

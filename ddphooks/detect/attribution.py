@@ -47,6 +47,10 @@ from .config import DetectorConfig
 from .evidence import Evidence
 from .observation import PARAMETER_DTYPE, Observation
 from .robust import MAD_TO_STD, _select_quantiles, _transposed
+from .signals import PERSISTENT_LAYER
+
+#: The CUSUMs kept per rank and parameter: the ``layer_drift`` one and, at W = 2, the persistence one.
+PARAMETER_KEYS = (("own", "layer"), PERSISTENT_LAYER)
 
 PARAMETER_RATE = 0.1  # weight of a new step in the per-parameter exponential averages
 #: Fewest parameters whose median is a rank's common factor (see ``ParameterAttribution.changes``):
@@ -58,7 +62,7 @@ class ParameterAttribution:
     """Per rank and parameter, the rise of its share of the gradient norm (``parameter_change``,
     W x P, or rows x P for the compact wire's ``parameter_rows``) and what it is learned from:
     ``parameter_level`` (W x P averages), ``parameter_scale`` (1 x P, W x P at W = 2),
-    ``parameter_names``. The layer CUSUMs themselves are ``evidence``'s (key ``("own", "layer")``),
+    ``parameter_names``. The layer CUSUMs themselves are ``evidence``'s (keys ``PARAMETER_KEYS``),
     which follow the parameters when they are listed in another order."""
 
     def __init__(self, config: DetectorConfig, world: int, evidence: Evidence) -> None:
@@ -127,7 +131,8 @@ class ParameterAttribution:
             # W >= 3: one scale per parameter, pooled over ranks (1 x P, broadcast); W = 2: each rank's.
             self.parameter_scale = np.zeros((1 if self.world >= 3 else len(self.parameter_level), self.parameter_level.shape[1]), dtype=PARAMETER_DTYPE)
             self.parameter_seen = 0
-            self.evidence.parts.pop(("own", "layer"), None)
+            for key in PARAMETER_KEYS:
+                self.evidence.parts.pop(key, None)
             return
         if self.parameter_seen >= self.config.warmup:
             level = self.parameter_level if rows is None else self.parameter_level[rows]
@@ -154,9 +159,9 @@ class ParameterAttribution:
         where = {name: index for index, name in enumerate(self.parameter_names)}
         order = [where[name] for name in names]
         self.parameter_level, self.parameter_scale = self.parameter_level[:, order], self.parameter_scale[:, order]
-        layer = ("own", "layer")
-        if layer in self.evidence.parts:
-            self.evidence.parts[layer], self.evidence.parts_start[layer] = self.evidence.parts[layer][:, order], self.evidence.parts_start[layer][:, order]
+        for key in PARAMETER_KEYS:
+            if key in self.evidence.parts:
+                self.evidence.parts[key], self.evidence.parts_start[key] = self.evidence.parts[key][:, order], self.evidence.parts_start[key][:, order]
         self.parameter_names = list(names)
 
     def learn(self, obs: Observation, suspect: np.ndarray) -> None:
@@ -220,7 +225,9 @@ class ParameterAttribution:
                 self.parameter_scale[rows] = scale
         self.parameter_seen += 1
 
-    def suspicious(self, rank: int) -> list[str]:
+    def suspicious(self, rank: int, key: tuple[str, str] = ("own", "layer")) -> list[str]:
+        """The parameters that deviate most on ``rank``: by the evidence of their CUSUMs of ``key``
+        (one of ``PARAMETER_KEYS``), and where there is none, by this step's change."""
         if self.parameter_change is None:
             return []
         rows = self.parameter_rows
@@ -231,6 +238,7 @@ class ParameterAttribution:
         else:
             change = np.zeros(self.parameter_change.shape[1])
         # Accumulated evidence first (the per-parameter CUSUMs), this step's rise where there is none.
-        relative = change if self.evidence.layer_level is None else self.evidence.layer_level[rank] + 1e-6 * change
+        evidence = self.evidence.parts.get(key)
+        relative = change if evidence is None else evidence[rank] + 1e-6 * change
         order = np.argsort(-relative)[: self.config.top_parameters]
         return [self.parameter_names[p] for p in order if relative[p] > 0]

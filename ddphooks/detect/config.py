@@ -27,7 +27,8 @@ class DetectorConfig:
 
     alert_level: float = 1.25
     """One knob for how much evidence an alert needs: every statistical CUSUM's alert level
-    (``threshold``, ``repeat_threshold``, ``layer_threshold``) is multiplied by it. Higher: fewer false alarms, later
+    (``threshold``, ``repeat_threshold``, ``layer_threshold``, ``level_threshold``,
+    ``pair_persistence_threshold``) is multiplied by it. Higher: fewer false alarms, later
     alerts (each step of a lasting shift adds the same evidence, so the delay grows about in
     proportion). The default, 1.25, is the lowest level that raised no false alarm on the
     experiment's healthy runs at W = 2, 4 and 8 (level 1 raised one, at W = 2); the measured
@@ -219,6 +220,33 @@ class DetectorConfig:
     labels at W = 2 (3 runs, from step 150): at 3, delays 5, 7 and 20 steps; at 2, 4, 5 and 8,
     while the healthy W = 2 runs (8,100 steps) peaked at 0.61 of the threshold (0.43 at 3)."""
 
+    pair_persistence_score: float = 1.5
+    """At W = 2, the per-parameter score (``ddphooks.detect.attribution``'s change, in standard
+    deviations) above which a parameter's step counts as raised in its persistence CUSUM (one
+    per rank and parameter): ``S <- max(0, S + 1)`` on a raised step, ``S <- max(0, S -
+    pair_persistence_drift)`` on another; its alerts are ``layer`` alerts. It counts how long a
+    rise lasts, not how high it goes: one layer's gradient x1.5 on one rank (karpathy/nanoGPT)
+    scored 2.6 +- 0.9 a step, as high as a healthy LoRA adapter's 20-step excursion, so the
+    ``layer_drift`` CUSUM names it after 45 steps and a lower allowance named healthy runs; the
+    excursion ends, the fault does not. A step adds at most 1, so no run of wild steps alerts
+    before ``pair_persistence_threshold * alert_level`` raised steps. 9.1% of healthy steps are
+    raised (577,344 rank-parameter steps of the zoo's 18 healthy W = 2 runs of r = 18-19). At
+    W >= 3 the ``layer_drift`` CUSUM's scale is pooled over ranks, and there is none."""
+
+    pair_persistence_drift: float = 0.7
+    """What a step that is not raised takes off the persistence CUSUM (see
+    ``pair_persistence_score``): the log-likelihood ratio of a step that is not raised over one
+    that is, ``ln((1 - p0) / (1 - p1)) / ln(p1 / p0)`` with ``p0`` = 0.091 raised on healthy steps
+    and ``p1`` = 0.8 on a faulty layer's; the CUSUM rises while more than 41% (``drift / (1 +
+    drift)``) of a parameter's steps are raised."""
+
+    pair_persistence_threshold: float = 17.0
+    """Level at which a persistence CUSUM alerts (times ``alert_level``: 21.25 at the default, at
+    least 22 raised steps). Chosen on the zoo's healthy W = 2 runs of r = 18-19, whose highest
+    level was 13.9 (a LoRA run): 1.22 times it at level 1, 1.53 at the default. Held out, no false
+    alarm: r = 20-23 (36 runs, 28,800 steps), highest 15.5; r = 24-29 (54 runs, 43,200 steps),
+    highest 14.7. The x1.5 layer on nanoGPT is named after 26 steps (benchmarks/README.md)."""
+
     quiet_steps: int = 8
     """Steps with every score below threshold that end a rank's alert episode."""
 
@@ -258,7 +286,8 @@ class DetectorConfig:
                 raise ValueError(f"DetectorConfig.{name}={value!r} must be an int >= 1")
         for name in (
             "threshold", "drift", "step_cap", "layer_cap", "cosine_floor", "layer_drift", "combined_drift", "combined_cap",
-            "repeat_drift", "repeat_cap", "repeat_threshold", "level_drift", "level_cap", "level_threshold", "layer_threshold", "pair_repeat_drift", "pair_combined_drift", "duplicate_tolerance", "duplicate_cosine_tolerance",
+            "repeat_drift", "repeat_cap", "repeat_threshold", "level_drift", "level_cap", "level_threshold", "layer_threshold", "pair_repeat_drift", "pair_combined_drift",
+            "pair_persistence_score", "pair_persistence_drift", "pair_persistence_threshold", "duplicate_tolerance", "duplicate_cosine_tolerance",
             "alert_level",
         ):
             value = getattr(self, name)

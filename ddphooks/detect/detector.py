@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .attribution import ParameterAttribution
+from .attribution import PARAMETER_KEYS, ParameterAttribution
 from .baselines import Baselines
 from .config import DetectorConfig
 from .evidence import Evidence
@@ -30,7 +30,7 @@ from .rules.nonfinite import NonfiniteRule
 from .rules.pair import PairSplit
 from .rules.replica import ReplicaRule
 from .scores import score_step
-from .signals import LEVEL, SIGNALS, _relative_to_median, cross_deviations, signal_values
+from .signals import LEVEL, PERSISTENT_LAYER, SIGNALS, _relative_to_median, cross_deviations, signal_values
 
 
 class Detector:
@@ -112,18 +112,22 @@ class Detector:
         # partner's step, elsewhere: Baselines.learn).
         signal_quiet = self._signal_quiet() if self.world == 2 else None
         if _partial_layer_view(obs):  # the compact wire above sampled_ranks: every rank ran its layer CUSUM itself
-            scores.pop(("own", "layer"), None)
+            for key in PARAMETER_KEYS:  # (the ranks run no persistence CUSUM of their own: none then)
+                scores.pop(key, None)
             self.cusums.take_layer_levels(obs, obs.parameter_names or self.attribution.parameter_names)
         for key, z in scores.items():
-            self.cusums.accumulate(key, z, obs.step, self.attribution.parameter_rows if key == ("own", "layer") else None)
+            self.cusums.accumulate(key, z, obs.step, self.attribution.parameter_rows if key in PARAMETER_KEYS else None)
         alerts += self.divergence.update(obs, values)
         # A rank with half the evidence of an alert (or under alert) does not teach the baselines:
         # otherwise a lasting fault becomes the new normal before it is reported.
         # At W = 2 the level's evidence is the pair's split, as much the other rank's as this one's
         # until it alerts (PairSplit.pair_owner): it does not make either rank suspect, or the
         # healthy rank's baselines would age out under it and score its next steps against a few
-        # (its own level baseline is held by level_quiet either way).
-        suspect = self.evidence(without=LEVEL if self.world == 2 else None) > 0.5
+        # (its own level baseline is held by level_quiet either way). Nor does the persistence
+        # CUSUM: it counts how long a moderate rise lasts, and a rank that stopped learning while
+        # it counted would make its own healthy excursions last (on the zoo's healthy W = 2 runs
+        # of r = 18-19 a LoRA run's reached 21.1 of its 21.25 that way, 13.9 without).
+        suspect = self.evidence(without=(LEVEL, PERSISTENT_LAYER) if self.world == 2 else ()) > 0.5
         suspect[list(self.divergence.episodes)] = True
         self.baselines.learn(values, deviations, relative_norms, losses, suspect, level_quiet, signal_quiet)
         self.seen += 1
@@ -144,11 +148,11 @@ class Detector:
                 quiet[index] = ~(parts > 0).any(axis=1)
         return quiet
 
-    def evidence(self, without: tuple[str, str] | None = None) -> np.ndarray:
+    def evidence(self, without: tuple[tuple[str, str], ...] = ()) -> np.ndarray:
         """Per rank, its highest statistical CUSUM as a fraction of that CUSUM's alert level (an
         alert above 1; empty before the first multi-rank step). Times ``alert_level``, the CUSUM
         over its level-1 threshold: ``benchmarks/detection.py`` reports the highest on healthy
-        steps, the margin left before a false alarm. ``without``: that CUSUM left out."""
+        steps, the margin left before a false alarm. ``without``: those CUSUMs left out."""
         if self.world is None:
             return np.zeros(0)
         return self.cusums.levels(without)

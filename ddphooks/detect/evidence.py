@@ -4,13 +4,17 @@ evidence a rank has against it.
 
 1. Per CUSUM key (kind, signal), rank ``i`` and part ``k``: ``S <- max(0, S + min(z, cap) -
    allowance)``, with ``z`` the step's score (``ddphooks.detect.scores``); the level CUSUM's ``z``
-   is signed (``clip(z, -cap, cap)``), the textbook CUSUM of a shift in the mean.
+   is signed (``clip(z, -cap, cap)``), the textbook CUSUM of a shift in the mean. At W = 2 each
+   parameter has a second, persistence CUSUM (key ``PERSISTENT_LAYER``): its ``z`` is ``1 +
+   drift`` on a step whose per-parameter score is over ``pair_persistence_score``, else 0, so it
+   counts how long a rise lasts (+1 a raised step, ``-pair_persistence_drift`` another), not how
+   high it goes; it makes no rank suspect (``Detector.update``).
 2. The rank's level of a key is its largest part; the part's "rising since" is the step it last
    rose from 0.
 3. The rank's evidence is its highest level over that CUSUM's alert level (``threshold *
-   alert_level``, ``repeat_threshold``, ``layer_threshold`` or ``level_threshold`` times it):
-   above 1, an alert (``ddphooks.detect.rules.divergence``); above 0.5, the rank is suspect and
-   teaches its baselines nothing.
+   alert_level``, ``repeat_threshold``, ``layer_threshold``, ``level_threshold`` or
+   ``pair_persistence_threshold`` times it): above 1, an alert (``ddphooks.detect.rules.divergence``);
+   above 0.5, the rank is suspect and teaches its baselines nothing.
 
 Each score feeds a one-sided CUSUM per (rank, signal): ``S <- max(0, S + z - drift)``; an alert is
 raised when ``S > threshold``, after ``warmup`` steps. A signal suspicious either way keeps two, one
@@ -47,7 +51,7 @@ import numpy as np
 
 from .config import DetectorConfig
 from .observation import PARAMETER_DTYPE, Observation
-from .signals import LEVEL, SIGNALS
+from .signals import LEVEL, PERSISTENT_LAYER, SIGNALS
 
 
 class Evidence:
@@ -66,6 +70,8 @@ class Evidence:
             self.cusum[("own", "combined")] = np.zeros(world)
         self.cusum[("own", "layer")] = np.zeros(world)
         self.cusum[LEVEL] = np.zeros(world)
+        if world == 2:
+            self.cusum[PERSISTENT_LAYER] = np.zeros(world)
         self.rising_since = {key: np.full(world, -1) for key in self.cusum}
         self.parts: dict[tuple[str, str], np.ndarray] = {}  # key -> W x parts CUSUMs (see accumulate)
         # key -> W x parts: the step each part last started rising (read only where it is above 0:
@@ -88,11 +94,15 @@ class Evidence:
         self.allowance[("own", "layer")] = config.layer_drift
         self.cap[("own", "layer")] = config.layer_cap
         self.limit[("own", "layer")] = config.layer_threshold * config.alert_level
+        if world == 2:  # a raised step scores 1 + drift (score_step): it adds 1, another takes drift off
+            drop = config.pair_persistence_drift
+            self.allowance[PERSISTENT_LAYER], self.cap[PERSISTENT_LAYER] = drop, 1 + drop
+            self.limit[PERSISTENT_LAYER] = config.pair_persistence_threshold * config.alert_level
 
-    def levels(self, without: tuple[str, str] | None = None) -> np.ndarray:
+    def levels(self, without: tuple[tuple[str, str], ...] = ()) -> np.ndarray:
         """Per rank, its highest CUSUM over that CUSUM's alert level (``Detector.evidence``);
-        ``without``: that CUSUM left out."""
-        return np.max(np.stack([self.cusum[key] / self.limit[key] for key in self.cusum if key != without]), axis=0)
+        ``without``: those CUSUMs left out."""
+        return np.max(np.stack([self.cusum[key] / self.limit[key] for key in self.cusum if key not in without]), axis=0)
 
     def accumulate(self, key: tuple[str, str], z: np.ndarray, step: int, rows: np.ndarray | None = None) -> None:
         """One CUSUM per rank and part of ``z`` (W x parts, see ``score_step``), ``S <- max(0, S +

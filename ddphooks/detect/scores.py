@@ -48,7 +48,7 @@ import numpy as np
 
 from .baselines import Baselines
 from .config import DetectorConfig
-from .signals import COMBINED_DIRECTION, CROSS_DIRECTION, LEVEL, LEVEL_ROW, OWN_DIRECTION, SIGNALS, SKETCHED
+from .signals import COMBINED_DIRECTION, CROSS_DIRECTION, LEVEL, LEVEL_ROW, OWN_DIRECTION, PERSISTENT_LAYER, SIGNALS, SKETCHED
 
 
 def _nan_to_zero(z: np.ndarray) -> np.ndarray:
@@ -180,4 +180,8 @@ def score_step(
     if parameter_change is not None:
         # Per rank and parameter, in standard deviations; accumulated per parameter (ddphooks.detect.evidence).
         scores[("own", "layer")] = parameter_change
+        if world == 2:
+            # How long each parameter's rise lasts (DetectorConfig.pair_persistence_score): a
+            # raised step adds 1 to its persistence CUSUM once the allowance is taken off.
+            scores[PERSISTENT_LAYER] = np.where(parameter_change > config.pair_persistence_score, 1 + config.pair_persistence_drift, 0.0)
     return scores

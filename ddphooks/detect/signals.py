@@ -48,6 +48,9 @@ SKETCHED = ("cosine", "cosine_previous")
 LEVEL = ("level", "grad_norm")
 #: Its row in the own-history window, after the signals'.
 LEVEL_ROW = len(SIGNALS)
+#: At W = 2, the per-parameter persistence CUSUM's key (see ``DetectorConfig.pair_persistence_score``):
+#: its alerts are ``layer`` alerts.
+PERSISTENT_LAYER = ("persistent", "layer")
 
 
 def signal_values(obs: Observation, losses: np.ndarray, log_norms: np.ndarray) -> dict[str, np.ndarray]:

@@ -30,7 +30,7 @@ from ..config import DetectorConfig
 from ..evidence import Evidence
 from ..messages import LIKELY_CAUSES, reference
 from ..observation import Observation
-from ..signals import LEVEL, SIGNALS, _relative_to_median, cross_deviations
+from ..signals import LEVEL, PERSISTENT_LAYER, SIGNALS, _relative_to_median, cross_deviations
 from .pair import PairSplit
 
 
@@ -79,7 +79,10 @@ class DivergenceRule:
                     # mirror, the same fault, unless the pair says this rank changed
                     # (PairSplit.changed_itself, read from when the mirror first rose). A mirror's
                     # evidence is emptied, not alerted on.
-                    since = self.pair.mirror_since.setdefault((rank, strongest), since)
+                    # (Both layer CUSUMs, the layer_drift one and the persistence one, mirror from
+                    # when the first of them did: the persistence one outlasts an emptying.)
+                    mirrored = ("own", "layer") if strongest == PERSISTENT_LAYER else strongest
+                    since = self.pair.mirror_since.setdefault((rank, mirrored), since)
                     if not self.pair.changed_itself(rank, strongest, since):
                         self.evidence.empty(rank)
                         continue
@@ -103,11 +106,13 @@ class DivergenceRule:
             self.fired.append((obs.step, rank, strongest, int(self.evidence.parts[strongest][rank].argmax())))
         kind, name = strongest
         signals = sorted({f"{n} ({k})" for (k, n), level in levels.items() if level > self.evidence.limit[(k, n)] / 2})
-        parameters = self.attribution.suspicious(rank)
+        parameters = self.attribution.suspicious(rank, strongest) if name == "layer" else self.attribution.suspicious(rank)
         against = {"cross": "the other ranks", "level": "its own usual level against the other ranks"}.get(kind, "its own recent steps")
         if name == "layer":
-            top = int(self.evidence.layer_level[rank].argmax())
+            top = int(self.evidence.parts[strongest][rank].argmax())
             detail = f"the gradient norm of {self.attribution.parameter_names[top]} rose against the median rank's and against this rank's other parameters, step after step"
+            if strongest == PERSISTENT_LAYER:  # its rise is moderate but lasting
+                detail += f", on most steps since step {since}"
         elif strongest == ("cross", "cosine_previous") and self.world >= 3 and np.isfinite(values["loss"][rank]):
             detail = "; ".join(self._now_and_usual(("cross", signal), rank, values) for signal in ("cosine_previous", "loss"))
         elif name == "combined":

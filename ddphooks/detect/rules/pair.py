@@ -68,7 +68,7 @@ class PairSplit:
         that changed, rose against its trend (``trend_shift``, as ``pair_owner`` reads the
         gradient norm) by more than its steps' spread about that trend before. Any other key:
         False, the pair's split of it belongs to the rank under alert."""
-        if key != ("own", "layer") or not self.pair_parameter_means:
+        if key[1] != "layer" or not self.pair_parameter_means:
             return False
         parameter = int(self.evidence.parts[key][rank].argmax())
         names = self.pair_parameter_means[-1][1]
