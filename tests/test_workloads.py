@@ -149,7 +149,7 @@ def test_norm_gap_dprime_against_the_plain_computation():
 
 def test_more_runs_than_fixed_seeds_is_a_one_line_error():
     # Fault run r of kind k uses seed FAULT_SEEDS[r] + 10 k: past the fixed seeds a run would repeat another's.
-    for option, fixed in (("--healthy-runs", 30), ("--fault-runs", 20)):
+    for option, fixed in (("--healthy-runs", 50), ("--fault-runs", 20)):
         result = subprocess.run([sys.executable, str(SCRIPT), option, str(fixed + 1)], capture_output=True, text=True, timeout=120)
         assert result.returncode == 2 and f"{option} {fixed + 1}: at most {fixed}" in result.stderr, result.stderr
 
@@ -165,4 +165,4 @@ def test_every_run_of_a_campaign_has_its_own_seed():
     specs = workloads.plan([2], len(workloads.HEALTHY_SEEDS), len(workloads.FAULT_SEEDS))
     for family in workloads.FAMILIES:
         seeds = [spec.seed for spec in specs if spec.family == family]
-        assert len(seeds) == len(set(seeds)) == 30 + 20 * len(workloads.fault_kinds(family)), family  # 30 healthy seeds, 20 a fault kind
+        assert len(seeds) == len(set(seeds)) == 50 + 20 * len(workloads.fault_kinds(family)), family  # 50 healthy seeds, 20 a fault kind
