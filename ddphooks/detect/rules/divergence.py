@@ -106,7 +106,7 @@ class DivergenceRule:
             self.fired.append((obs.step, rank, strongest, int(self.evidence.parts[strongest][rank].argmax())))
         kind, name = strongest
         signals = sorted({f"{n} ({k})" for (k, n), level in levels.items() if level > self.evidence.limit[(k, n)] / 2})
-        parameters = self.attribution.suspicious(rank, strongest) if name == "layer" else self.attribution.suspicious(rank)
+        parameters = self.attribution.suspicious(rank, strongest if name == "layer" else ("own", "layer"))
         against = {"cross": "the other ranks", "level": "its own usual level against the other ranks"}.get(kind, "its own recent steps")
         if name == "layer":
             top = int(self.evidence.parts[strongest][rank].argmax())
