@@ -33,7 +33,11 @@ allreduce_hook with one op in its callback); DDP with 48 buckets of 4 KB (1 para
 of 1 MB (4 parameters each) for the default torch path on the CPU, the torch path as it runs on an
 accelerator (``BucketStatsKernel(fused=True)``, which the code picks from the device type, forced
 here on the CPU; ``chunk_elems=ACCELERATOR_CHUNK_ELEMS``) and ``sketch_dim=0``; the Triton kernel
-under ``TRITON_INTERPRET=1`` (4 KB buckets); FSDP2 (``fully_shard`` per Linear, and per group of four) and DeepSpeed ZeRO-2.
+under ``TRITON_INTERPRET=1`` (4 KB buckets); FSDP2 (``fully_shard`` per Linear, and per group of four) and DeepSpeed ZeRO-2. Then DDP at W = 64, above ``gather_max_world``,
+where the statistics travel in the compact wire (``ddphooks.fleet``: each rank packs its parts and,
+after the all-reduce, computes its own values of the step on its device): on PyTorch's fake process
+group in the main process, where the collectives complete at once and every callback runs inline
+on the training thread, so a ``TorchDispatchMode`` sees all of it.
 
 Then the time: the wall time of ``loss.backward()`` with ddphooks minus with allreduce_hook, per
 bucket (and the same in the training thread's CPU time, its own work without its waits for the GIL), 64 buckets of 1K elements, median over interleaved rounds [IQR], on PyTorch's fake process
@@ -77,6 +81,7 @@ LARGE = (256, 4, 6)  # 1 MB buckets: 4 Linear(256, 256) weights per bucket, 6 bu
 TRITON_BUCKETS = 4 if QUICK else 8  # the interpreter runs the kernel in numpy
 SHARDED_LAYERS = 4 if QUICK else 8  # FSDP2 reduce-scatters, DeepSpeed gradient hooks
 TIMED_BUCKETS, ROUNDS, REPEAT = 64, 5 if QUICK else 40, 4
+COMPACT_WORLD = 64  # above gather_max_world (16): the compact wire
 # The timed configurations, each its attach() settings given a directory for records: the defaults
 # (the detector in a process of its own), the same with a JsonlSink (what a user who keeps records
 # pays: the writer thread builds and writes one a step), the same with the detector on the
@@ -95,6 +100,7 @@ NO_KERNEL = {"aten::" + n for n in (
     "slice", "view", "as_strided", "select", "alias", "t", "transpose", "split", "split_with_sizes", "unbind", "chunk", "narrow",
     "empty", "empty_like", "empty_strided", "detach", "expand", "unsqueeze", "squeeze", "reshape", "_reshape_alias", "permute",
     "flatten", "unflatten", "_unsafe_view", "view_as", "resolve_conj", "resolve_neg", "to", "contiguous", "lift_fresh", "numpy_T",
+    "diagonal",
 )}  # fmt: skip
 GOALS = {"bucket": "<= 4 ops a unit", "step": "<= 12 ops a step, none per parameter", "triton": "<= 1 launch a bucket (CUDA default path)",
          "time": "<= 40 us a bucket"}  # fmt: skip
@@ -127,16 +133,18 @@ def count(step, steps=STEPS) -> tuple[float, float, float]:
 
 
 class ThreadLocalCount(TorchDispatchMode):
-    """The alternative: a dispatch mode, entered on the training thread (non-view ops it sees)."""
+    """The alternative: a dispatch mode, entered on the training thread (the ops it sees, and apart
+    the views and allocations)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.ops, self.lock = 0, threading.Lock()
+        self.ops, self.views, self.lock = 0, 0, threading.Lock()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if "aten::" + func.__name__.split(".")[0] not in NO_KERNEL and not func.__name__.startswith("_record_function"):
+        if not func.__name__.startswith("_record_function"):
+            launches = "aten::" + func.__name__.split(".")[0] not in NO_KERNEL
             with self.lock:
-                self.ops += 1
+                self.ops, self.views = self.ops + launches, self.views + (not launches)
         return func(*args, **(kwargs or {}))
 
 
@@ -214,7 +222,7 @@ def _ddp_extra(rank: int, shape: tuple, hook, settings: dict | None, mode: bool 
         with counter:
             for _ in range(STEPS):
                 step()
-        result = (counter.ops / STEPS, 0.0, 0.0)
+        result = (counter.ops / STEPS, counter.views / STEPS, 0.0)
     else:
         result = count(step)
     if state is not None:
@@ -297,6 +305,45 @@ def _completed(tensor: torch.Tensor) -> torch.futures.Future:
     future = torch.futures.Future()
     future.set_result([tensor])
     return future
+
+
+def _compact_wire() -> dict:
+    """DDP at W = COMPACT_WORLD, above ``gather_max_world``: the compact wire (``ddphooks.fleet``:
+    its packing, and each rank's own values computed on its device after the all-reduce), on
+    PyTorch's fake process group in this one process. Its collectives complete at once, so every
+    callback runs inline on the training thread, where a ``TorchDispatchMode`` sees it: counted
+    by one, against ``allreduce_hook``, at SMALL's buckets and half of them (``_fit``)."""
+    from scale import _DoneWork  # the fake group's collectives as completed work (benchmarks/scale.py)
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=COMPACT_WORLD)
+    all_reduce = dist.all_reduce
+    dist.all_reduce = lambda tensor, op=None, group=None, async_op=False: _DoneWork(_completed(tensor))  # its future has no value
+    x = torch.randn(4, SMALL[0], generator=torch.Generator().manual_seed(0))
+
+    def extra(buckets: int, measured: bool) -> tuple:
+        model = _ddp(SMALL[0], 1, buckets)
+        state = ddphooks.attach(model) if measured else None
+        if state is None:
+            model.register_comm_hook(None, allreduce_hook)
+        step = _backward_step(model, state, x)
+        for _ in range(WARMUP):
+            step()
+        counter = ThreadLocalCount()
+        with counter:
+            for _ in range(STEPS):
+                step()
+        if state is not None:
+            state.close()
+        return counter.ops / STEPS, counter.views / STEPS, 0.0
+
+    try:
+        return {"compact_4KB": _fit(lambda n: (extra(n, True), extra(n, False)), SMALL[2])}
+    except Exception as error:
+        return {"compact_4KB": _skip(error)}
+    finally:
+        dist.all_reduce = all_reduce
+        dist.destroy_process_group()
 
 
 def _timed() -> dict[str, tuple[list[float], list[float]]]:
@@ -439,6 +486,7 @@ if __name__ == "__main__":
     started = time.perf_counter()
     rows = spawn(_worker, 2, timeout=TIMEOUT)[0]
     rows.update(_triton_rows())
+    rows.update(_compact_wire())
     d = SMALL[2]
     table = [  # (name, key, unit, goal of the unit's column, goal of the step's column)
         ("reference: allreduce_hook vs a hook returning the bucket", "ref_allreduce", "bucket", "2 (div_, allreduce_)", "0"),
@@ -454,6 +502,7 @@ if __name__ == "__main__":
         (f"FSDP2 fully_shard x {SHARDED_LAYERS} Linear(32, 32), one a group", "fsdp2", "reduce-scatter", GOALS["bucket"], GOALS["step"]),
         (f"FSDP2 fully_shard x {SHARDED_LAYERS} groups of 4 Linear(32, 32)", "fsdp2_4", "reduce-scatter", GOALS["bucket"], GOALS["step"]),
         (f"DeepSpeed ZeRO-2 x {SHARDED_LAYERS} Linear(32, 32)", "deepspeed", "gradient hook", GOALS["bucket"], GOALS["step"]),
+        (f"DDP {d} x 4 KB at W = {COMPACT_WORLD}, compact wire, fake group", "compact_4KB", "bucket", GOALS["bucket"], GOALS["step"]),
     ]
     lines = [f"{'rank 0, ops beyond the plain reduction':<58} {'unit':<15} {'per unit':<26} {'per step':<26} goal (unit; step)"]
     for name, key, unit, goal_unit, goal_step in table:

@@ -205,14 +205,14 @@ def pack(
     (``own_values`` reads them after the all-reduce). Device ops only: nothing synchronises."""
     param_sq = torch.cat(local_sq) if len(local_sq) > 1 else local_sq[0]
     row = out[layout.part("per_rank")].view(layout.world, PER_RANK)[rank]
-    counted = head[1] > 0
-    row[WIRE_LOSS] = torch.where(counted, head[0] / torch.where(counted, head[1], 1.0), 0.0)
-    row[WIRE_RANK_SQ] = param_sq.sum()
+    # its mean loss, 0 where it counted none (the count is a whole number: its sum is then 0 too)
+    torch.div(head[0], head[1].clamp(min=1.0), out=row[WIRE_LOSS])
+    torch.sum(param_sq, dim=0, out=row[WIRE_RANK_SQ])
     row[WIRE_COSINE_LOO : WIRE_LAYER + 1] = own[:3]
-    # status + STATUS_ROOM (parameter + 1): small integers, exact (NaN parameter: 0).
+    # status + STATUS_ROOM (parameter + 1) + NO_LOSS where it counted none: small integers, exact (NaN parameter: 0).
     status = row[WIRE_STATUS]
     torch.add(head[2], torch.nan_to_num(own[3] + 1.0, nan=0.0), alpha=STATUS_ROOM, out=status)
-    status += NO_LOSS * (~counted)
+    status.add_(head[1] <= 0, alpha=NO_LOSS)
     if differs is not None:
         status += REPLICA_DIFFERS * differs
     if absent:
@@ -220,19 +220,17 @@ def pack(
     if rank in rows:
         out[layout.part("sampled")].view(layout.rows, layout.n_params)[rows.index(rank)] = param_sq
     out[layout.part("param_sq")] = param_sq
-    torch.sqrt(param_sq, out=out[layout.part("param_norms")])
-    if layer is not None:
-        out[layout.part("rise_sum")] = layer.rise_sum
-        out[layout.part("rise_count")] = layer.rise_count
-    bucket_norms = out[layout.part("bucket_norms")]
-    torch.stack([sq.sum() for sq in local_sq], out=bucket_norms)
-    bucket_norms.sqrt_()
+    norms = torch.sqrt(param_sq, out=out[layout.part("param_norms")])
+    if layer is not None:  # rise_sum then rise_count: adjacent parts, one copy
+        torch.cat([layer.rise_sum, layer.rise_count], out=out[layout.part("rise_sum").start : layout.part("rise_count").stop])
+    # each bucket's norm, the norm of its parameters' norms: one multi-tensor kernel, not one sum a bucket
+    torch.stack(torch._foreach_norm(norms.split([len(sq) for sq in local_sq]), 2), out=out[layout.part("bucket_norms")])
     out[layout.part("present")] = 1.0
     if layout.bins and sketch is not None:
         out[layout.part("sketch_sum")] = sketch
         norm = torch.linalg.vector_norm(sketch)
         # A zero sketch (no gradient on this rank) adds nothing to U, not 0/0.
-        torch.div(sketch, torch.where(norm > 0, norm, torch.ones_like(norm)), out=out[layout.part("unit_sum")])
+        torch.div(sketch, norm, out=out[layout.part("unit_sum")]).nan_to_num_(nan=0.0)
         if layout.matrix_rows and matrix_row is not None:
             rows = out[layout.part("matrix")].view(layout.matrix_rows, layout.bins)
             if layout.host_form:  # this rank's unit sketch into its host's sum, and a one into its count
@@ -348,56 +346,73 @@ def own_values(
 
     A step where the rank has no parameter to compare (absent under ``Join``: no gradient) leaves
     its baseline and CUSUMs as they were (its scale still learns from the others). ``state`` is
-    None on the first step. Device ops in float64 (the host path's precision);
-    nothing synchronises."""
-    nan = torch.full((), math.nan, dtype=torch.float64, device=reduced.device)  # torch.full: a Python scalar copied to a GPU would wait for it
-    loo = to_previous = nan
-    if layout.bins and sketch is not None:
-        s = sketch.double()
-        total = reduced[layout.part("sketch_sum")].double()
-        own = torch.dot(s, s)
-        others = total - s
-        loo = torch.dot(s, others) / (own.sqrt() * torch.dot(others, others).sqrt())
-        if previous is not None:
-            p = previous.double()
-            to_previous = torch.dot(s, p) / (own.sqrt() * torch.dot(p, p).sqrt())
-    present = reduced[layout.part("present")].double()[0]
-    norms = param_sq.double().sqrt()
-    others_mean = (reduced[layout.part("param_norms")].double() - norms) / (present - 1.0)
-    deviation = norms.log() - others_mean.log()
-    deviation = torch.where(torch.isfinite(deviation), deviation, nan)  # a parameter this rank's batch did not use: unknown
-    deviation = deviation - torch.nanmedian(deviation)
-    known = torch.isfinite(deviation)
+    None on the first step. Device ops in float64 (the host path's precision), about 55 of them
+    whatever P and the bins (``benchmarks/launches.py``, the compact wire's row); nothing
+    synchronises."""
+    device, n = reduced.device, param_sq.numel()
+    sketching = bool(layout.bins) and sketch is not None
+    # One conversion to fp64 of all that is read: this rank's squared norms, the sums from the
+    # parameters' norms to the present count (adjacent parts of the wire), and for the cosines the
+    # rows [own sketch, sum of the sketches, own previous sketch].
+    first_part, present_part = layout.part("param_norms"), layout.part("present")
+    rows = ([sketch, reduced[layout.part("sketch_sum")]] + ([] if previous is None else [previous])) if sketching else []
+    sums = reduced[first_part.start : present_part.stop]
+    work = torch.cat([param_sq, sums, *rows], out=torch.empty(n + sums.numel() + len(rows) * layout.bins, dtype=torch.float64, device=device))
+
+    def read(name: str) -> torch.Tensor:
+        part = layout.part(name)
+        return work[n + part.start - first_part.start : n + part.stop - first_part.start]
+
+    cosines = None
+    if sketching:
+        x = work[n + sums.numel() :].view(len(rows), layout.bins)
+        x[1].sub_(x[0])  # the others' sum
+        gram = x @ x.T
+        inverse = gram.diagonal().rsqrt()
+        # cos(a, b) = <a, b> / (|a| |b|), NaN where a sketch is 0 (0 * inf)
+        cosines = gram.mul_(torch.outer(inverse, inverse)).clamp_(-1.0, 1.0)[0, 1:]  # [loo] or [loo, previous]
+    norms = work[:n].sqrt_()
+    # d_p = log(|g_p| / mean_{j != i} |g_{j,p}|), the mean being (sum - |g_p|) / (present - 1)
+    deviation = torch.mul(norms, read("present") - 1.0).div_(read("param_norms") - norms).log_()
+    deviation.nan_to_num_(nan=math.nan, posinf=math.nan, neginf=math.nan)  # a parameter this rank's batch did not use: unknown
+    known = deviation == deviation
+    deviation.sub_(torch.nanmedian(deviation))
     anything = known.any()  # a rank with no parameter to compare (absent: no gradient) has no level, and its CUSUM waits
-    zero = torch.zeros_like(deviation)
     if state is None:
-        state = LayerState(zero, zero, torch.zeros((), dtype=torch.float64, device=zero.device), zero, zero, zero, zero)
-    scale, weight = _pool_scale(state.scale, state.weight, reduced[layout.part("rise_sum")].double(), reduced[layout.part("rise_count")].double())
+        zero = torch.zeros_like(deviation)
+        state = LayerState(zero, zero, torch.zeros((), dtype=torch.float64, device=device), zero, zero, zero, zero)
+    scale, weight = _pool_scale(state.scale, state.weight, read("rise_sum"), read("rise_count"))
     first = state.seen == 0  # its deviations are its baseline, nothing else yet
-    rise = torch.where(known, deviation - state.average, zero)
-    typical = torch.where(weight > 0, scale / torch.where(weight > 0, weight, 1.0), 0.0) + 1e-3
-    counted = (state.cusum + (rise / typical).clamp(max=LAYER_CAP) - LAYER_DRIFT).clamp(min=0.0)
-    cusum = torch.where(first, zero, torch.where((state.seen >= LAYER_WARMUP) & anything, counted, state.cusum))
-    learn = known & (cusum == 0) & ~first
-    average = torch.where(learn, (1 - LAYER_RATE) * state.average + LAYER_RATE * deviation, state.average)
-    average = torch.where(first, torch.where(known, deviation, zero), average)
-    pooled = known & ~first
-    rise_sum = torch.where(pooled, math.sqrt(math.pi / 2) * rise.abs(), zero)
-    state = LayerState(average, cusum, state.seen + anything.double(), scale, weight, rise_sum, pooled.double())
+    rise = torch.sub(deviation, state.average).nan_to_num_(nan=0.0)  # 0 where unknown
+    # s_p / w_p, 0 where no rank has learned yet: w_p is 0 or at least LAYER_RATE, and s_p is 0 where w_p is
+    typical = torch.div(scale, weight.clamp(min=LAYER_RATE)).add_(1e-3)
+    counted = torch.div(rise, typical).clamp_(max=LAYER_CAP).add_(state.cusum).sub_(LAYER_DRIFT).clamp_(min=0.0)
+    # (Before LAYER_WARMUP steps the CUSUM stays as it was: 0, since it never counted.)
+    cusum = torch.where((state.seen >= LAYER_WARMUP) & anything, counted, state.cusum)
+    learns = (known & (cusum == 0)).to(torch.float64)
+    # a <- a + rate (d - a): rate LAYER_RATE where it learns, 1 on the first step (a is 0: a <- d)
+    average = torch.addcmul(state.average, torch.where(first, learns, learns * LAYER_RATE), rise)
+    rise_count = (known & ~first).to(torch.float64)
+    rise_sum = rise.abs_().mul_(rise_count).mul_(math.sqrt(math.pi / 2))
+    state = LayerState(average, cusum, state.seen + anything, scale, weight, rise_sum, rise_count)
     level, parameter = state.cusum.max(dim=0)
-    level, parameter = torch.where(anything, level, nan), torch.where(anything, parameter.double(), nan)
-    values = torch.stack([loo.clamp(-1.0, 1.0), to_previous.clamp(-1.0, 1.0), level, parameter])
-    values = torch.where(torch.isfinite(values), values, nan)
-    return values.float(), state
+    values = torch.empty(OWN_VALUES, dtype=torch.float32, device=device)
+    missing = 2 - (0 if cosines is None else cosines.numel())
+    unknown = [torch.full((missing,), math.nan, dtype=torch.float64, device=device)] if missing else []
+    torch.cat([*([] if cosines is None else [cosines]), *unknown, level.view(1), parameter.view(1)], out=values)
+    values[2:].div_(anything)  # inf or NaN (0 / 0) where the rank had nothing to compare
+    return values.nan_to_num_(nan=math.nan, posinf=math.nan, neginf=math.nan), state
 
 
 def _pool_scale(scale, weight, rise_sum, rise_count):
     """Step 1 of ``own_values`` (torch or numpy): the pooled scale and its weight after the ranks'
-    rises of the previous step, unchanged where no rank learned."""
-    where = torch.where if isinstance(scale, torch.Tensor) else np.where
-    learned = rise_count > 0
-    mean = rise_sum / where(learned, rise_count, 1.0)
-    return where(learned, (1 - LAYER_RATE) * scale + LAYER_RATE * mean, scale), where(learned, (1 - LAYER_RATE) * weight + LAYER_RATE, weight)
+    rises of the previous step, ``s <- s + rate (mean - s)`` and ``w <- w + rate (1 - w)`` with
+    rate ``LAYER_RATE`` where some rank learned (``rise_count``, a count, > 0), else 0."""
+    if isinstance(scale, torch.Tensor):  # fused forms of the same arithmetic: fewer device operations
+        rate = rise_count.clamp(max=1.0).mul_(LAYER_RATE)
+        return torch.lerp(scale, rise_sum / rise_count.clamp(min=1.0), rate), torch.addcmul(weight, rate, 1.0 - weight)
+    rate = LAYER_RATE * np.minimum(rise_count, 1.0)
+    return scale + rate * (rise_sum / np.maximum(rise_count, 1.0) - scale), weight + rate * (1.0 - weight)
 
 
 def as_compact_records(records: list[dict], sampled: int) -> list[dict]:
@@ -496,7 +511,7 @@ def layer_levels(norms: np.ndarray, present: list[int], state: LayerState | None
     counting = ((seen >= LAYER_WARMUP) & anything)[:, None]
     cusum = np.where(first, 0.0, np.where(counting, np.maximum(0.0, cusum + np.minimum(z, LAYER_CAP) - LAYER_DRIFT), cusum))
     learn = known & (cusum == 0) & ~first
-    average = np.where(learn, (1 - LAYER_RATE) * average + LAYER_RATE * deviation, average)
+    average = np.where(learn, average + LAYER_RATE * rise, average)  # rise = d - a where known, as own_values
     average = np.where(first, np.where(known, deviation, 0.0), average)
     state.average[rows], state.cusum[rows], state.seen[rows] = average, cusum, seen + anything
     pooled = known & ~first

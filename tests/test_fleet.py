@@ -772,3 +772,28 @@ def test_detail_steps_keep_the_compact_wire_within_its_budget_averaged_over_deta
         assert averaged <= 64 * 1024 + 16 * world, world
         extra = 4 * (detail.size - plain.size) / config.detail_every
         assert extra == pytest.approx({32: 321.3, 256: 2570.2, 1024: 1290.2, 4096: 2580.5}[world], abs=0.1), world
+
+
+def test_a_present_rank_with_no_loss_and_a_zero_sketch_against_the_slow_way():
+    """A rank that counted no loss sends a mean loss of 0 and ``NO_LOSS`` in its status; a rank
+    whose sketch is 0 adds nothing to the unit sum (not 0 / 0) and has no own cosines; another
+    rank's own cosines, to the others and to its previous sketch, are the plain formula's."""
+    world = 3
+    layout = fleet_stats.FleetLayout(world, N_PARAMS, len(BUCKETS), BINS, sampled=2)
+    ranks = _ranks(world, 5)
+    ranks[1]["head"], ranks[1]["sketch"] = torch.tensor([0.0, 0.0, 0.0]), torch.zeros(BINS)
+    total = _compact(layout, [0, 1], ranks, None)
+    row = total[layout.part("per_rank")].view(world, fleet_stats.PER_RANK)[1]
+    assert row[fleet_stats.WIRE_LOSS] == 0.0 and row[fleet_stats.WIRE_STATUS] == fleet_stats.NO_LOSS
+    unit = sum(r["sketch"] / r["sketch"].norm() for r in (ranks[0], ranks[2]))
+    torch.testing.assert_close(total[layout.part("unit_sum")], unit)
+    own, _ = fleet.own_values(layout, total, ranks[1]["sketch"], ranks[0]["sketch"], torch.cat(ranks[1]["local_sq"]), None)
+    assert own[:2].isnan().all()
+    previous = torch.randn(BINS, generator=torch.Generator().manual_seed(9))
+    own, _ = fleet.own_values(layout, total, ranks[0]["sketch"], previous, torch.cat(ranks[0]["local_sq"]), None)
+    mine, others = ranks[0]["sketch"].double(), (ranks[1]["sketch"] + ranks[2]["sketch"]).double()
+    cosine = lambda a, b: float(a @ b / (a.norm() * b.norm()))
+    assert float(own[0]) == pytest.approx(cosine(mine, others), abs=1e-6)
+    assert float(own[1]) == pytest.approx(cosine(mine, previous.double()), abs=1e-6)
+    own, _ = fleet.own_values(layout, total, ranks[0]["sketch"], None, torch.cat(ranks[0]["local_sq"]), None)
+    assert float(own[0]) == pytest.approx(cosine(mine, others), abs=1e-6) and own[1].isnan()
