@@ -74,6 +74,11 @@ class _GroupEntry:
     layout: BucketLayout
     shard_lengths: list[int]  # padded shard of each parameter: its columns in a row, its part of the output
     sq_norms: torch.Tensor  # fp32, one per parameter (summed over the rows), rewritten on every instrumented step
+    # One band of several rows and parameters (BucketStatsKernel.takes_row_norms): each parameter's
+    # norm in each row, parameter by parameter, summed at the step's end with the reduced norms
+    # (ShardedSilentState._shard_norms: one operation a step, not one a reduce-scatter); None: the
+    # bands write sq_norms.
+    row_norms: torch.Tensor | None = None
 
 
 class _ShardedStep(StepRecord):
@@ -84,6 +89,7 @@ class _ShardedStep(StepRecord):
         self.transport = "separate"  # the statistics' own all-reduce, after the reduce-scatters
         self.outputs: list[tuple[torch.Tensor, list[int]]] = []  # reduced shard, its lengths
         self.streams: list[object] = []  # where the measurements ran (accelerators)
+        self.by_row: list[tuple[int, _GroupEntry]] = []  # groups measured by row: their index in local_sq
 
 
 class _MeasuredReduceScatter(ReduceScatter):
@@ -213,6 +219,7 @@ class ShardedSilentState(BaseSilentState):
         self._partial_reduce = False  # a micro-step reduce-scattered without the HSDP all-reduce
         self._replicate_group = mesh_info.replicate_process_group if self._replicas > 1 else None  # the ranks holding this rank's shards
         self._shard_counts: torch.Tensor | None = None
+        self._step_norms: torch.Tensor | None = None  # the reduced and the by-row local squared norms of a step
         # Replica check: under HSDP the parameter shards (flat rank r * S + s holds shard s), and the buffers.
         sharded = self._replicas > 1
         self._replica_groups = [[r * self._shards + s for r in range(self._replicas)] for s in range(self._shards)] if sharded else None
@@ -258,7 +265,10 @@ class ShardedSilentState(BaseSilentState):
             try:  # what the bands leave out is FSDP2's zero padding (see _entry)
                 kernel, sketch = self._kernel(flat.device), self._sketch if self.bins else None
                 for band in entry.bands:
-                    if band.sq_norms is None:
+                    if entry.row_norms is not None:  # its one band: its norms summed by row at the step's end
+                        kernel.run(band.source(flat, entry.width), band.plan, sketch, entry.sq_norms, row_norms=entry.row_norms)
+                        record.by_row.append((len(record.local_sq) - 1, entry))
+                    elif band.sq_norms is None:
                         kernel.run(band.source(flat, entry.width), band.plan, sketch, entry.sq_norms)
                     else:
                         kernel.run(band.source(flat, entry.width), band.plan, sketch, band.sq_norms)
@@ -318,7 +328,9 @@ class ShardedSilentState(BaseSilentState):
                 bands.append(_Band(plan, row, slice(j0, j1), sum(lengths[:j0]), band_norms))
                 base = plan.end
         sq_norms = torch.empty(len(lengths), dtype=torch.float32, device=flat.device)
-        entry = _GroupEntry(key, bands, width, BucketLayout(len(self._entries), names, numels), lengths, sq_norms)
+        by_row = len(bands) == 1 and bands[0].sq_norms is None and kernel.takes_row_norms(bands[0].plan)
+        row_norms = torch.empty(len(lengths) * bands[0].plan.rows, dtype=torch.float32, device=flat.device) if by_row else None
+        entry = _GroupEntry(key, bands, width, BucketLayout(len(self._entries), names, numels), lengths, sq_norms, row_norms)
         self._entries[id(comm)] = entry
         return entry
 
@@ -387,7 +399,9 @@ class ShardedSilentState(BaseSilentState):
                     reduced = reduced / self._replicas
                 return self._fleet_stats(record, reduced)
             rows = slots.view(self.world_size, stride)
-            reduced = rows[:, slot:].sum(dim=0).div_(self._replicas)  # every replica holds the same shards
+            reduced = rows[:, slot:].sum(dim=0)
+            if self._replicas > 1:  # every replica holds the same shards
+                reduced.div_(self._replicas)
             return SilentStats(
                 record.step, self.world_size, record.layouts, rows[:, :slot].clone(), reduced, self.bins, record.transport,
                 record.fingerprinted, previous=self._previous_stats, replica_groups=self._replica_groups,
@@ -426,18 +440,29 @@ class ShardedSilentState(BaseSilentState):
         the compact wire its parts and its shards' squared norms in the summed ``reduced_sq``,
         else its row of ``stride`` numbers, its whole slot, then its shards' squared norms."""
         if record.fleet is not None:
+            reduced = slots[record.fleet.part("reduced_sq")]
+            reduced.copy_(self._shard_norms(record, reduced.numel()))
             self._pack_fleet(record, slots, status)
-            self._shard_norms(record, slots[record.fleet.part("reduced_sq")])
             return
         mine = slots[self.rank * stride : (self.rank + 1) * stride]
-        slot = stride - sum(len(layout.names) for layout in record.layouts)
-        self._pack_slot(record.local_sq, record.fingerprint, mine[:slot], status)
-        self._shard_norms(record, mine[slot:])
+        n_params = sum(len(layout.names) for layout in record.layouts)
+        self._pack_slot(record.local_sq, record.fingerprint, mine, status, tail=self._shard_norms(record, n_params))
 
-    def _shard_norms(self, record: _ShardedStep, out: torch.Tensor) -> None:
-        """Per parameter, ``|this rank's shard of gbar_p|^2`` (the reduce-scatters' outputs) into
-        ``out``: one multi-tensor norm over every group's shards (``squared_norms_of_buffers``)."""
-        squared_norms_of_buffers([output for output, _ in record.outputs], [lengths for _, lengths in record.outputs], out)
+    def _shard_norms(self, record: _ShardedStep, n_params: int) -> torch.Tensor:
+        """Per parameter, ``|this rank's shard of gbar_p|^2`` (the reduce-scatters' outputs), and
+        the local squared norms of the groups measured by row (``_GroupEntry.row_norms``: the
+        squared norm of each parameter's norms by row) into ``record.local_sq``: one multi-tensor
+        norm over all of them (``squared_norms_of_buffers``). Returns the ``n_params`` reduced ones."""
+        buffers = [output for output, _ in record.outputs] + [entry.row_norms for _, entry in record.by_row]
+        lengths = [lengths for _, lengths in record.outputs] + [[entry.bands[0].plan.rows] * len(entry.shard_lengths) for _, entry in record.by_row]
+        local = sum(len(entry.shard_lengths) for _, entry in record.by_row)
+        norms = self._stats_buffer("_step_norms", n_params + local, torch.float32, record.local_sq[0].device)
+        squared_norms_of_buffers(buffers, lengths, norms)
+        offset = n_params
+        for index, entry in record.by_row:
+            record.local_sq[index] = norms[offset : offset + len(entry.shard_lengths)]
+            offset += len(entry.shard_lengths)
+        return norms[:n_params]
 
     def _say_once(self, key: str, message: str, *args) -> None:
         if key not in self._said:

@@ -534,7 +534,15 @@ class BucketStatsKernel:
         if norms:
             torch._foreach_mul_(norms, norms)
 
-    def run(self, flat: torch.Tensor, plan: BucketPlan, sketch_acc: torch.Tensor | None, sq_norms: torch.Tensor, squared: bool = True) -> None:
+    def takes_row_norms(self, plan: BucketPlan) -> bool:
+        """Whether ``run`` can leave ``plan``'s norms by row (its ``row_norms``): a sketched plan
+        of several rows and several parameters in one chunk, its norms by segment."""
+        return self.bins > 0 and plan.rows > 1 and plan.n_chunks == 1 and not plan.by_column and len(plan.lengths) > 1
+
+    def run(
+        self, flat: torch.Tensor, plan: BucketPlan, sketch_acc: torch.Tensor | None, sq_norms: torch.Tensor, squared: bool = True,
+        row_norms: torch.Tensor | None = None,
+    ) -> None:  # fmt: skip
         """Write ``|g_j|^2`` of every parameter into ``sq_norms``; add the sketch into ``sketch_acc``.
 
         Args:
@@ -548,7 +556,14 @@ class BucketStatsKernel:
             sq_norms: fp32 tensor of ``len(plan.lengths)`` entries, overwritten.
             squared: False writes the norms ``|g_j|`` instead, for a caller that squares the norms
                 of all its buckets at once (the DDP hook: one operation a step, not one a bucket).
+            row_norms: for a plan that ``takes_row_norms``, fp32 of ``len(lengths) * rows``
+                entries: the norm of each parameter's part of each row, parameter by parameter
+                (``|g_j|^2`` is the squared norm of its ``rows`` entries), written instead of
+                ``sq_norms``, for a caller that takes those sums with other norms of its step (FSDP2:
+                one operation a step, not one a reduce-scatter).
         """
+        if row_norms is not None and not self.takes_row_norms(plan):
+            raise ValueError(f"a plan of {plan.rows} rows, {len(plan.lengths)} parameters and {plan.n_chunks} chunks has no norms by row")
         if flat.numel() != plan.numel:
             raise ValueError(f"bucket has {flat.numel()} elements but its plan expects {plan.numel}")
         if flat.dim() == 2:  # a band of rows: one row is contiguous, several are one chunk read through the stride
@@ -588,7 +603,7 @@ class BucketStatsKernel:
             # parameter: its squared norm is one dot of the product. Several: the norms of their
             # segments, parameter by parameter (each parameter's rows side by side), then each
             # parameter's sum of its rows' squares is one batched dot, |n_j|^2 = n_j^T n_j: five
-            # operations whatever the number of rows and parameters.
+            # operations whatever the number of rows and parameters, four with `row_norms`.
             product, rows_t = views[plan.numel]
             signs, row_signs = one_chunk
             torch.mul(signs.view(band), flat, out=product.view(band))
@@ -601,6 +616,9 @@ class BucketStatsKernel:
                 if parts is None:
                     segments = product.split(plan.lengths * plan.rows)  # row by row
                     parts = chunk_parts[0] = [segments[r * params + j] for j in range(params) for r in range(plan.rows)]
+                if row_norms is not None:
+                    torch.stack(torch._foreach_norm(parts, 2), out=row_norms)
+                    return
                 norms = self._partials[: plan.n_segments]
                 torch.stack(torch._foreach_norm(parts, 2), out=norms)
                 torch.bmm(norms.view(params, 1, plan.rows), norms.view(params, plan.rows, 1), out=sq_norms.view(params, 1, 1))

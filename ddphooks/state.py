@@ -396,14 +396,19 @@ class BaseSilentState:
             self._head_written = (count, status)
         return self._slot_head
 
-    def _pack_slot(self, local_sq: list[torch.Tensor], fingerprint: torch.Tensor | None, slot: torch.Tensor, status: int = 0) -> None:
+    def _pack_slot(
+        self, local_sq: list[torch.Tensor], fingerprint: torch.Tensor | None, slot: torch.Tensor, status: int = 0, tail: torch.Tensor | None = None
+    ) -> None:  # fmt: skip
         """Write ``[loss_sum, loss_count, status, |g_p|^2 ..., sketch, fingerprints]`` of this rank
-        into ``slot`` (``status``: the flags of ``ddphooks.stats``, ``ABSENT`` ...)."""
+        into ``slot`` (``status``: the flags of ``ddphooks.stats``, ``ABSENT`` ...), then ``tail``
+        where one is given (in the same operation)."""
         parts = [self._head(status, slot.device), *local_sq]
         if self.bins:
             parts.append(self._sketch)
         if fingerprint is not None:
             parts.append(fingerprint)
+        if tail is not None:
+            parts.append(tail)
         torch.cat(parts, out=slot)
 
     def _stats_buffer(self, attribute: str, numel: int, dtype: torch.dtype, device: torch.device, capacity: int = 0) -> torch.Tensor:

@@ -438,6 +438,15 @@ class _Staggered(torch.nn.Module):
         return sum(p.square().sum() for p in self.parameters()) * x.mean()
 
 
+def _local_sq(entry) -> torch.Tensor:
+    """A group's local squared norms of its last step, fp64: its ``sq_norms``, or where it was
+    measured by row (one band of several rows and parameters) the sums of its norms by row,
+    which the step's end takes with the reduced norms (``_shard_norms``)."""
+    if entry.row_norms is None:
+        return entry.sq_norms.double()
+    return entry.row_norms.double().view(len(entry.shard_lengths), -1).square().sum(dim=1)
+
+
 def _bands_on_many_shards(model: torch.nn.Module, shards: int, inputs: int, **settings) -> dict:
     """Two steps of ``model`` (fully_shard-ed on rank 0 of ``shards``), then, for the second, each
     group's bands against its reduce-scatter input: the norms against float64 sums over the whole
@@ -473,7 +482,7 @@ def _bands_on_many_shards(model: torch.nn.Module, shards: int, inputs: int, **se
             assert torch.count_nonzero(rows[~covered]) == 0  # what the bands leave out is FSDP2's zero padding
             bounds = torch.tensor([0, *entry.shard_lengths]).cumsum(0).tolist()
             expected = [float((rows[:, a:b].double() ** 2).sum()) for a, b in zip(bounds, bounds[1:])]
-            assert entry.sq_norms.tolist() == pytest.approx(expected, rel=1e-5)
+            assert _local_sq(entry).tolist() == pytest.approx(expected, rel=1e-5)
             bands[entry.layout.names[0]] = [(b.first_row, b.plan.rows, b.column, b.plan.row_width) for b in entry.bands]
         spans.sort()
         assert all(end <= begin for (_, end), (begin, _) in zip(spans, spans[1:]))  # no two bands share a position
@@ -652,7 +661,7 @@ def test_fsdp2_at_64_ranks_sends_the_compact_wire_by_default(mesh_shape):
         stats = state.latest
         record = stats.to_dict()
         json.dumps(record, allow_nan=False)
-        local = sum(float(entry.sq_norms.double().sum()) for entry in state._entries.values())
+        local = sum(float(_local_sq(entry).sum()) for entry in state._entries.values())
         state.close()
     finally:
         dist.all_reduce = all_reduce

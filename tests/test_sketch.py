@@ -244,7 +244,8 @@ def test_a_bucket_at_ddps_default_cap_is_one_chunk_of_four_ops_in_any_dtype():
 def test_an_fsdp2_band_of_one_chunk_takes_few_ops_whatever_its_rows(lengths, budget):
     # FSDP2's reduce-scatter input, 16 rows (shards) in one chunk, as the torch path runs it on
     # accelerators: the multiply, the matrix-vector product into the bins, and the parameters'
-    # squared norms over the rows (one dot; or the segments' norms, their stack and one batched dot).
+    # squared norms over the rows (one dot; or the segments' norms, their stack and one batched dot,
+    # or without the batched dot the norms by row).
     rows, bins = 16, 61
     flat = torch.randn(rows, sum(lengths), generator=torch.Generator().manual_seed(5))
     table = _table(3, bins, 1 << 17)
@@ -259,6 +260,22 @@ def test_an_fsdp2_band_of_one_chunk_takes_few_ops_whatever_its_rows(lengths, bud
     expected = torch.stack([part.double().square().sum() for part in flat.split(lengths, dim=1)])
     torch.testing.assert_close(sq.double(), expected, rtol=1e-5, atol=0)
     torch.testing.assert_close(sketch.double(), _reference_sketch(flat.view(-1), plan, table), rtol=1e-4, atol=1e-4)
+    assert kernel.takes_row_norms(plan) == (len(lengths) > 1)
+    if len(lengths) == 1:
+        with pytest.raises(ValueError, match="a plan of 16 rows, 1 parameters and 1 chunks has no norms by row"):
+            kernel.run(flat, plan, sketch, sq, row_norms=torch.empty(rows))
+        return
+    # By row (FSDP2 sums them with the step's other norms): four operations, each parameter's norm
+    # in each row, parameter by parameter, and the same sketch; sq_norms left alone
+    row_norms, untouched = torch.empty(len(lengths) * rows), torch.full((len(lengths),), 7.0)
+    sketch.zero_()
+    with _DispatchedOps() as ops:
+        kernel.run(flat, plan, sketch, untouched, row_norms=row_norms)
+    assert len(ops.names) <= 4, ops.names
+    by_row = torch.stack([part.double().norm(dim=1) for part in flat.split(lengths, dim=1)]).view(-1)
+    torch.testing.assert_close(row_norms.double(), by_row, rtol=1e-5, atol=0)
+    torch.testing.assert_close(sketch.double(), _reference_sketch(flat.view(-1), plan, table), rtol=1e-4, atol=1e-4)
+    assert (untouched == 7.0).all()
 
 
 def test_kernel_shares_scratch_between_plans_of_different_sizes():
