@@ -185,33 +185,34 @@ def pack(
     absent: bool,
     out: torch.Tensor,
     differs: torch.Tensor | None = None,
-    layer: LayerState | None = None,
+    layered: bool = False,
     shard_checks: torch.Tensor | None = None,
     matrix_row: int | None = None,
 ) -> torch.Tensor:
     """Write this rank's part of the compact wire into ``out`` (zeroed, ``layout.size`` fp32):
     its row (from ``head`` = [loss_sum, loss_count, status]: its mean loss and status, with
     ``NO_LOSS`` where it counted none; its squared norm; ``own`` = its ``own_values`` of the
-    previous step, the layer parameter in the status number), its per-parameter squared norms
-    (``local_sq``, one tensor per bucket) where it is in ``rows`` (``choose_sampled``), and what it
-    adds to the sums (nothing but its row where it is ``absent``): ``layer``'s rises of the
-    previous step (``own_values``, for the pooled scale); on a replica-check step its one in each
+    previous step as ``staged_own`` gives them, the layer parameter in the status number), its
+    per-parameter squared norms (``local_sq``, one tensor per bucket) where it is in ``rows``
+    (``choose_sampled``), and what it adds to the sums (nothing but its row where it is
+    ``absent``): where ``layered``, its layer CUSUM's rises of the previous step (in ``own``,
+    for the pooled scale); on a replica-check step its one in each
     tensor's histogram (``fingerprint_bins``; under HSDP the buffers', and on a shard's first
     replica its group's ``shard_checks``); after one, ``differs`` (``replica_differs``: 1 or 0)
     sets ``REPLICA_DIFFERS`` in its status. On a detail step (``layout.matrix_rows``) its sketch
     in row ``matrix_row`` (its rank) of the matrix part, or with ``layout.host_form`` its unit
     sketch added to row ``matrix_row`` (its block) and a one to that block's count (0 for a zero
-    sketch): one or two more ops. Returns the rank's P squared norms in one tensor
-    (``own_values`` reads them after the all-reduce). Device ops only: nothing synchronises."""
+    sketch): one or two more ops. Returns the rank's P squared norms in one tensor (copied to
+    the host for ``own_values`` after the all-reduce). Device ops only: nothing synchronises."""
     param_sq = torch.cat(local_sq) if len(local_sq) > 1 else local_sq[0]
     row = out[layout.part("per_rank")].view(layout.world, PER_RANK)[rank]
     # its mean loss, 0 where it counted none (the count is a whole number: its sum is then 0 too)
     torch.div(head[0], head[1].clamp(min=1.0), out=row[WIRE_LOSS])
     torch.sum(param_sq, dim=0, out=row[WIRE_RANK_SQ])
     row[WIRE_COSINE_LOO : WIRE_LAYER + 1] = own[:3]
-    # status + STATUS_ROOM (parameter + 1) + NO_LOSS where it counted none: small integers, exact (NaN parameter: 0).
+    # status + STATUS_ROOM (parameter + 1) + NO_LOSS where it counted none: small integers, exact.
     status = row[WIRE_STATUS]
-    torch.add(head[2], torch.nan_to_num(own[3] + 1.0, nan=0.0), alpha=STATUS_ROOM, out=status)
+    torch.add(head[2], own[3], out=status)
     status.add_(head[1] <= 0, alpha=NO_LOSS)
     if differs is not None:
         status += REPLICA_DIFFERS * differs
@@ -221,8 +222,8 @@ def pack(
         out[layout.part("sampled")].view(layout.rows, layout.n_params)[rows.index(rank)] = param_sq
     out[layout.part("param_sq")] = param_sq
     norms = torch.sqrt(param_sq, out=out[layout.part("param_norms")])
-    if layer is not None:  # rise_sum then rise_count: adjacent parts, one copy
-        torch.cat([layer.rise_sum, layer.rise_count], out=out[layout.part("rise_sum").start : layout.part("rise_count").stop])
+    if layered:  # rise_sum then rise_count: adjacent parts, one copy
+        out[layout.part("rise_sum").start : layout.part("rise_count").stop] = own[OWN_VALUES:]
     # each bucket's norm, the norm of its parameters' norms: one multi-tensor kernel, not one sum a bucket
     torch.stack(torch._foreach_norm(norms.split([len(sq) for sq in local_sq]), 2), out=out[layout.part("bucket_norms")])
     out[layout.part("present")] = 1.0
@@ -315,21 +316,30 @@ class LayerState:
     rise_count: torch.Tensor | np.ndarray
 
 
-def own_values(
-    layout: FleetLayout, reduced: torch.Tensor, sketch: torch.Tensor | None, previous: torch.Tensor | None, param_sq: torch.Tensor, state: LayerState | None
-) -> tuple[torch.Tensor, LayerState]:
-    """This rank's values of the step, from the all-reduced buffer ``reduced``: ``[cos_loo,
-    cos_previous, layer level, layer parameter]`` in fp32 (NaN where undefined), and its layer
-    CUSUM carried to the next step. The cosines are those ``ddphooks.stats`` computes from every
-    rank's sketch (``previous``: this rank's sketch of the previous instrumented step where
-    comparable, the same bucket layouts). The layer CUSUM is the detector's per-parameter one
-    (``Detector._parameter_changes``), run by the rank on itself, since only the rank holds its
-    own history of every parameter, with a scale pooled over the ranks through the wire, as the
-    detector pools it (one rank's own scale, from a heavy-tailed stream, is noisy enough to
-    raise false alarms):
+def own_sums(layout: FleetLayout, wire):
+    """The parts of the all-reduced ``wire`` (torch or numpy) that ``own_values`` reads, adjacent in
+    it: from the parameters' norms to the sum of the sketches."""
+    return wire[layout.part("param_norms").start : layout.part("sketch_sum").stop]
 
-    1. the pooled scale learns from the ranks' rises of the previous step (the sums in
-       ``reduced``): where n_p, the ranks that knew ``d_p``, is > 0,
+
+def own_values(
+    layout: FleetLayout, sums: np.ndarray, sketch: np.ndarray | None, previous: np.ndarray | None, param_sq: np.ndarray, state: LayerState | None
+) -> tuple[np.ndarray, LayerState]:
+    """This rank's values of a step, from ``sums`` (``own_sums`` of the step's all-reduced
+    wire): ``[cos_loo, cos_previous, layer level, layer parameter]`` (float64, NaN where
+    undefined), and its layer CUSUM carried to the next step. On the host, in numpy, when the
+    rank packs its next instrumented step: its squared norms ``param_sq`` and ``sketch`` and the
+    sums came over in one copy (``BaseSilentState._keep_fleet``), 5 to 10 KB, instead of some 55
+    device operations a step on vectors of P numbers. The cosines are those ``ddphooks.stats``
+    computes from every rank's sketch (``previous``: this rank's sketch of the previous
+    instrumented step where comparable, the same bucket layouts). The layer CUSUM is the
+    detector's per-parameter one (``Detector._parameter_changes``), run by the rank on itself,
+    since only the rank holds its own history of every parameter, with a scale pooled over the
+    ranks through the wire, as the detector pools it (one rank's own scale, from a heavy-tailed
+    stream, is noisy enough to raise false alarms):
+
+    1. the pooled scale learns from the ranks' rises of the previous step (the sums in the
+       wire): where n_p, the ranks that knew ``d_p``, is > 0,
        ``s_p <- (1 - LAYER_RATE) s_p + LAYER_RATE sum_i sqrt(pi / 2) |rise_{i,p}| / n_p``
        (every rank's rise, a rank whose CUSUM is rising included: a scale of the quiet parts only
        is too small for heavy-tailed gradients, and one faulty rank is 1 / n of the mean);
@@ -346,73 +356,75 @@ def own_values(
 
     A step where the rank has no parameter to compare (absent under ``Join``: no gradient) leaves
     its baseline and CUSUMs as they were (its scale still learns from the others). ``state`` is
-    None on the first step. Device ops in float64 (the host path's precision), about 55 of them
-    whatever P and the bins (``benchmarks/launches.py``, the compact wire's row); nothing
-    synchronises."""
-    device, n = reduced.device, param_sq.numel()
-    sketching = bool(layout.bins) and sketch is not None
-    # One conversion to fp64 of all that is read: this rank's squared norms, the sums from the
-    # parameters' norms to the present count (adjacent parts of the wire), and for the cosines the
-    # rows [own sketch, sum of the sketches, own previous sketch].
-    first_part, present_part = layout.part("param_norms"), layout.part("present")
-    rows = ([sketch, reduced[layout.part("sketch_sum")]] + ([] if previous is None else [previous])) if sketching else []
-    sums = reduced[first_part.start : present_part.stop]
-    work = torch.cat([param_sq, sums, *rows], out=torch.empty(n + sums.numel() + len(rows) * layout.bins, dtype=torch.float64, device=device))
+    None on the first step."""
+    start = layout.part("param_norms").start
 
-    def read(name: str) -> torch.Tensor:
+    def read(name: str) -> np.ndarray:
         part = layout.part(name)
-        return work[n + part.start - first_part.start : n + part.stop - first_part.start]
+        return np.asarray(sums[part.start - start : part.stop - start], dtype=np.float64)
 
-    cosines = None
-    if sketching:
-        x = work[n + sums.numel() :].view(len(rows), layout.bins)
-        x[1].sub_(x[0])  # the others' sum
-        gram = x @ x.T
-        inverse = gram.diagonal().rsqrt()
-        # cos(a, b) = <a, b> / (|a| |b|), NaN where a sketch is 0 (0 * inf)
-        cosines = gram.mul_(torch.outer(inverse, inverse)).clamp_(-1.0, 1.0)[0, 1:]  # [loo] or [loo, previous]
-    norms = work[:n].sqrt_()
-    # d_p = log(|g_p| / mean_{j != i} |g_{j,p}|), the mean being (sum - |g_p|) / (present - 1)
-    deviation = torch.mul(norms, read("present") - 1.0).div_(read("param_norms") - norms).log_()
-    deviation.nan_to_num_(nan=math.nan, posinf=math.nan, neginf=math.nan)  # a parameter this rank's batch did not use: unknown
-    known = deviation == deviation
-    deviation.sub_(torch.nanmedian(deviation))
-    anything = known.any()  # a rank with no parameter to compare (absent: no gradient) has no level, and its CUSUM waits
+    loo = to_previous = math.nan
+    with np.errstate(invalid="ignore", divide="ignore"):  # a zero sketch: NaN (0 / 0)
+        if layout.bins and sketch is not None:
+            s = np.asarray(sketch, dtype=np.float64)
+            others = read("sketch_sum") - s
+            own = np.sqrt(s @ s)
+            loo = (s @ others) / (own * np.sqrt(others @ others))
+            if previous is not None:
+                p = np.asarray(previous, dtype=np.float64)
+                to_previous = (s @ p) / (own * np.sqrt(p @ p))
+        norms = np.sqrt(np.asarray(param_sq, dtype=np.float64))
+        others_mean = (read("param_norms") - norms) / (read("present")[0] - 1.0)
+        deviation = np.log(norms) - np.log(others_mean)
+    known = np.isfinite(deviation)  # a parameter this rank's batch did not use: unknown
+    anything = bool(known.any())  # a rank with no parameter to compare (absent: no gradient) has no level, and its CUSUM waits
+    if anything:  # less the lower median of an even count, as the detector takes it
+        deviation = deviation - np.sort(deviation[known])[(int(known.sum()) - 1) // 2]
+    n_params = len(norms)
     if state is None:
-        zero = torch.zeros_like(deviation)
-        state = LayerState(zero, zero, torch.zeros((), dtype=torch.float64, device=device), zero, zero, zero, zero)
+        zero = np.zeros(n_params)
+        state = LayerState(zero, zero, 0.0, zero, zero, zero, zero)
     scale, weight = _pool_scale(state.scale, state.weight, read("rise_sum"), read("rise_count"))
     first = state.seen == 0  # its deviations are its baseline, nothing else yet
-    rise = torch.sub(deviation, state.average).nan_to_num_(nan=0.0)  # 0 where unknown
-    # s_p / w_p, 0 where no rank has learned yet: w_p is 0 or at least LAYER_RATE, and s_p is 0 where w_p is
-    typical = torch.div(scale, weight.clamp(min=LAYER_RATE)).add_(1e-3)
-    counted = torch.div(rise, typical).clamp_(max=LAYER_CAP).add_(state.cusum).sub_(LAYER_DRIFT).clamp_(min=0.0)
-    # (Before LAYER_WARMUP steps the CUSUM stays as it was: 0, since it never counted.)
-    cusum = torch.where((state.seen >= LAYER_WARMUP) & anything, counted, state.cusum)
-    learns = (known & (cusum == 0)).to(torch.float64)
-    # a <- a + rate (d - a): rate LAYER_RATE where it learns, 1 on the first step (a is 0: a <- d)
-    average = torch.addcmul(state.average, torch.where(first, learns, learns * LAYER_RATE), rise)
-    rise_count = (known & ~first).to(torch.float64)
-    rise_sum = rise.abs_().mul_(rise_count).mul_(math.sqrt(math.pi / 2))
-    state = LayerState(average, cusum, state.seen + anything, scale, weight, rise_sum, rise_count)
-    level, parameter = state.cusum.max(dim=0)
-    values = torch.empty(OWN_VALUES, dtype=torch.float32, device=device)
-    missing = 2 - (0 if cosines is None else cosines.numel())
-    unknown = [torch.full((missing,), math.nan, dtype=torch.float64, device=device)] if missing else []
-    torch.cat([*([] if cosines is None else [cosines]), *unknown, level.view(1), parameter.view(1)], out=values)
-    values[2:].div_(anything)  # inf or NaN (0 / 0) where the rank had nothing to compare
-    return values.nan_to_num_(nan=math.nan, posinf=math.nan, neginf=math.nan), state
+    rise = np.where(known, deviation - state.average, 0.0)
+    cusum, average = state.cusum, state.average
+    if first:
+        cusum, average = np.zeros(n_params), np.where(known, deviation, 0.0)
+    else:
+        if state.seen >= LAYER_WARMUP and anything:
+            typical = np.where(weight > 0, scale / np.where(weight > 0, weight, 1.0), 0.0) + 1e-3
+            cusum = np.maximum(0.0, cusum + np.minimum(rise / typical, LAYER_CAP) - LAYER_DRIFT)
+        average = np.where(known & (cusum == 0), average + LAYER_RATE * rise, average)
+    pooled = known & (not first)
+    rise_sum = np.where(pooled, math.sqrt(math.pi / 2) * np.abs(rise), 0.0)
+    state = LayerState(average, cusum, state.seen + anything, scale, weight, rise_sum, pooled.astype(np.float64))
+    level, parameter = (float(cusum.max()), float(cusum.argmax())) if anything else (math.nan, math.nan)
+    values = np.array([np.clip(loo, -1.0, 1.0), np.clip(to_previous, -1.0, 1.0), level, parameter])
+    values[~np.isfinite(values)] = math.nan
+    return values, state
+
+
+def staged_own(values: np.ndarray | None, layer: LayerState | None, n_params: int, device: torch.device) -> torch.Tensor:
+    """What ``pack`` writes of this rank's own values, on ``device`` in one copy (pinned host
+    memory on an accelerator: no synchronisation): ``[cos_loo, cos_previous, layer level,
+    STATUS_ROOM (parameter + 1)]`` (``values``, NaN and a 0 where None or unknown), then the rises
+    of ``layer`` (``rise_sum``, ``rise_count``; zeros where None)."""
+    host = torch.empty(OWN_VALUES + 2 * n_params, dtype=torch.float32, pin_memory=device.type != "cpu")
+    staged = host.numpy()
+    staged[:3] = math.nan if values is None else values[:3]
+    parameter = math.nan if values is None else values[3]
+    staged[3] = 0.0 if math.isnan(parameter) else STATUS_ROOM * (parameter + 1.0)  # small integers, exact
+    staged[OWN_VALUES : OWN_VALUES + n_params] = 0.0 if layer is None else layer.rise_sum
+    staged[OWN_VALUES + n_params :] = 0.0 if layer is None else layer.rise_count
+    return host if device.type == "cpu" else host.to(device, non_blocking=True)
 
 
 def _pool_scale(scale, weight, rise_sum, rise_count):
-    """Step 1 of ``own_values`` (torch or numpy): the pooled scale and its weight after the ranks'
-    rises of the previous step, ``s <- s + rate (mean - s)`` and ``w <- w + rate (1 - w)`` with
-    rate ``LAYER_RATE`` where some rank learned (``rise_count``, a count, > 0), else 0."""
-    if isinstance(scale, torch.Tensor):  # fused forms of the same arithmetic: fewer device operations
-        rate = rise_count.clamp(max=1.0).mul_(LAYER_RATE)
-        return torch.lerp(scale, rise_sum / rise_count.clamp(min=1.0), rate), torch.addcmul(weight, rate, 1.0 - weight)
-    rate = LAYER_RATE * np.minimum(rise_count, 1.0)
-    return scale + rate * (rise_sum / np.maximum(rise_count, 1.0) - scale), weight + rate * (1.0 - weight)
+    """Step 1 of ``own_values`` (numpy): the pooled scale and its weight after the ranks' rises of
+    the previous step, unchanged where no rank learned."""
+    learned = rise_count > 0
+    mean = rise_sum / np.where(learned, rise_count, 1.0)
+    return np.where(learned, (1 - LAYER_RATE) * scale + LAYER_RATE * mean, scale), np.where(learned, (1 - LAYER_RATE) * weight + LAYER_RATE, weight)
 
 
 def as_compact_records(records: list[dict], sampled: int) -> list[dict]:

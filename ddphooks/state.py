@@ -12,11 +12,13 @@ import weakref
 from dataclasses import replace
 from typing import Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from ddphooks import fleet, fleet_stats
 from ddphooks.config import SilentConfig
+from ddphooks.devices import PendingHost
 from ddphooks.detect import DetectorConfig
 from ddphooks.detect.process import DetectorProcess
 from ddphooks.hosts import host_blocks
@@ -127,9 +129,11 @@ class BaseSilentState:
         self._latest_lock = threading.Lock()
         self._previous_stats: SilentStats | None = None  # for the next step's cosine_previous
         # -- the compact wire (above gather_max_world): this rank's values, sent one step late -------
-        self._own_values: torch.Tensor | None = None  # [cos_loo, cos_previous, layer level, layer parameter] of _own_values_step
+        self._own_values: np.ndarray | None = None  # [cos_loo, cos_previous, layer level, layer parameter] of _own_values_step
         self._own_values_step: int | None = None
-        self._own_previous: tuple[list[BucketLayout], torch.Tensor] | None = None  # layouts and sketch of the last step
+        # The last step's inputs of own_values on their way to the host: (step, layouts, layout, copy)
+        self._own_inputs: tuple[int, list[BucketLayout], fleet_stats.FleetLayout, PendingHost] | None = None
+        self._own_previous: tuple[list[BucketLayout], np.ndarray] | None = None  # layouts and sketch of the last step
         self._layer_state: tuple[list[BucketLayout], fleet.LayerState] | None = None  # layouts and this rank's layer CUSUM
         self._replica_differs: tuple[int, torch.Tensor] | None = None  # the last replica check's step and this rank's verdict (1: it differs)
         writer = None
@@ -526,9 +530,7 @@ class BaseSilentState:
         """Write this rank's parts of the compact wire into the zeroed ``out`` (``fleet.pack``):
         its row with its values of the previous instrumented step, the sampled ranks chosen from
         the previous step's layer levels, its replica verdict after a check, its layer rises."""
-        own = self._own_values
-        if own is None or own.device != out.device:
-            own = torch.full((fleet.OWN_VALUES,), float("nan"), dtype=torch.float32, device=out.device)
+        self._compute_own_values()
         record.cosines_step = self._own_values_step if self._own_values is not None else None
         # The previous step's layer levels, the same on every rank (its gathered rows): they choose
         # half the sampled ranks, so a rank whose layer stands out sends its layer view every step.
@@ -546,37 +548,54 @@ class BaseSilentState:
             record.replica_check, differs = previous, differs[1].to(out.device)
         else:
             differs = None
-        # This rank's rises of its previous step, for the layer CUSUMs' pooled scale.
+        # This rank's values and rises of its previous step (for the layer CUSUMs' pooled scale), in one copy.
         layer = self._layer_state_of(record.layouts)
+        own = fleet.staged_own(self._own_values, layer, record.fleet.n_params, out.device)
         sketch = self._sketch if self.bins else None
         matrix_row = self.hosts.of_rank[self.rank] if record.fleet.host_form else self.rank
         record.param_sq = fleet.pack(
             record.fleet, record.sampled, self.rank, self._head(status, out.device), record.local_sq, sketch, own, fingerprint,
-            record.absent, out, differs, layer, record.shard_checks, matrix_row,
+            record.absent, out, differs, layer is not None, record.shard_checks, matrix_row,
         )  # fmt: skip
 
     def _keep_fleet(self, record: StepRecord, reduced: torch.Tensor) -> None:
         """After the compact wire's all-reduce: copy ``reduced`` off the buffer (reused next
-        step) and compute this rank's values of the step (``fleet.own_values``: its cosines and
-        layer CUSUM, sent with its next instrumented step), keep its sketch for the next step's
-        cosine to it, and after a replica check its verdict (``fleet.replica_differs``)."""
+        step), send what this rank's values of the step need to the host in one copy (its squared
+        norms and sketch, the wire's ``own_sums``: ``_compute_own_values`` reads them at its next
+        instrumented step), and after a replica check keep its verdict (``fleet.replica_differs``)."""
+        self._compute_own_values()  # the step before's, if its packing did not (a failed pass)
         record.gathered = reduced.clone()
         if record.failed:  # this rank's statistics failed: its next row says "unknown" for this step, as a rank's
             # with nothing to compare does (every rank then reads the same step's values; the layer CUSUMs wait)
-            self._own_values = torch.full((fleet.OWN_VALUES,), float("nan"), dtype=torch.float32, device=reduced.device)
+            self._own_values = np.full(fleet.OWN_VALUES, np.nan)
             self._own_values_step, self._own_previous = record.step, None
             return
-        previous = self._own_previous
-        comparable = previous is not None and previous[0] == record.layouts
-        param_sq = record.param_sq  # concatenated once, when packed
-        sketch = self._sketch if self.bins else None
-        self._own_values, layer = fleet.own_values(record.fleet, record.gathered, sketch, previous[1] if comparable else None, param_sq, self._layer_state_of(record.layouts))
-        self._layer_state = (list(record.layouts), layer)
-        self._own_values_step = record.step
-        self._own_previous = (list(record.layouts), self._sketch.clone()) if self.bins else None
+        inputs = torch.cat([record.param_sq, *([self._sketch] if self.bins else []), fleet.own_sums(record.fleet, reduced)])
+        self._own_inputs = (record.step, list(record.layouts), record.fleet, PendingHost([inputs]))
         if record.fingerprint is not None:
             differs = fleet.replica_differs(record.fleet, record.gathered, record.fingerprint.to(record.gathered.device), record.shard_counts)
             self._replica_differs = (record.step, differs)
+
+    def _compute_own_values(self) -> None:
+        """This rank's values of the last step sent to the host (``fleet.own_values``, numpy): its
+        cosines and layer CUSUM; keeps its sketch for the next step's cosine to it. The copy was
+        made one step before, behind that step's all-reduce: waiting for it is waiting for work
+        the device finished a step ago."""
+        pending, self._own_inputs = self._own_inputs, None
+        if pending is None:
+            return
+        step, layouts, layout, copy = pending
+        (inputs,) = copy.raw()
+        n_params, bins = layout.n_params, self.bins
+        sketch = inputs[n_params : n_params + bins] if bins else None
+        previous = self._own_previous
+        comparable = previous is not None and previous[0] == layouts
+        self._own_values, layer = fleet.own_values(
+            layout, inputs[n_params + bins :], sketch, previous[1] if comparable else None, inputs[:n_params], self._layer_state_of(layouts)
+        )  # fmt: skip
+        self._layer_state = (layouts, layer)
+        self._own_values_step = step
+        self._own_previous = (layouts, sketch.copy()) if bins else None
 
     def _layer_state_of(self, layouts: list[BucketLayout]) -> fleet.LayerState | None:
         """This rank's layer CUSUM where it is of these layouts; None where they changed (DDP's

@@ -53,22 +53,23 @@ def _full_stats(step: int, ranks: list[dict], reduced_sq: torch.Tensor, previous
     return SilentStats(step, len(ranks), BUCKETS, gathered, reduced_sq, BINS, "piggyback", previous=previous)
 
 
-def _compact(layout: fleet_stats.FleetLayout, rows: list[int], ranks: list[dict], own: list[torch.Tensor] | None) -> torch.Tensor:
+def _compact(layout: fleet_stats.FleetLayout, rows: list[int], ranks: list[dict], own: list[np.ndarray] | None) -> torch.Tensor:
     """Every rank's part of the compact wire, summed."""
     total = torch.zeros(layout.size)
     for rank, r in enumerate(ranks):
         out = torch.zeros(layout.size)
-        values = own[rank] if own is not None else torch.full((fleet.OWN_VALUES,), math.nan)
+        values = fleet.staged_own(None if own is None else own[rank], None, layout.n_params, torch.device("cpu"))
         fleet.pack(layout, rows, rank, r["head"], r["local_sq"], r["sketch"], values, None, r["absent"], out)
         total += out
     return total
 
 
-def _own(layout: fleet_stats.FleetLayout, wire: torch.Tensor, ranks: list[dict], previous: list[dict] | None, averages: list) -> list[torch.Tensor]:
+def _own(layout: fleet_stats.FleetLayout, wire: torch.Tensor, ranks: list[dict], previous: list[dict] | None, averages: list) -> list[np.ndarray]:
     """Every rank's ``own_values`` of the step (``averages`` updated in place)."""
     values = []
     for rank, r in enumerate(ranks):
-        own, averages[rank] = fleet.own_values(layout, wire, r["sketch"], None if previous is None else previous[rank]["sketch"], torch.cat(r["local_sq"]), averages[rank])
+        earlier = None if previous is None else previous[rank]["sketch"].numpy()
+        own, averages[rank] = fleet.own_values(layout, fleet.own_sums(layout, wire).numpy(), r["sketch"].numpy(), earlier, torch.cat(r["local_sq"]).numpy(), averages[rank])
         values.append(own)
     return values
 
@@ -151,7 +152,7 @@ def test_compact_wire_gives_the_whole_slots_statistics(absent):
         for key in a:
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6, nan_ok=True), key
         # Each rank's own cosines, computed on the rank, equal the full path's from every sketch.
-        own = torch.stack(own).double().numpy()
+        own = np.stack(own)
         np.testing.assert_allclose(own[:, 0], full.cosine_loo, rtol=1e-5, atol=1e-6)
         if full.cosine_previous is not None:
             np.testing.assert_allclose(own[:, 1], full.cosine_previous, rtol=1e-5, atol=1e-6)
@@ -241,16 +242,16 @@ def test_own_values_layer_cusum_against_the_slow_way_and_every_rank_at_once():
         reduced[layout.part("present")] = float(len(present))
         for rank in present:
             if states[rank] is not None:
-                reduced[layout.part("rise_sum")] += states[rank].rise_sum
-                reduced[layout.part("rise_count")] += states[rank].rise_count
+                reduced[layout.part("rise_sum")] += torch.from_numpy(states[rank].rise_sum)
+                reduced[layout.part("rise_count")] += torch.from_numpy(states[rank].rise_count)
         for rank in range(world):
             if rank not in present:
                 assert np.isnan(levels[rank]) and np.isnan(parameters[rank])
-                absent_sq = torch.zeros(n_params, dtype=torch.float64)  # no gradient: nothing to compare
-                own, states[rank] = fleet.own_values(layout, reduced, None, None, absent_sq, states[rank])
-                assert torch.isnan(own[2:]).all()
+                absent_sq = np.zeros(n_params)  # no gradient: nothing to compare
+                own, states[rank] = fleet.own_values(layout, fleet.own_sums(layout, reduced).numpy(), None, None, absent_sq, states[rank])
+                assert np.isnan(own[2:]).all()
                 continue
-            own, states[rank] = fleet.own_values(layout, reduced, None, None, torch.from_numpy(norms[rank] ** 2), states[rank])
+            own, states[rank] = fleet.own_values(layout, fleet.own_sums(layout, reduced).numpy(), None, None, norms[rank] ** 2, states[rank])
             level, parameter = reference[rank]
             assert float(own[2]) == pytest.approx(level, rel=1e-5, abs=1e-5) and levels[rank] == pytest.approx(level, rel=1e-9, abs=1e-9), (step, rank)
             if level > 0:
@@ -618,7 +619,7 @@ def _compact_detail(layout: fleet_stats.FleetLayout, ranks: list[dict], blocks=N
     for rank, r in enumerate(ranks):
         out = torch.zeros(layout.size)
         row = blocks.of_rank[rank] if layout.host_form else rank
-        fleet.pack(layout, [0, 1], rank, r["head"], r["local_sq"], r["sketch"], torch.full((fleet.OWN_VALUES,), math.nan), None, r["absent"], out, matrix_row=row)
+        fleet.pack(layout, [0, 1], rank, r["head"], r["local_sq"], r["sketch"], fleet.staged_own(None, None, layout.n_params, torch.device("cpu")), None, r["absent"], out, matrix_row=row)
         total += out
     return total
 
@@ -787,13 +788,14 @@ def test_a_present_rank_with_no_loss_and_a_zero_sketch_against_the_slow_way():
     assert row[fleet_stats.WIRE_LOSS] == 0.0 and row[fleet_stats.WIRE_STATUS] == fleet_stats.NO_LOSS
     unit = sum(r["sketch"] / r["sketch"].norm() for r in (ranks[0], ranks[2]))
     torch.testing.assert_close(total[layout.part("unit_sum")], unit)
-    own, _ = fleet.own_values(layout, total, ranks[1]["sketch"], ranks[0]["sketch"], torch.cat(ranks[1]["local_sq"]), None)
-    assert own[:2].isnan().all()
+    sums, local = fleet.own_sums(layout, total).numpy(), [torch.cat(r["local_sq"]).numpy() for r in ranks]
+    own, _ = fleet.own_values(layout, sums, ranks[1]["sketch"].numpy(), ranks[0]["sketch"].numpy(), local[1], None)
+    assert np.isnan(own[:2]).all()
     previous = torch.randn(BINS, generator=torch.Generator().manual_seed(9))
-    own, _ = fleet.own_values(layout, total, ranks[0]["sketch"], previous, torch.cat(ranks[0]["local_sq"]), None)
+    own, _ = fleet.own_values(layout, sums, ranks[0]["sketch"].numpy(), previous.numpy(), local[0], None)
     mine, others = ranks[0]["sketch"].double(), (ranks[1]["sketch"] + ranks[2]["sketch"]).double()
     cosine = lambda a, b: float(a @ b / (a.norm() * b.norm()))
     assert float(own[0]) == pytest.approx(cosine(mine, others), abs=1e-6)
     assert float(own[1]) == pytest.approx(cosine(mine, previous.double()), abs=1e-6)
-    own, _ = fleet.own_values(layout, total, ranks[0]["sketch"], None, torch.cat(ranks[0]["local_sq"]), None)
-    assert float(own[0]) == pytest.approx(cosine(mine, others), abs=1e-6) and own[1].isnan()
+    own, _ = fleet.own_values(layout, sums, ranks[0]["sketch"].numpy(), None, local[0], None)
+    assert float(own[0]) == pytest.approx(cosine(mine, others), abs=1e-6) and np.isnan(own[1])
