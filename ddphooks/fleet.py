@@ -105,7 +105,6 @@ from ddphooks.fleet_stats import (
     REPLICA_DIFFERS,
     STATUS_ROOM,
     WIRE_COSINE_LOO,
-    WIRE_LAYER,
     WIRE_LOSS,
     WIRE_RANK_SQ,
     WIRE_STATUS,
@@ -115,6 +114,9 @@ from ddphooks.stats import FINGERPRINT_WIDTH, NOT_COMPARED, _floats
 
 #: The rank's own values (``own_values``): cos_loo, cos_previous, layer level, layer parameter.
 OWN_VALUES = 4
+#: What ``stage`` puts before a rank's rises: its cosines and layer level, its status, the 1 it
+#: adds to ``present`` and its loss count (at least 1: the divisor of its mean loss).
+STAGED_PRESENT, STAGED_COUNT, STAGED = 4, 5, 6
 #: The layer CUSUM each rank runs on itself (``own_values``): the detector's per-parameter rate,
 #: warm-up, drift and cap (``DetectorConfig`` defaults), so its level reads against the
 #: detector's layer limit.
@@ -180,72 +182,66 @@ def pack(
     head: torch.Tensor,
     local_sq: list[torch.Tensor],
     sketch: torch.Tensor | None,
-    own: torch.Tensor,
+    staged: torch.Tensor,
     fingerprint: torch.Tensor | None,
     absent: bool,
     out: torch.Tensor,
     differs: torch.Tensor | None = None,
-    layered: bool = False,
     shard_checks: torch.Tensor | None = None,
     matrix_row: int | None = None,
-) -> torch.Tensor:
+) -> None:
     """Write this rank's part of the compact wire into ``out`` (zeroed, ``layout.size`` fp32):
-    its row (from ``head`` = [loss_sum, loss_count, status]: its mean loss and status, with
-    ``NO_LOSS`` where it counted none; its squared norm; ``own`` = its ``own_values`` of the
-    previous step as ``staged_own`` gives them, the layer parameter in the status number), its
-    per-parameter squared norms (``local_sq``, one tensor per bucket) where it is in ``rows``
-    (``choose_sampled``), and what it adds to the sums (nothing but its row where it is
-    ``absent``): where ``layered``, its layer CUSUM's rises of the previous step (in ``own``,
-    for the pooled scale); on a replica-check step its one in each
-    tensor's histogram (``fingerprint_bins``; under HSDP the buffers', and on a shard's first
-    replica its group's ``shard_checks``); after one, ``differs`` (``replica_differs``: 1 or 0)
-    sets ``REPLICA_DIFFERS`` in its status. On a detail step (``layout.matrix_rows``) its sketch
-    in row ``matrix_row`` (its rank) of the matrix part, or with ``layout.host_form`` its unit
-    sketch added to row ``matrix_row`` (its block) and a one to that block's count (0 for a zero
-    sketch): one or two more ops. Returns the rank's P squared norms in one tensor (copied to
-    the host for ``own_values`` after the all-reduce). Device ops only: nothing synchronises."""
-    param_sq = torch.cat(local_sq) if len(local_sq) > 1 else local_sq[0]
+    its row (its mean loss, ``head[0]`` over its count; its squared norm; from ``staged``, what
+    ``stage`` made on the host: its ``own_values`` of the previous step and its status, with the
+    layer parameter and ``NO_LOSS`` where it counted no loss in it), its per-parameter squared
+    norms (``local_sq``, one tensor per bucket) where it is in ``rows`` (``choose_sampled``), and
+    what it adds to the sums (nothing but its row where it is ``absent``): its squared norms,
+    their roots, its layer CUSUM's rises of the previous step (from ``staged``, for the pooled
+    scale), its buckets' norms, a one in ``present``, its sketch and unit sketch, adjacent parts
+    of the wire written by one ``cat``; on a replica-check step its one in each tensor's histogram
+    (``fingerprint_bins``; under HSDP the buffers', and on a shard's first replica its group's
+    ``shard_checks``); after one, ``differs`` (``replica_differs``: 1 or 0) sets
+    ``REPLICA_DIFFERS`` in its status. On a detail step (``layout.matrix_rows``) its sketch in row
+    ``matrix_row`` (its rank) of the matrix part, or with ``layout.host_form`` its unit sketch
+    added to row ``matrix_row`` (its block) and a one to that block's count (0 for a zero
+    sketch): one or two more ops. Some 9 device operations in all (``benchmarks/launches.py``),
+    whatever P and the buckets; nothing synchronises."""
     row = out[layout.part("per_rank")].view(layout.world, PER_RANK)[rank]
-    # its mean loss, 0 where it counted none (the count is a whole number: its sum is then 0 too)
-    torch.div(head[0], head[1].clamp(min=1.0), out=row[WIRE_LOSS])
-    torch.sum(param_sq, dim=0, out=row[WIRE_RANK_SQ])
-    row[WIRE_COSINE_LOO : WIRE_LAYER + 1] = own[:3]
-    # status + STATUS_ROOM (parameter + 1) + NO_LOSS where it counted none: small integers, exact.
-    status = row[WIRE_STATUS]
-    torch.add(head[2], own[3], out=status)
-    status.add_(head[1] <= 0, alpha=NO_LOSS)
+    torch.div(head[0], staged[STAGED_COUNT], out=row[WIRE_LOSS])  # 0 where it counted none: its sum is 0 too
+    row[WIRE_COSINE_LOO : WIRE_STATUS + 1] = staged[:OWN_VALUES]
     if differs is not None:
-        status += REPLICA_DIFFERS * differs
+        row[WIRE_STATUS].add_(differs, alpha=REPLICA_DIFFERS)
     if absent:
-        return param_sq
-    if rank in rows:
-        out[layout.part("sampled")].view(layout.rows, layout.n_params)[rows.index(rank)] = param_sq
-    out[layout.part("param_sq")] = param_sq
-    norms = torch.sqrt(param_sq, out=out[layout.part("param_norms")])
-    if layered:  # rise_sum then rise_count: adjacent parts, one copy
-        out[layout.part("rise_sum").start : layout.part("rise_count").stop] = own[OWN_VALUES:]
+        return
+    sketching = bool(layout.bins) and sketch is not None
+    roots = torch._foreach_sqrt(local_sq)
     # each bucket's norm, the norm of its parameters' norms: one multi-tensor kernel, not one sum a bucket
-    torch.stack(torch._foreach_norm(norms.split([len(sq) for sq in local_sq]), 2), out=out[layout.part("bucket_norms")])
-    out[layout.part("present")] = 1.0
-    if layout.bins and sketch is not None:
-        out[layout.part("sketch_sum")] = sketch
+    bucket_norms = [norm.view(1) for norm in torch._foreach_norm(roots, 2)]
+    parts = [*local_sq, *roots, staged[STAGED:], *bucket_norms, staged[STAGED_PRESENT : STAGED_PRESENT + 1]]
+    if sketching:
         norm = torch.linalg.vector_norm(sketch)
         # A zero sketch (no gradient on this rank) adds nothing to U, not 0/0.
-        torch.div(sketch, norm, out=out[layout.part("unit_sum")]).nan_to_num_(nan=0.0)
-        if layout.matrix_rows and matrix_row is not None:
-            rows = out[layout.part("matrix")].view(layout.matrix_rows, layout.bins)
-            if layout.host_form:  # this rank's unit sketch into its host's sum, and a one into its count
-                rows[matrix_row] = out[layout.part("unit_sum")]
-                torch.sign(norm, out=out[layout.part("matrix_present")][matrix_row])
-            else:
-                rows[matrix_row] = sketch
+        unit = torch.div(sketch, norm).nan_to_num_(nan=0.0)
+        parts += [sketch, unit]
+    last = layout.part("unit_sum" if sketching else "present")
+    torch.cat(parts, out=out[layout.part("param_sq").start : last.stop])
+    param_sq = out[layout.part("param_sq")]
+    torch.sum(param_sq, dim=0, out=row[WIRE_RANK_SQ])
+    if rank in rows:
+        out[layout.part("sampled")].view(layout.rows, layout.n_params)[rows.index(rank)] = param_sq
+    if sketching and layout.matrix_rows and matrix_row is not None:
+        matrix = out[layout.part("matrix")].view(layout.matrix_rows, layout.bins)
+        if layout.host_form:  # this rank's unit sketch into its host's sum, and a one into its count
+            matrix[matrix_row] = unit
+            torch.sign(norm, out=out[layout.part("matrix_present")][matrix_row])
+        else:
+            matrix[matrix_row] = sketch
     if fingerprint is not None:
         compared = fingerprint[FINGERPRINT_WIDTH * layout.sharded :]  # the parameter shards' went to count_shards
         index = torch.arange(layout.histogram_rows, device=out.device) * (FINGERPRINT_BINS + 1) + fingerprint_bins(compared)
         out[layout.part("fingerprints")].index_fill_(0, index, 1.0)
     if shard_checks is not None:
         out[layout.part("shard_checks")] = shard_checks.reshape(-1)
-    return param_sq
 
 
 def fingerprint_bins(fingerprint: torch.Tensor) -> torch.Tensor:
@@ -404,18 +400,21 @@ def own_values(
     return values, state
 
 
-def staged_own(values: np.ndarray | None, layer: LayerState | None, n_params: int, device: torch.device) -> torch.Tensor:
-    """What ``pack`` writes of this rank's own values, on ``device`` in one copy (pinned host
-    memory on an accelerator: no synchronisation): ``[cos_loo, cos_previous, layer level,
-    STATUS_ROOM (parameter + 1)]`` (``values``, NaN and a 0 where None or unknown), then the rises
-    of ``layer`` (``rise_sum``, ``rise_count``; zeros where None)."""
-    host = torch.empty(OWN_VALUES + 2 * n_params, dtype=torch.float32, pin_memory=device.type != "cpu")
+def stage(values: np.ndarray | None, layer: LayerState | None, n_params: int, status: int, count: int, device: torch.device) -> torch.Tensor:
+    """What ``pack`` writes of this rank that the host knows, on ``device`` in one copy (from
+    pinned memory on an accelerator: nothing synchronises): ``[cos_loo, cos_previous, layer
+    level]`` of ``values`` (``own_values``; NaN where None or unknown), the wire's status
+    (``status`` + ``STATUS_ROOM`` (layer parameter + 1), + ``NO_LOSS`` where ``count`` is 0: small
+    integers, exact), 1 (its one in ``present``), ``max(count, 1)``, then the rises of ``layer``
+    (``rise_sum``, ``rise_count``; zeros where None)."""
+    host = torch.empty(STAGED + 2 * n_params, dtype=torch.float32, pin_memory=device.type != "cpu")
     staged = host.numpy()
     staged[:3] = math.nan if values is None else values[:3]
     parameter = math.nan if values is None else values[3]
-    staged[3] = 0.0 if math.isnan(parameter) else STATUS_ROOM * (parameter + 1.0)  # small integers, exact
-    staged[OWN_VALUES : OWN_VALUES + n_params] = 0.0 if layer is None else layer.rise_sum
-    staged[OWN_VALUES + n_params :] = 0.0 if layer is None else layer.rise_count
+    staged[3] = status + (0.0 if math.isnan(parameter) else STATUS_ROOM * (parameter + 1.0)) + (NO_LOSS if count == 0 else 0)
+    staged[STAGED_PRESENT], staged[STAGED_COUNT] = 1.0, max(count, 1)
+    staged[STAGED : STAGED + n_params] = 0.0 if layer is None else layer.rise_sum
+    staged[STAGED + n_params :] = 0.0 if layer is None else layer.rise_count
     return host if device.type == "cpu" else host.to(device, non_blocking=True)
 
 

@@ -60,7 +60,6 @@ class StepRecord:
         self.sampled: list[int] = []  # the ranks whose per-parameter norms travel
         self.cosines_step: int | None = None  # the step of the values this rank sends
         self.replica_check: object = None  # after a replica check: that step's FleetStats
-        self.param_sq: torch.Tensor | None = None  # this rank's P squared norms, as packed
         self.shard_counts: torch.Tensor | None = None  # HSDP: its replica group's parameter histograms (fleet.count_shards)
         self.shard_checks: torch.Tensor | None = None  # HSDP, on a shard's first replica: what it sends of them
 
@@ -548,14 +547,15 @@ class BaseSilentState:
             record.replica_check, differs = previous, differs[1].to(out.device)
         else:
             differs = None
-        # This rank's values and rises of its previous step (for the layer CUSUMs' pooled scale), in one copy.
-        layer = self._layer_state_of(record.layouts)
-        own = fleet.staged_own(self._own_values, layer, record.fleet.n_params, out.device)
+        # What the host knows: this rank's values and rises of its previous step (for the layer
+        # CUSUMs' pooled scale), its status and loss count, in one copy.
+        head = self._head(status, out.device)
+        staged = fleet.stage(self._own_values, self._layer_state_of(record.layouts), record.fleet.n_params, status, self._head_written[0], out.device)
         sketch = self._sketch if self.bins else None
         matrix_row = self.hosts.of_rank[self.rank] if record.fleet.host_form else self.rank
-        record.param_sq = fleet.pack(
-            record.fleet, record.sampled, self.rank, self._head(status, out.device), record.local_sq, sketch, own, fingerprint,
-            record.absent, out, differs, layer is not None, record.shard_checks, matrix_row,
+        fleet.pack(
+            record.fleet, record.sampled, self.rank, head, record.local_sq, sketch, staged, fingerprint,
+            record.absent, out, differs, record.shard_checks, matrix_row,
         )  # fmt: skip
 
     def _keep_fleet(self, record: StepRecord, reduced: torch.Tensor) -> None:
@@ -570,7 +570,7 @@ class BaseSilentState:
             self._own_values = np.full(fleet.OWN_VALUES, np.nan)
             self._own_values_step, self._own_previous = record.step, None
             return
-        inputs = torch.cat([record.param_sq, *([self._sketch] if self.bins else []), fleet.own_sums(record.fleet, reduced)])
+        inputs = torch.cat([*record.local_sq, *([self._sketch] if self.bins else []), fleet.own_sums(record.fleet, reduced)])
         self._own_inputs = (record.step, list(record.layouts), record.fleet, PendingHost([inputs]))
         if record.fingerprint is not None:
             differs = fleet.replica_differs(record.fleet, record.gathered, record.fingerprint.to(record.gathered.device), record.shard_counts)
