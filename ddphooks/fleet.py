@@ -179,7 +179,7 @@ def pack(
     layout: FleetLayout,
     rows: list[int],
     rank: int,
-    head: torch.Tensor,
+    loss_sum: torch.Tensor | None,
     local_sq: list[torch.Tensor],
     sketch: torch.Tensor | None,
     staged: torch.Tensor,
@@ -191,7 +191,7 @@ def pack(
     matrix_row: int | None = None,
 ) -> None:
     """Write this rank's part of the compact wire into ``out`` (zeroed, ``layout.size`` fp32):
-    its row (its mean loss, ``head[0]`` over its count; its squared norm; from ``staged``, what
+    its row (its mean loss, ``loss_sum`` over its count, 0 where None; its squared norm; from ``staged``, what
     ``stage`` made on the host: its ``own_values`` of the previous step and its status, with the
     layer parameter and ``NO_LOSS`` where it counted no loss in it), its per-parameter squared
     norms (``local_sq``, one tensor per bucket) where it is in ``rows`` (``choose_sampled``), and
@@ -207,7 +207,8 @@ def pack(
     sketch): one or two more ops. Some 9 device operations in all (``benchmarks/launches.py``),
     whatever P and the buckets; nothing synchronises."""
     row = out[layout.part("per_rank")].view(layout.world, PER_RANK)[rank]
-    torch.div(head[0], staged[STAGED_COUNT], out=row[WIRE_LOSS])  # 0 where it counted none: its sum is 0 too
+    if loss_sum is not None:
+        torch.div(loss_sum, staged[STAGED_COUNT], out=row[WIRE_LOSS])
     row[WIRE_COSINE_LOO : WIRE_STATUS + 1] = staged[:OWN_VALUES]
     if differs is not None:
         row[WIRE_STATUS].add_(differs, alpha=REPLICA_DIFFERS)
@@ -215,11 +216,12 @@ def pack(
         return
     sketching = bool(layout.bins) and sketch is not None
     roots = torch._foreach_sqrt(local_sq)
-    # each bucket's norm, the norm of its parameters' norms: one multi-tensor kernel, not one sum a bucket
-    bucket_norms = [norm.view(1) for norm in torch._foreach_norm(roots, 2)]
+    # each bucket's norm, the norm of its parameters' norms, and the sketch's: one multi-tensor kernel
+    norms = torch._foreach_norm([*roots, sketch] if sketching else roots, 2)
+    bucket_norms = [norm.view(1) for norm in norms[: len(roots)]]
     parts = [*local_sq, *roots, staged[STAGED:], *bucket_norms, staged[STAGED_PRESENT : STAGED_PRESENT + 1]]
     if sketching:
-        norm = torch.linalg.vector_norm(sketch)
+        norm = norms[-1]
         # A zero sketch (no gradient on this rank) adds nothing to U, not 0/0.
         unit = torch.div(sketch, norm).nan_to_num_(nan=0.0)
         parts += [sketch, unit]

@@ -43,6 +43,12 @@ class LossTracker:
             total.add_(value)
         self._counts[explicit] += 1
 
+    def total(self) -> tuple[torch.Tensor | None, int]:
+        """The loss sum of the winning source (None where it counted none) and its count."""
+        explicit = self._counts[True] > 0
+        count = self._counts[explicit]
+        return (self._sums[explicit] if count else None), count
+
     def pack(self, out: torch.Tensor) -> int:
         """Write the loss sum of the winning source into the 1-element ``out``; return its count."""
         explicit = self._counts[True] > 0

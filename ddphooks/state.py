@@ -549,12 +549,12 @@ class BaseSilentState:
             differs = None
         # What the host knows: this rank's values and rises of its previous step (for the layer
         # CUSUMs' pooled scale), its status and loss count, in one copy.
-        head = self._head(status, out.device)
-        staged = fleet.stage(self._own_values, self._layer_state_of(record.layouts), record.fleet.n_params, status, self._head_written[0], out.device)
+        loss_sum, count = self._losses.total()
+        staged = fleet.stage(self._own_values, self._layer_state_of(record.layouts), record.fleet.n_params, status, count, out.device)
         sketch = self._sketch if self.bins else None
         matrix_row = self.hosts.of_rank[self.rank] if record.fleet.host_form else self.rank
         fleet.pack(
-            record.fleet, record.sampled, self.rank, head, record.local_sq, sketch, staged, fingerprint,
+            record.fleet, record.sampled, self.rank, loss_sum, record.local_sq, sketch, staged, fingerprint,
             record.absent, out, differs, record.shard_checks, matrix_row,
         )  # fmt: skip
 

@@ -58,7 +58,7 @@ def _compact(layout: fleet_stats.FleetLayout, rows: list[int], ranks: list[dict]
     total = torch.zeros(layout.size)
     for rank, r in enumerate(ranks):
         out = torch.zeros(layout.size)
-        fleet.pack(layout, rows, rank, r["head"], r["local_sq"], r["sketch"], _staged(layout, r, None if own is None else own[rank]), None, r["absent"], out)
+        fleet.pack(layout, rows, rank, r["head"][0], r["local_sq"], r["sketch"], _staged(layout, r, None if own is None else own[rank]), None, r["absent"], out)
         total += out
     return total
 
@@ -330,7 +330,7 @@ def _compact_steps() -> list[fleet_stats.FleetStats]:
     wire = torch.zeros(checking.size)
     for rank, r in enumerate(third):
         out = torch.zeros(checking.size)
-        fleet.pack(checking, [0, 1, 2, 3], rank, r["head"], r["local_sq"], r["sketch"], _staged(checking, r), fingerprints[rank].reshape(-1), False, out)
+        fleet.pack(checking, [0, 1, 2, 3], rank, r["head"][0], r["local_sq"], r["sketch"], _staged(checking, r), fingerprints[rank].reshape(-1), False, out)
         wire += out
     check = fleet_stats.FleetStats(2, BUCKETS, checking, wire, reduced_sq, "piggyback", [0, 1, 2, 3], 1, names)
     after = _ranks(world, 34)
@@ -338,7 +338,7 @@ def _compact_steps() -> list[fleet_stats.FleetStats]:
     wire = torch.zeros(plain.size)
     for rank, r in enumerate(after):
         out = torch.zeros(plain.size)
-        fleet.pack(plain, [2, 3, 4, 5], rank, r["head"], r["local_sq"], r["sketch"], _staged(plain, r), None, False, out, differs=torch.tensor(float(rank == 4)))
+        fleet.pack(plain, [2, 3, 4, 5], rank, r["head"][0], r["local_sq"], r["sketch"], _staged(plain, r), None, False, out, differs=torch.tensor(float(rank == 4)))
         wire += out
     verdict = fleet_stats.FleetStats(3, BUCKETS, plain, wire, reduced_sq, "piggyback", [2, 3, 4, 5], 2, replica_check=check)
     detail = fleet_stats.FleetLayout(world, N_PARAMS, len(BUCKETS), BINS, sampled=4, matrix_rows=world)
@@ -394,7 +394,7 @@ def test_the_reduced_part_comes_last_and_only_where_a_transport_asks_for_it():
     assert sharded.size == ddp.size + N_PARAMS == ddp.part("fingerprints").stop + N_PARAMS
     r = _ranks(4, 3)[1]
     out = torch.zeros(sharded.size)
-    fleet.pack(sharded, [0, 1], 1, r["head"], r["local_sq"], r["sketch"], _staged(sharded, r), None, False, out)
+    fleet.pack(sharded, [0, 1], 1, r["head"][0], r["local_sq"], r["sketch"], _staged(sharded, r), None, False, out)
     assert not out[sharded.part("reduced_sq")].any() and out[: ddp.size].any()
 
 
@@ -416,7 +416,7 @@ def _replica_check(fingerprints: torch.Tensor, names: list[str], shards: int = 1
     for rank, r in enumerate(ranks):
         out = torch.zeros(layout.size)
         checks = fleet_stats.histogram_checks(groups[rank]) if sharded and rank < shards else None
-        fleet.pack(layout, [0, 1], rank, r["head"], r["local_sq"], None, _staged(layout, r), fingerprints[rank].reshape(-1), False, out, shard_checks=checks)
+        fleet.pack(layout, [0, 1], rank, r["head"][0], r["local_sq"], None, _staged(layout, r), fingerprints[rank].reshape(-1), False, out, shard_checks=checks)
         total += out
     differs = lambda rank: fleet.replica_differs(layout, total, fingerprints[rank].reshape(-1), groups[rank % shards] if sharded else None)
     flagged = [rank for rank in range(world) if differs(rank).item() == 1.0]
@@ -623,7 +623,7 @@ def _compact_detail(layout: fleet_stats.FleetLayout, ranks: list[dict], blocks=N
     for rank, r in enumerate(ranks):
         out = torch.zeros(layout.size)
         row = blocks.of_rank[rank] if layout.host_form else rank
-        fleet.pack(layout, [0, 1], rank, r["head"], r["local_sq"], r["sketch"], _staged(layout, r), None, r["absent"], out, matrix_row=row)
+        fleet.pack(layout, [0, 1], rank, r["head"][0], r["local_sq"], r["sketch"], _staged(layout, r), None, r["absent"], out, matrix_row=row)
         total += out
     return total
 
