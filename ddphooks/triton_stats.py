@@ -178,6 +178,10 @@ class TritonBucketStats:
             self._offsets[id(plan)] = entry
         return entry[1], entry[2], entry[3]
 
+    def takes_row_norms(self, plan: BucketPlan) -> bool:
+        """Never: the launch sums each parameter over its rows itself (``BucketStatsKernel.takes_row_norms``)."""
+        return False
+
     def run(self, flat: torch.Tensor, plan: BucketPlan, sketch_acc: torch.Tensor | None, sq_norms: torch.Tensor, divide_by: int | None = None) -> None:
         """Write ``|g_j|^2`` of every segment into ``sq_norms``; add the sketch into ``sketch_acc``;
         with ``divide_by`` (W), also divide ``flat`` by it in place, after reading it, as
