@@ -245,10 +245,10 @@ class Breakdown:
         run = self._timed("statistics pass", getattr(kernel, method))
         self.kernel_cpu, self._kernel_cpu_step = [], 0.0  # the pass's thread CPU (thread_time) per timed step
 
-        def timed_run(*args):
+        def timed_run(*args, **kwargs):
             start = time.thread_time()
             try:
-                return run(*args)
+                return run(*args, **kwargs)
             finally:
                 self._kernel_cpu_step += time.thread_time() - start
 
@@ -314,15 +314,15 @@ class Breakdown:
         return timed
 
     def _start_packing(self, stats_buffer):
-        def timed(*args):
+        def timed(*args, **kwargs):
             self._pack_start = time.perf_counter()
-            return stats_buffer(*args)
+            return stats_buffer(*args, **kwargs)
 
         return timed
 
     def _end_packing(self, pack_slot):
-        def timed(*args):
-            pack_slot(*args)
+        def timed(*args, **kwargs):
+            pack_slot(*args, **kwargs)
             self._add("last bucket: division into piggyback buffer + slot", time.perf_counter() - self._pack_start)
 
         return timed
