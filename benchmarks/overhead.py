@@ -43,6 +43,7 @@ the end of backward (the slot all-reduce and SilentStats).
 
     python benchmarks/overhead.py --quick                            # CPU, spawns 2 gloo workers
     python benchmarks/overhead.py --small                            # CPU, small steps (tiny-gpt), 2 gloo workers
+    python benchmarks/overhead.py --small --models cnn --steps 100   # the same for a ResNet-style CNN (~100 ms steps)
     python benchmarks/overhead.py --fsdp --steps 30                  # CPU, FSDP2 on 2 gloo workers
     python benchmarks/overhead.py --json results.json                # CPU, the full table
     torchrun --nproc-per-node 8 benchmarks/overhead.py --device cuda # 8 GPUs, NCCL
@@ -78,7 +79,7 @@ from ddphooks import JsonlSink, SilentState, attach, silent_hook
 from ddphooks.detect.process import _HEADER, DetectorProcess
 from ddphooks.devices import set_device
 from ddphooks.launch import spawn
-from ddphooks.models import mlp, parameter_count, tiny_gpt, tiny_llama
+from ddphooks.models import mlp, parameter_count, small_resnet, tiny_gpt, tiny_llama
 
 # -- config ----------------------------------------------------------------------------------------
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
@@ -87,6 +88,7 @@ SETTLE_TIMEOUT_S = 120.0
 LLAMA_BATCH, LLAMA_TOKENS = 8, 128
 MLP_BATCH = 64
 GPT_BATCH, GPT_TOKENS = 8, 64  # tiny-gpt: character-level, steps of tens of milliseconds
+CNN_BATCH = 6  # cnn: 32 x 32 images, about 100 ms a step on one core of the 2-core CPU machine
 SILENT_SKETCH_DIMS, SILENT_EVERY = (0, 64, 256, 1024), (1, 10)
 SINK_CONFIG = ("silent_sink", 256, 1)  # SilentState's defaults, with a JsonlSink and summary() every step
 QUICK_CONFIGS = [("none", None, None), ("allreduce", None, None), ("norms_separate", None, None), ("silent", 256, 1), SINK_CONFIG, ("silent", 256, 10), ("silent", 0, 1)]
@@ -152,6 +154,8 @@ def build(name, device):
         return mlp().to(device)
     if name == "tiny-gpt":  # small steps: a fixed cost per step shows
         return tiny_gpt().to(device)
+    if name == "cnn":  # the shape of issue 59's CNN client: 4.9 M parameters in 86 tensors, BatchNorm
+        return small_resnet().to(device)
     if name == "tiny-mlp":  # seconds-long smoke runs of this script
         return mlp(width=64, depth=3).to(device)
     from transformers import AutoModelForCausalLM
@@ -164,6 +168,9 @@ def make_batch(name, model, rank, device):
     module = getattr(model, "module", model)  # DDP wraps, FSDP2 does not
     if name in ("mlp", "tiny-mlp"):
         return {"x": torch.randn(MLP_BATCH, module[0].in_features, generator=generator).to(device)}
+    if name == "cnn":
+        images = torch.randn(CNN_BATCH, 3, 32, 32, generator=generator).to(device)
+        return {"images": images, "labels": torch.randint(0, 10, (CNN_BATCH,), generator=generator).to(device)}
     if name == "tiny-gpt":
         ids = torch.randint(0, module.vocab_size, (GPT_BATCH, GPT_TOKENS + 1), generator=generator).to(device)
         return {"ids": ids[:, :-1], "targets": ids[:, 1:]}
@@ -177,6 +184,8 @@ def loss_of(name, model, batch):
         return model(batch["x"]).pow(2).mean()
     if name == "tiny-gpt":
         return model(batch["ids"], batch["targets"])
+    if name == "cnn":
+        return torch.nn.functional.cross_entropy(model(batch["images"]), batch["labels"])
     return model(**batch).loss
 
 
@@ -715,7 +724,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=sorted(BACKENDS), default="cpu")
     parser.add_argument("--nproc", type=int, default=2, help="workers to spawn on CPU when not under torchrun")
-    parser.add_argument("--models", nargs="+", default=None, help="tiny-llama, mlp, tiny-mlp (smoke test), or a Hugging Face causal LM path")
+    parser.add_argument("--models", nargs="+", default=None, help="tiny-llama, mlp, tiny-gpt, cnn (a ResNet-style CNN with BatchNorm, 4.9 M parameters in 86 tensors), tiny-mlp (smoke test), or a Hugging Face causal LM path")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per configuration (30; --small: 200)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed rounds first (3; --small: 2 of --block steps)")
     parser.add_argument("--block", type=int, default=None, help="consecutive steps of a configuration in a round, the first untimed (1; --small: 10)")

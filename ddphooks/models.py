@@ -86,3 +86,38 @@ def tiny_gpt(vocab_size: int = 65, hidden: int = 128, layers: int = 2, heads: in
     model whose steps take tens of milliseconds, where a fixed cost per step shows. Pure torch."""
     torch.manual_seed(seed)
     return TinyGPT(vocab_size, hidden, layers, heads, block_size)
+
+
+class _ResidualBlock(torch.nn.Module):
+    """Two 3x3 convolutions with BatchNorm and a shortcut (a 1x1 convolution where the shape changes)."""
+
+    def __init__(self, inputs: int, outputs: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(inputs, outputs, 3, stride, 1, bias=False)
+        self.bn1 = torch.nn.BatchNorm2d(outputs)
+        self.conv2 = torch.nn.Conv2d(outputs, outputs, 3, 1, 1, bias=False)
+        self.bn2 = torch.nn.BatchNorm2d(outputs)
+        self.shortcut = None
+        if stride != 1 or inputs != outputs:
+            self.shortcut = torch.nn.Sequential(torch.nn.Conv2d(inputs, outputs, 1, stride, bias=False), torch.nn.BatchNorm2d(outputs))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return torch.relu(out + (x if self.shortcut is None else self.shortcut(x)))
+
+
+def small_resnet(widths: tuple[int, ...] = (32, 64, 128, 278), blocks: int = 3, classes: int = 10, seed: int = 0) -> torch.nn.Module:
+    """A ResNet-style image classifier with BatchNorm for 32 x 32 inputs: a 3x3 stem, then
+    ``blocks`` residual blocks per width (the first of each width but the first halving the
+    resolution); with the defaults 4.9 M parameters in 86 tensors, the shape of the CNN client
+    issue 59 names (``benchmarks/overhead.py --models cnn``)."""
+    torch.manual_seed(seed)
+    layers: list[torch.nn.Module] = [torch.nn.Conv2d(3, widths[0], 3, 1, 1, bias=False), torch.nn.BatchNorm2d(widths[0]), torch.nn.ReLU()]
+    inputs = widths[0]
+    for stage, width in enumerate(widths):
+        for block in range(blocks):
+            layers.append(_ResidualBlock(inputs, width, 2 if stage and not block else 1))
+            inputs = width
+    layers += [torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(inputs, classes)]
+    return torch.nn.Sequential(*layers)

@@ -96,6 +96,27 @@ def test_overhead_small_steps(tmp_path):
     assert "training thread's CPU per step" in stdout and "less statistics pass ms" in stdout and "detect=False" in stdout
 
 
+def test_overhead_cnn_is_a_resnet_of_the_cnn_clients_shape():
+    """``--models cnn``: issue 59's held-out CNN client has 4.9 M parameters in 86 tensors, with
+    BatchNorm; the stand-in, built and run for one step as overhead.py runs it."""
+    import torch
+
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import overhead
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    model = overhead.build("cnn", torch.device("cpu"))
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    assert len(parameters) == 86 and 4.85e6 < sum(p.numel() for p in parameters) < 4.95e6
+    assert any(isinstance(m, torch.nn.BatchNorm2d) for m in model.modules())
+    batch = overhead.make_batch("cnn", model, 0, torch.device("cpu"))
+    loss = overhead.loss_of("cnn", model, batch)
+    loss.backward()
+    assert batch["images"].shape == (overhead.CNN_BATCH, 3, 32, 32) and math.isfinite(loss.item())
+    assert all(p.grad is not None for p in parameters)
+
+
 def test_overhead_fsdp_rows(tmp_path):
     out = tmp_path / "fsdp.json"
     stdout = _run("overhead.py", "--fsdp", "--models", "tiny-mlp", "--steps", "2", "--warmup", "1", "--json", str(out))
