@@ -550,6 +550,8 @@ class BaseSilentState:
         # What the host knows: this rank's values and rises of its previous step (for the layer
         # CUSUMs' pooled scale), its status and loss count, in one copy.
         loss_sum, count = self._losses.total()
+        if loss_sum is not None and loss_sum.device != out.device:  # a loss computed on another device than the gradients
+            loss_sum = loss_sum.to(out.device)
         staged = fleet.stage(self._own_values, self._layer_state_of(record.layouts), record.fleet.n_params, status, count, out.device)
         sketch = self._sketch if self.bins else None
         matrix_row = self.hosts.of_rank[self.rank] if record.fleet.host_form else self.rank
