@@ -581,8 +581,9 @@ class BaseSilentState:
     def _compute_own_values(self) -> None:
         """This rank's values of the last step sent to the host (``fleet.own_values``, numpy): its
         cosines and layer CUSUM; keeps its sketch for the next step's cosine to it. The copy was
-        made one step before, behind that step's all-reduce: waiting for it is waiting for work
-        the device finished a step ago."""
+        queued one step before, behind that step's all-reduce, where that step's wire was queued
+        for the host too: ``_pack_fleet`` waits for the wire's copy anyway (the previous step's
+        layer levels choose the sampled ranks), an event one step old, never the whole device."""
         pending, self._own_inputs = self._own_inputs, None
         if pending is None:
             return
