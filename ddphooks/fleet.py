@@ -91,7 +91,6 @@ cosines and layer levels are one step late.
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -373,33 +372,48 @@ def own_values(
                 to_previous = (s @ p) / (own * np.sqrt(p @ p))
         norms = np.sqrt(np.asarray(param_sq, dtype=np.float64))
         others_mean = (read("param_norms") - norms) / (read("present")[0] - 1.0)
-        deviation = np.log(norms) - np.log(others_mean)
-    known = np.isfinite(deviation)  # a parameter this rank's batch did not use: unknown
-    anything = bool(known.any())  # a rank with no parameter to compare (absent: no gradient) has no level, and its CUSUM waits
-    if anything:  # less the lower median of an even count, as the detector takes it
-        deviation = deviation - np.sort(deviation[known])[(int(known.sum()) - 1) // 2]
     n_params = len(norms)
     if state is None:
         zero = np.zeros(n_params)
         state = LayerState(zero, zero, 0.0, zero, zero, zero, zero)
     scale, weight = _pool_scale(state.scale, state.weight, read("rise_sum"), read("rise_count"))
-    first = state.seen == 0  # its deviations are its baseline, nothing else yet
-    rise = np.where(known, deviation - state.average, 0.0)
-    cusum, average = state.cusum, state.average
-    if first:
-        cusum, average = np.zeros(n_params), np.where(known, deviation, 0.0)
-    else:
-        if state.seen >= LAYER_WARMUP and anything:
-            typical = np.where(weight > 0, scale / np.where(weight > 0, weight, 1.0), 0.0) + 1e-3
-            cusum = np.maximum(0.0, cusum + np.minimum(rise / typical, LAYER_CAP) - LAYER_DRIFT)
-        average = np.where(known & (cusum == 0), average + LAYER_RATE * rise, average)
-    pooled = known & (not first)
-    rise_sum = np.where(pooled, math.sqrt(math.pi / 2) * np.abs(rise), 0.0)
-    state = LayerState(average, cusum, state.seen + anything, scale, weight, rise_sum, pooled.astype(np.float64))
-    level, parameter = (float(cusum.max()), float(cusum.argmax())) if anything else (math.nan, math.nan)
-    values = np.array([np.clip(loo, -1.0, 1.0), np.clip(to_previous, -1.0, 1.0), level, parameter])
+    average, cusum, seen, rise_sum, rise_count, level, parameter = _layer_step(
+        norms[None], others_mean[None], state.average[None], state.cusum[None], np.array([state.seen]), scale, weight
+    )  # fmt: skip
+    state = LayerState(average[0], cusum[0], float(seen[0]), scale, weight, rise_sum[0], rise_count[0])
+    values = np.array([np.clip(loo, -1.0, 1.0), np.clip(to_previous, -1.0, 1.0), level[0], parameter[0]])
     values[~np.isfinite(values)] = math.nan
     return values, state
+
+
+def _layer_step(mine, others_mean, average, cusum, seen, scale, weight) -> tuple:
+    """Steps 2-6 of ``own_values`` for R ranks at once (``mine``, ``others_mean``, ``average``,
+    ``cusum``: R x P; ``seen``: R; the pooled ``scale`` and ``weight`` after step 1: P): the
+    ranks' new ``average``, ``cusum`` and ``seen``, their ``rise_sum`` and ``rise_count`` for the
+    next step's sums, and their levels and parameters (NaN where a rank had nothing to compare).
+    One rank's ``own_values`` and every rank's ``layer_levels`` run this same arithmetic."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        deviation = np.log(mine) - np.log(others_mean)
+    deviation = np.where(np.isfinite(deviation), deviation, np.nan)  # a parameter this rank's batch did not use: unknown
+    known = np.isfinite(deviation)
+    # Less the lower median of an even count, as the detector takes it (NaN sorts last; a rank with
+    # no known parameter: all NaN). A sort, not np.nanquantile: 3x faster on one rank's row.
+    middle = np.maximum((known.sum(axis=1) - 1) // 2, 0)
+    deviation = deviation - np.take_along_axis(np.sort(deviation, axis=1), middle[:, None], axis=1)
+    anything = known.any(axis=1)  # a rank with no parameter to compare (absent: no gradient) has no level, and its CUSUM waits
+    first = (seen == 0)[:, None]  # its deviations are its baseline, nothing else yet
+    rise = np.where(known, deviation - average, 0.0)
+    z = rise / (np.where(weight > 0, scale / np.where(weight > 0, weight, 1.0), 0.0) + 1e-3)
+    counting = ((seen >= LAYER_WARMUP) & anything)[:, None]
+    cusum = np.where(first, 0.0, np.where(counting, np.maximum(0.0, cusum + np.minimum(z, LAYER_CAP) - LAYER_DRIFT), cusum))
+    learn = known & (cusum == 0) & ~first
+    average = np.where(learn, average + LAYER_RATE * rise, average)  # rise = d - a where known
+    average = np.where(first, np.where(known, deviation, 0.0), average)
+    pooled = known & ~first
+    rise_sum = np.where(pooled, math.sqrt(math.pi / 2) * np.abs(rise), 0.0)
+    levels = np.where(anything, cusum.max(axis=1), np.nan)
+    parameters = np.where(anything, cusum.argmax(axis=1), np.nan)
+    return average, cusum, seen + anything, rise_sum, pooled.astype(np.float64), levels, parameters
 
 
 def stage(values: np.ndarray | None, layer: LayerState | None, n_params: int, status: int, count: int, device: torch.device) -> torch.Tensor:
@@ -508,29 +522,11 @@ def layer_levels(norms: np.ndarray, present: list[int], state: LayerState | None
     mine = norms[rows]
     with np.errstate(invalid="ignore", divide="ignore"):
         others = (np.nansum(norms[rows], axis=0) - mine) / (len(rows) - 1.0)
-        deviation = np.log(mine) - np.log(others)
-    deviation = np.where(np.isfinite(deviation), deviation, np.nan)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # a rank with no known parameter: all NaN
-        # The lower median of an even count, as torch.nanmedian takes it on the rank.
-        deviation = deviation - np.nanquantile(deviation, 0.5, axis=1, method="lower", keepdims=True)
-    known = np.isfinite(deviation)
-    anything = known.any(axis=1)
-    seen = state.seen[rows]
-    first = (seen == 0)[:, None]
-    average, cusum = state.average[rows], state.cusum[rows]
-    rise = np.where(known, deviation - average, 0.0)
-    z = rise / (np.where(weight > 0, scale / np.where(weight > 0, weight, 1.0), 0.0) + 1e-3)
-    counting = ((seen >= LAYER_WARMUP) & anything)[:, None]
-    cusum = np.where(first, 0.0, np.where(counting, np.maximum(0.0, cusum + np.minimum(z, LAYER_CAP) - LAYER_DRIFT), cusum))
-    learn = known & (cusum == 0) & ~first
-    average = np.where(learn, average + LAYER_RATE * rise, average)  # rise = d - a where known, as own_values
-    average = np.where(first, np.where(known, deviation, 0.0), average)
-    state.average[rows], state.cusum[rows], state.seen[rows] = average, cusum, seen + anything
-    pooled = known & ~first
-    state.rise_sum[rows], state.rise_count[rows] = np.where(pooled, math.sqrt(math.pi / 2) * np.abs(rise), 0.0), pooled
-    levels[rows] = np.where(anything, cusum.max(axis=1), np.nan)
-    parameters[rows] = np.where(anything, cusum.argmax(axis=1), np.nan)
+    average, cusum, seen, rise_sum, rise_count, levels[rows], parameters[rows] = _layer_step(
+        mine, others, state.average[rows], state.cusum[rows], state.seen[rows], scale, weight
+    )  # fmt: skip
+    state.average[rows], state.cusum[rows], state.seen[rows] = average, cusum, seen
+    state.rise_sum[rows], state.rise_count[rows] = rise_sum, rise_count
     return levels, parameters, state
 
 
