@@ -35,7 +35,8 @@ accelerator (``BucketStatsKernel(fused=True)``, which the code picks from the de
 here on the CPU; ``chunk_elems=ACCELERATOR_CHUNK_ELEMS``) and ``sketch_dim=0``; the Triton kernel
 under ``TRITON_INTERPRET=1`` (4 KB buckets); FSDP2 (``fully_shard`` per Linear, and per group of four) and DeepSpeed ZeRO-2. Then DDP at W = 64, above ``gather_max_world``,
 where the statistics travel in the compact wire (``ddphooks.fleet``: each rank packs its parts and,
-after the all-reduce, computes its own values of the step on its device): on PyTorch's fake process
+after the all-reduce, keeps the step and sends it to the host in one copy, where it computes its own
+values of the step in numpy at its next step): on PyTorch's fake process
 group in the main process, where the collectives complete at once and every callback runs inline
 on the training thread, so a ``TorchDispatchMode`` sees all of it.
 
@@ -309,7 +310,7 @@ def _completed(tensor: torch.Tensor) -> torch.futures.Future:
 
 def _compact_wire() -> dict:
     """DDP at W = COMPACT_WORLD, above ``gather_max_world``: the compact wire (``ddphooks.fleet``:
-    its packing, and each rank's own values computed on its device after the all-reduce), on
+    its packing, and after the all-reduce the one array each rank keeps of the step), on
     PyTorch's fake process group in this one process. Its collectives complete at once, so every
     callback runs inline on the training thread, where a ``TorchDispatchMode`` sees it: counted
     by one, against ``allreduce_hook``, at SMALL's buckets and half of them (``_fit``)."""

@@ -385,8 +385,9 @@ class DeepSpeedSilentState(BaseSilentState):
         return indices, parts
 
     def _pack(self, record: _Step, slots: torch.Tensor, stride: int, status: int) -> None:
-        """Write this rank's row of ``stride`` numbers into the zeroed ``slots`` (``_pack_or_fail``):
-        its whole slot, then the squared norms of the reduced partitions it holds."""
+        """Write ``slots``: this rank's row of ``stride`` numbers (its whole slot, then the squared
+        norms of the reduced partitions it holds) and zeros elsewhere (``_pack_or_fail``)."""
+        slots.zero_()
         mine = slots[self.rank * stride : (self.rank + 1) * stride]
         n_params = len(self._params)
         slot = stride - n_params

@@ -10,7 +10,7 @@ buffer, each part summed over the ranks (a rank writes zeros where it has nothin
 
 1. per rank, ``PER_RANK`` numbers (a gather: only rank i writes row i)::
 
-       [loss_i, |g_i|^2, cos_loo_i, cos_previous_i, level_i, status_i + 32 (parameter_i + 1)]
+       [loss_i, cos_loo_i, cos_previous_i, level_i, status_i + 32 (parameter_i + 1), |g_i|^2]
 
    ``loss_i`` the rank's mean loss of the step (0 and the status flag ``NO_LOSS`` where it
    counted none), the cosines, ``level_i`` and ``parameter_i`` those of its *previous*
@@ -114,8 +114,9 @@ from ddphooks.stats import FINGERPRINT_WIDTH, NOT_COMPARED, _floats
 #: The rank's own values (``own_values``): cos_loo, cos_previous, layer level, layer parameter.
 OWN_VALUES = 4
 #: What ``stage`` puts before a rank's rises: its cosines and layer level, its status, the 1 it
-#: adds to ``present`` and its loss count (at least 1: the divisor of its mean loss).
-STAGED_PRESENT, STAGED_COUNT, STAGED = 4, 5, 6
+#: adds to ``present``, its loss count (at least 1: the divisor of its mean loss) and a 0 (what
+#: ``pack`` writes of the other ranks' rows, expanded).
+STAGED_PRESENT, STAGED_COUNT, STAGED_ZERO, STAGED = 4, 5, 6, 7
 #: The layer CUSUM each rank runs on itself (``own_values``): the detector's per-parameter rate,
 #: warm-up, drift and cap (``DetectorConfig`` defaults), so its level reads against the
 #: detector's layer limit.
@@ -188,44 +189,61 @@ def pack(
     differs: torch.Tensor | None = None,
     shard_checks: torch.Tensor | None = None,
     matrix_row: int | None = None,
+    local_norms: list[torch.Tensor] | None = None,
+    reduced: torch.Tensor | None = None,
+    loss_count: int = 1,
 ) -> None:
-    """Write this rank's part of the compact wire into ``out`` (zeroed, ``layout.size`` fp32):
-    its row (its mean loss, ``loss_sum`` over its count, 0 where None; its squared norm; from ``staged``, what
-    ``stage`` made on the host: its ``own_values`` of the previous step and its status, with the
-    layer parameter and ``NO_LOSS`` where it counted no loss in it), its per-parameter squared
-    norms (``local_sq``, one tensor per bucket) where it is in ``rows`` (``choose_sampled``), and
-    what it adds to the sums (nothing but its row where it is ``absent``): its squared norms,
-    their roots, its layer CUSUM's rises of the previous step (from ``staged``, for the pooled
-    scale), its buckets' norms, a one in ``present``, its sketch and unit sketch, adjacent parts
-    of the wire written by one ``cat``; on a replica-check step its one in each tensor's histogram
+    """Write every number of ``out`` (``layout.size`` fp32, not zeroed first), this rank's part of
+    the compact wire and zeros for the others': its row (its mean loss, ``loss_sum`` over
+    ``loss_count``, the count ``stage`` was given, 0 where None; its squared norm; from ``staged``, what ``stage`` made on the host: its
+    ``own_values`` of the previous step and its status, with the layer parameter and ``NO_LOSS``
+    where it counted no loss in it), its per-parameter squared norms (``local_sq``, one tensor per
+    bucket) where it is in ``rows`` (``choose_sampled``), and what it adds to the sums (nothing
+    but its row where it is ``absent``): its squared norms, their roots (``local_norms`` where the
+    kernel left them, else one operation more), its layer CUSUM's rises of the previous step
+    (from ``staged``, for the pooled scale), its buckets' norms, a one in ``present``, its sketch
+    and unit sketch, and FSDP2's ``reduced`` (its shards' squared norms, in ``reduced_sq``): one
+    ``cat`` writes them from the wire's start, the other ranks' rows and the sampled rows from
+    ``staged``'s zero, expanded. On a replica-check step its one in each tensor's histogram
     (``fingerprint_bins``; under HSDP the buffers', and on a shard's first replica its group's
     ``shard_checks``); after one, ``differs`` (``replica_differs``: 1 or 0) sets
     ``REPLICA_DIFFERS`` in its status. On a detail step (``layout.matrix_rows``) its sketch in row
     ``matrix_row`` (its rank) of the matrix part, or with ``layout.host_form`` its unit sketch
     added to row ``matrix_row`` (its block) and a one to that block's count (0 for a zero
-    sketch): one or two more ops. Some 9 device operations in all (``benchmarks/launches.py``),
-    whatever P and the buckets; nothing synchronises."""
+    sketch). The parts after the ``cat`` (those steps' histograms and matrix) are zeroed first:
+    one more operation, on those steps only. Some 8 device operations in all
+    (``benchmarks/launches.py``), whatever P and the buckets; nothing synchronises."""
     row = out[layout.part("per_rank")].view(layout.world, PER_RANK)[rank]
-    if loss_sum is not None:
-        torch.div(loss_sum, staged[STAGED_COUNT], out=row[WIRE_LOSS])
-    row[WIRE_COSINE_LOO : WIRE_STATUS + 1] = staged[:OWN_VALUES]
-    if differs is not None:
-        row[WIRE_STATUS].add_(differs, alpha=REPLICA_DIFFERS)
     if absent:
+        out.zero_()
+        _write_row(row, loss_sum, loss_count, staged, differs)
         return
     sketching = bool(layout.bins) and sketch is not None
-    roots = torch._foreach_sqrt(local_sq)
+    roots = torch._foreach_sqrt(local_sq) if local_norms is None else local_norms
     # each bucket's norm, the norm of its parameters' norms, and the sketch's: one multi-tensor kernel
     norms = torch._foreach_norm([*roots, sketch] if sketching else roots, 2)
     bucket_norms = [norm.view(1) for norm in norms[: len(roots)]]
-    parts = [*local_sq, *roots, staged[STAGED:], *bucket_norms, staged[STAGED_PRESENT : STAGED_PRESENT + 1]]
+    # The other ranks' rows and the sampled rows are zeros (read from one staged zero: no zeroing
+    # of the wire), then this rank's parts, adjacent, up to where the step's wire is written later.
+    zeros = staged[STAGED_ZERO : STAGED_ZERO + 1].expand(layout.part("param_sq").start)
+    parts = [zeros, *local_sq, *roots, staged[STAGED:], *bucket_norms, staged[STAGED_PRESENT : STAGED_PRESENT + 1]]
+    end = layout.part("present").stop
     if sketching:
         norm = norms[-1]
         # A zero sketch (no gradient on this rank) adds nothing to U, not 0/0.
         unit = torch.div(sketch, norm).nan_to_num_(nan=0.0)
         parts += [sketch, unit]
-    last = layout.part("unit_sum" if sketching else "present")
-    torch.cat(parts, out=out[layout.part("param_sq").start : last.stop])
+        end = layout.part("unit_sum").stop
+    reduced_part = layout.part("reduced_sq")
+    if reduced is not None and reduced_part.start == end:  # FSDP2's, where no replica check's histograms come first
+        parts.append(reduced)
+        end, reduced = reduced_part.stop, None
+    torch.cat(parts, out=out[:end])
+    if end < layout.size:  # a replica check's histograms, FSDP2's reduced norms after them, a detail step's matrix
+        out[end:].zero_()
+    if reduced is not None:
+        out[reduced_part] = reduced
+    _write_row(row, loss_sum, loss_count, staged, differs)
     param_sq = out[layout.part("param_sq")]
     torch.sum(param_sq, dim=0, out=row[WIRE_RANK_SQ])
     if rank in rows:
@@ -243,6 +261,21 @@ def pack(
         out[layout.part("fingerprints")].index_fill_(0, index, 1.0)
     if shard_checks is not None:
         out[layout.part("shard_checks")] = shard_checks.reshape(-1)
+
+
+def _write_row(row: torch.Tensor, loss_sum: torch.Tensor | None, loss_count: int, staged: torch.Tensor, differs: torch.Tensor | None) -> None:
+    """A rank's row of the compact wire but its squared norm: its mean loss (``loss_sum`` over
+    ``loss_count``), its values and status (``stage``), ``REPLICA_DIFFERS`` after a replica check
+    where it differs."""
+    if loss_sum is None:
+        row[WIRE_COSINE_LOO : WIRE_STATUS + 1] = staged[:OWN_VALUES]
+    elif loss_count == 1:  # the sum is the mean: it and the staged values in one op
+        torch.cat([loss_sum.view(1), staged[:OWN_VALUES]], out=row[WIRE_LOSS : WIRE_STATUS + 1])
+    else:
+        torch.div(loss_sum, staged[STAGED_COUNT], out=row[WIRE_LOSS])
+        row[WIRE_COSINE_LOO : WIRE_STATUS + 1] = staged[:OWN_VALUES]
+    if differs is not None:
+        row[WIRE_STATUS].add_(differs, alpha=REPLICA_DIFFERS)
 
 
 def fingerprint_bins(fingerprint: torch.Tensor) -> torch.Tensor:
@@ -421,14 +454,14 @@ def stage(values: np.ndarray | None, layer: LayerState | None, n_params: int, st
     pinned memory on an accelerator: nothing synchronises): ``[cos_loo, cos_previous, layer
     level]`` of ``values`` (``own_values``; NaN where None or unknown), the wire's status
     (``status`` + ``STATUS_ROOM`` (layer parameter + 1), + ``NO_LOSS`` where ``count`` is 0: small
-    integers, exact), 1 (its one in ``present``), ``max(count, 1)``, then the rises of ``layer``
+    integers, exact), 1 (its one in ``present``), ``max(count, 1)``, 0, then the rises of ``layer``
     (``rise_sum``, ``rise_count``; zeros where None)."""
     host = torch.empty(STAGED + 2 * n_params, dtype=torch.float32, pin_memory=device.type != "cpu")
     staged = host.numpy()
     staged[:3] = math.nan if values is None else values[:3]
     parameter = math.nan if values is None else values[3]
     staged[3] = status + (0.0 if math.isnan(parameter) else STATUS_ROOM * (parameter + 1.0)) + (NO_LOSS if count == 0 else 0)
-    staged[STAGED_PRESENT], staged[STAGED_COUNT] = 1.0, max(count, 1)
+    staged[STAGED_PRESENT], staged[STAGED_COUNT], staged[STAGED_ZERO] = 1.0, max(count, 1), 0.0
     staged[STAGED : STAGED + n_params] = 0.0 if layer is None else layer.rise_sum
     staged[STAGED + n_params :] = 0.0 if layer is None else layer.rise_count
     return host if device.type == "cpu" else host.to(device, non_blocking=True)

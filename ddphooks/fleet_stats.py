@@ -24,6 +24,7 @@ from ddphooks.stats import (
     MAX_REPLICA_DIFFERENCES,
     BucketLayout,
     HostArrays,
+    HostParts,
     SilentStats,
     _float,
     _floats,
@@ -36,7 +37,8 @@ if TYPE_CHECKING:
 
 #: Numbers per rank in the compact wire's row (see ``ddphooks.fleet``), and their places.
 PER_RANK = 6
-WIRE_LOSS, WIRE_RANK_SQ, WIRE_COSINE_LOO, WIRE_COSINE_PREVIOUS, WIRE_LAYER, WIRE_STATUS = range(PER_RANK)
+#: The loss first and what the host stages after it (``fleet.stage``): one ``cat`` writes them.
+WIRE_LOSS, WIRE_COSINE_LOO, WIRE_COSINE_PREVIOUS, WIRE_LAYER, WIRE_STATUS, WIRE_RANK_SQ = range(PER_RANK)
 #: The row as ``FleetStats`` reads it, decoded: ``SilentStats``'s first three columns, then these.
 RANK_SQ, COSINE_LOO, COSINE_PREVIOUS, LAYER, LAYER_PARAMETER = 3, 4, 5, 6, 7
 #: Status flag of the compact wire: on the replica check before this step, the rank's fingerprint
@@ -131,6 +133,38 @@ class FleetLayout:
         return self._bounds["matrix_present"][1]
 
 
+@dataclass(frozen=True)
+class KeptWire:
+    """Where a compact-wire step lies in the flat fp32 array a rank keeps of it and copies to the
+    host in one copy (``BaseSilentState._keep_fleet``): the all-reduced wire (``layout.size``
+    numbers), then this rank's inputs of its own values (``own`` numbers: its P squared norms and
+    its sketch; none where its statistics failed), then DDP's P reduced norms ``|gbar_p|``,
+    unsquared (squared here, in fp32 as torch squares them: one device operation fewer). Under
+    FSDP2 ``reduced_sq`` is a part of the wire, summed over its ``replicas`` replica groups
+    (0: DDP's norms after the own inputs)."""
+
+    layout: FleetLayout
+    own: int
+    replicas: int = 0
+
+    @property
+    def size(self) -> int:
+        return self.layout.size + self.own + (0 if self.replicas else self.layout.n_params)
+
+    def wire(self, kept: np.ndarray) -> np.ndarray:
+        return kept[: self.layout.size]
+
+    def own_inputs(self, kept: np.ndarray) -> np.ndarray:
+        return kept[self.layout.size : self.layout.size + self.own]
+
+    def reduced_sq(self, kept: np.ndarray) -> np.ndarray:
+        """``|gbar_p|^2`` per parameter, fp32 (as the device would have computed it)."""
+        if self.replicas:  # every replica holds the same shards: R |gbar_p|^2 summed
+            summed = kept[self.layout.part("reduced_sq")]
+            return summed if self.replicas == 1 else summed / np.float32(self.replicas)
+        return np.square(kept[self.layout.size + self.own :])
+
+
 #: Numbers per histogram in ``histogram_checks``: the ranks outside the most common bin (all of a
 #: tie), 1 if the ranks' fingerprints fell in more than one bin, 1 if some rank did not compare.
 SHARD_CHECK = 3
@@ -182,13 +216,15 @@ class FleetStats(SilentStats):
     Args (beyond ``SilentStats``'s):
         layout: the buffer's layout.
         reduced_wire: the all-reduced flat buffer (``layout.size``: a tensor, or a numpy array
-            where ``FleetSlots`` rebuilds the step).
+            where ``FleetSlots`` rebuilds the step), or with ``kept`` the host copy of the
+            array the rank kept of the step (``reduced_sq`` None: both are cut from it).
         sampled: the ranks whose per-parameter norms it carries, in row order (``choose_sampled``).
         cosines_step: the step the per-rank cosines belong to (None: none yet).
         replica_check: the statistics of the previous instrumented step where it checked the
             replicas (its histograms), None otherwise.
         hosts: with ``layout.host_form``, the blocks its host-by-host matrix is summed over (the
             state's ``hosts``), for the record's labels.
+        kept: where the step lies in ``reduced_wire``'s array (``KeptWire``), or None.
     """
 
     def __init__(
@@ -196,8 +232,8 @@ class FleetStats(SilentStats):
         step: int,
         buckets: list[BucketLayout],
         layout: FleetLayout,
-        reduced_wire: torch.Tensor,
-        reduced_sq: torch.Tensor,
+        reduced_wire: torch.Tensor | np.ndarray,
+        reduced_sq: torch.Tensor | np.ndarray | None,
         transport: str,
         sampled: list[int],
         cosines_step: int | None,
@@ -205,18 +241,25 @@ class FleetStats(SilentStats):
         divided_by_present: bool = False,
         replica_check: "FleetStats | None" = None,
         hosts: HostBlocks | None = None,
+        kept: KeptWire | None = None,
     ) -> None:
-        per_rank = reduced_wire[layout.part("per_rank")].reshape(layout.world, PER_RANK)
-        super().__init__(step, layout.world, buckets, per_rank, reduced_sq, layout.bins, transport, fingerprinted, divided_by_present=divided_by_present)
+        rows, after_rows = layout.part("per_rank"), layout.part("per_rank").stop
+        if kept is not None:  # reduced_wire is the host copy (``PendingHost``) of ``kept``'s array: the rows, reduced_sq and the rest cut from it
+            host = HostParts(reduced_wire, lambda array: [kept.wire(array)[rows].reshape(layout.world, PER_RANK), kept.reduced_sq(array)])
+            rest_host = HostParts(reduced_wire, lambda array: [kept.wire(array)[after_rows:]])
+        else:
+            if reduced_wire.shape[0] != layout.size:
+                raise ValueError(f"the compact wire has {reduced_wire.shape[0]} numbers, its layout {layout.size}")
+            host, reduced = reduced_wire[rows].reshape(layout.world, PER_RANK), reduced_sq
+            rest = reduced_wire[after_rows:]
+            rest_host = HostArrays([rest]) if isinstance(rest, np.ndarray) else _pending_host([rest])
+        super().__init__(step, layout.world, buckets, host, None if kept is not None else reduced, layout.bins, transport, fingerprinted, divided_by_present=divided_by_present)
         self.layout = layout
         self.sampled = list(sampled)
         self.parameter_rows = self.sampled
         self.cosines_step = cosines_step
         self.hosts = hosts
-        if reduced_wire.shape[0] != layout.size:
-            raise ValueError(f"the compact wire has {reduced_wire.shape[0]} numbers, its layout {layout.size}")
-        rest = reduced_wire[layout.part("per_rank").stop :]
-        self._rest_host = HostArrays([rest]) if isinstance(rest, np.ndarray) else _pending_host([rest])
+        self._rest_host = rest_host
         # The check's histograms, names and absent ranks, not the step itself (which would chain
         # every step to the one before where every step checks).
         self._replica_check = None
@@ -248,7 +291,7 @@ class FleetStats(SilentStats):
         status = packed - STATUS_ROOM * code
         count = ((status.astype(np.int64) & NO_LOSS) == 0).astype(float)
         parameter = np.where(code > 0, code - 1.0, np.nan)
-        rows = np.column_stack([wire[:, WIRE_LOSS], count, status, wire[:, WIRE_RANK_SQ : WIRE_LAYER + 1], parameter])
+        rows = np.column_stack([wire[:, WIRE_LOSS], count, status, wire[:, WIRE_RANK_SQ], wire[:, WIRE_COSINE_LOO : WIRE_LAYER + 1], parameter])
         return rows, reduced
 
     def _status_column(self) -> np.ndarray:

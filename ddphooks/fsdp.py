@@ -392,12 +392,9 @@ class ShardedSilentState(BaseSilentState):
         self._pack_or_fail(record, slots, stride, 0)  # a failure sends zeros and FAILED: every rank waits in the all-reduce
         dist.all_reduce(slots, group=self.process_group)
         try:
-            if record.fleet is not None:
-                self._keep_fleet(record, slots)
-                reduced = record.gathered[record.fleet.part("reduced_sq")]
-                if self._replicas > 1:  # every replica holds the same shards: R |gbar_p|^2, as in the whole slots
-                    reduced = reduced / self._replicas
-                return self._fleet_stats(record, reduced)
+            if record.fleet is not None:  # reduced_sq in the wire, divided by the replicas on the host
+                self._keep_fleet(record, slots, replicas=self._replicas)
+                return self._fleet_stats(record)
             rows = slots.view(self.world_size, stride)
             reduced = rows[:, slot:].sum(dim=0)
             if self._replicas > 1:  # every replica holds the same shards
@@ -436,14 +433,13 @@ class ShardedSilentState(BaseSilentState):
         record.shard_checks = fleet_stats.histogram_checks(record.shard_counts) if self.rank < self._shards else None
 
     def _pack(self, record: _ShardedStep, slots: torch.Tensor, stride: int, status: int) -> None:
-        """Write this rank's share of the step into the zeroed ``slots`` (``_pack_or_fail``): with
-        the compact wire its parts and its shards' squared norms in the summed ``reduced_sq``,
-        else its row of ``stride`` numbers, its whole slot, then its shards' squared norms."""
+        """Write ``slots`` (``_pack_or_fail``): the compact wire, with this rank's shards' squared
+        norms in the summed ``reduced_sq``, or its row of ``stride`` numbers (its whole slot, then
+        its shards' squared norms) and zeros elsewhere."""
         if record.fleet is not None:
-            reduced = slots[record.fleet.part("reduced_sq")]
-            reduced.copy_(self._shard_norms(record, reduced.numel()))
-            self._pack_fleet(record, slots, status)
+            self._pack_fleet(record, slots, status, reduced=self._shard_norms(record, record.fleet.reduced))
             return
+        slots.zero_()
         mine = slots[self.rank * stride : (self.rank + 1) * stride]
         n_params = sum(len(layout.names) for layout in record.layouts)
         self._pack_slot(record.local_sq, record.fingerprint, mine, status, tail=self._shard_norms(record, n_params))

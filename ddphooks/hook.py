@@ -425,9 +425,9 @@ class SilentState(BaseSilentState):
         return entry
 
     def _pack(self, record: _Step, slots: torch.Tensor, slot: int, status: int) -> None:
-        """Write this rank's share of the step's statistics into the zeroed ``slots``: its slot at
-        its row, or its parts of the compact wire."""
+        """Write ``slots``: this rank's slot at its row and zeros elsewhere, or the compact wire."""
         if record.fleet is None:
+            slots.zero_()
             self._pack_slot(record.local_sq, record.fingerprint, slots[self.rank * slot : (self.rank + 1) * slot], status)
             return
         self._pack_fleet(record, slots, status)
@@ -454,24 +454,30 @@ class SilentState(BaseSilentState):
             stale = self._buckets.pop(index)
             self._kernel(stale.plan.device).forget(stale.plan)
 
-    def _step_reduced(self, record: _Step, reduced: list[torch.Tensor]) -> None:
-        """Every bucket of the step is reduced: build and publish its statistics (a communication
-        callback: nothing raises out of it). ``reduced``: each bucket's averaged gradient."""
+    def _step_reduced(self, record: _Step, reduced: list[torch.Tensor], slots: torch.Tensor, slot: int) -> None:
+        """Every bucket of the step is reduced (``reduced``: each bucket's averaged gradient), and
+        the statistics with them (``slots``: every rank's slot of ``slot`` numbers, or the compact
+        wire): copy them off the buffer (reused next step), build and publish the step's
+        statistics (a communication callback: nothing raises out of it)."""
         if record.error is None:
             try:
-                reduced_sq = _reduced_norms(reduced, record.layouts)
-                result = self._fleet_stats(record, reduced_sq) if record.fleet is not None else SilentStats(
-                    record.step,
-                    self.world_size,
-                    record.layouts,
-                    record.gathered,
-                    reduced_sq,
-                    self.bins,
-                    record.transport,
-                    record.fingerprinted,
-                    previous=self._previous_stats,
-                    divided_by_present=record.divided_by_present,
-                )
+                if record.fleet is not None:  # the wire, this rank's own inputs and the reduced norms in one array and one copy
+                    self._keep_fleet(record, slots, reduced=(reduced, [layout.numels for layout in record.layouts]))
+                    result = self._fleet_stats(record)
+                else:
+                    record.gathered = slots.view(self.world_size, slot).clone()
+                    result = SilentStats(
+                        record.step,
+                        self.world_size,
+                        record.layouts,
+                        record.gathered,
+                        _reduced_norms(reduced, record.layouts),
+                        self.bins,
+                        record.transport,
+                        record.fingerprinted,
+                        previous=self._previous_stats,
+                        divided_by_present=record.divided_by_present,
+                    )
             except Exception as error:  # never let a statistics bug break the gradient future
                 result = error
         else:
@@ -601,7 +607,7 @@ def silent_hook(state: SilentState, bucket: dist.GradBucket) -> torch.futures.Fu
 
     # The last bucket: every other bucket's statistics are known, pack this rank's slot.
     try:
-        kernel.finish_step(sketch, record.local_sq)  # the step's squared norms and sketch, once for all buckets
+        record.local_sq, record.local_norms = kernel.finish_step(sketch, record.local_sq)  # the step's squared norms and sketch, once for all buckets
     except Exception as error:
         record.error = record.error or error
     world = state.world_size
@@ -657,15 +663,6 @@ def _reduced_norms(reduced: list[torch.Tensor], layouts: list[BucketLayout]) -> 
     return out
 
 
-def _keep_gathered(state: SilentState, record: _Step, slots: torch.Tensor, slot: int) -> None:
-    """Copy the all-reduced statistics off the buffer (reused next step); with the compact wire,
-    this rank's cosines of the step too, which it sends with its next instrumented step."""
-    if record.fleet is None:
-        record.gathered = slots.view(state.world_size, slot).clone()
-        return
-    state._keep_fleet(record, slots)
-
-
 def _reduced_piggyback(state: SilentState, record: _Step, numel: int, slot: int, future: torch.futures.Future) -> torch.Tensor:
     """The step's last callback with the piggyback: the other buckets' futures, then the last
     bucket's all-reduce of ``[bucket / W | W slots]``; returns the last bucket's average."""
@@ -674,11 +671,7 @@ def _reduced_piggyback(state: SilentState, record: _Step, numel: int, slot: int,
     *others, own = future.value()
     combined = own.value()[0]
     gradient = combined[:numel]
-    try:
-        _keep_gathered(state, record, combined[numel:], slot)
-    except Exception as error:
-        record.error = error
-    state._step_reduced(record, [other.value() for other in others] + [gradient])
+    state._step_reduced(record, [other.value() for other in others] + [gradient], combined[numel:], slot)
     return gradient
 
 
@@ -689,9 +682,5 @@ def _reduced_separate(state: SilentState, record: _Step, slot: int, future: torc
     record.futures = []  # read from the collected future: the record keeps no bucket alive
     *buckets, slots_future = future.value()
     gradient = buckets[-1].value()
-    try:
-        _keep_gathered(state, record, slots_future.value()[0], slot)
-    except Exception as error:
-        record.error = error
-    state._step_reduced(record, [bucket.value() for bucket in buckets])
+    state._step_reduced(record, [bucket.value() for bucket in buckets], slots_future.value()[0], slot)
     return gradient

@@ -386,6 +386,7 @@ class BucketStatsKernel:
         self._ones = torch.empty(0, dtype=torch.float32, device=self.device)  # weights of the rows a chunk holds whole
         self._prepared: dict[int, tuple] = {}
         self._one_chunk: dict[int, tuple] = {}  # plans of one chunk and one row: (plan, their views and signs)
+        self._sketch_to_overwrite: torch.Tensor | None = None  # the step's sketch, before its first bucket (start_step)
 
     def _allocate(self, plans: list[BucketPlan]) -> None:
         """Size the scratch for the largest plan and prepare the views of every live plan.
@@ -494,10 +495,10 @@ class BucketStatsKernel:
 
     # -- a step of buckets (the DDP hook): the work that is the same for every bucket, once a step --
     def start_step(self, sketch: torch.Tensor | None, norms: list[torch.Tensor]) -> None:
-        """Before a step's first bucket: zero the step's sketch (``norms``, the buckets' outputs,
-        are overwritten by ``accumulate``)."""
-        if sketch is not None:
-            sketch.zero_()
+        """Before a step's first bucket: its ``accumulate`` writes the step's sketch over the one
+        before instead of adding into it (no zeroing: one operation a step fewer); ``norms``, the
+        buckets' outputs, are overwritten by ``accumulate``."""
+        self._sketch_to_overwrite = sketch
 
     def accumulate(self, flat: torch.Tensor, plan: BucketPlan, sketch: torch.Tensor | None, norms: torch.Tensor, divide_by: int | None = None) -> None:
         """One bucket of the step: its sketch added into ``sketch``, its parameters' norms
@@ -505,20 +506,25 @@ class BucketStatsKernel:
         divides the bucket (``divides_like_torch`` is the Triton kernel's)."""
         if divide_by is not None:
             raise ValueError("the torch path does not divide buckets in its pass; allreduce_hook divides them")
+        overwrite = sketch is not None and sketch is self._sketch_to_overwrite
+        self._sketch_to_overwrite = None
         one_chunk = self._one_chunk.get(id(plan))
         if one_chunk is not None and one_chunk[0] is plan and sketch is not None and flat.dim() == 1 and flat.numel() == plan.numel:
             # run()'s one-chunk path, its checks and lookups skipped (on a GPU host every us of Python counts)
-            self._pass_one_chunk(one_chunk, flat, sketch, norms, squared=False)
+            self._pass_one_chunk(one_chunk, flat, sketch, norms, squared=False, overwrite_sketch=overwrite)
             return
-        self.run(flat, plan, sketch, norms, squared=False)
+        if overwrite and plan.numel == 0:  # no chunk to write it
+            sketch.zero_()
+        self.run(flat, plan, sketch, norms, squared=False, overwrite_sketch=overwrite)
 
     @staticmethod
-    def _pass_one_chunk(one_chunk: tuple, flat: torch.Tensor, sketch: torch.Tensor, norms: torch.Tensor, squared: bool) -> None:
+    def _pass_one_chunk(one_chunk: tuple, flat: torch.Tensor, sketch: torch.Tensor, norms: torch.Tensor, squared: bool, overwrite_sketch: bool = False) -> None:
         """A bucket of one chunk, its views made once (``_one_chunk``): three operations, four with
         several parameters, one more to square several parameters' norms."""
         _, product, rows_t, signs, row_signs, segments = one_chunk
         torch.mul(signs, flat, out=product)  # sign * gradient, promoted to fp32
-        sketch.addmv_(rows_t, row_signs)  # rows weighted by their signs, summed into bins
+        # rows weighted by their signs, summed into bins (beta = 0 ignores the sketch before, NaN too)
+        sketch.addmv_(rows_t, row_signs, beta=0.0 if overwrite_sketch else 1.0)
         if segments is None and squared:  # one parameter: its squared norm is one dot
             torch.dot(product, product, out=norms[0])
         elif segments is None:  # its norm, written as a 1-element tensor (no view to make)
@@ -528,11 +534,11 @@ class BucketStatsKernel:
             if squared:
                 norms.square_()
 
-    def finish_step(self, sketch: torch.Tensor | None, norms: list[torch.Tensor]) -> None:
-        """After the step's last bucket: square every bucket's norms at once (one multi-tensor
-        operation a step instead of one a bucket)."""
-        if norms:
-            torch._foreach_mul_(norms, norms)
+    def finish_step(self, sketch: torch.Tensor | None, norms: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """After the step's last bucket: every bucket's norms squared at once, into new tensors
+        (one multi-tensor operation a step instead of one a bucket). Returns the squares and the
+        norms themselves, which the compact wire sends too (``fleet.pack``: no square roots)."""
+        return (torch._foreach_mul(norms, norms) if norms else [], norms)
 
     def takes_row_norms(self, plan: BucketPlan) -> bool:
         """Whether ``run`` can leave ``plan``'s norms by row (its ``row_norms``): a sketched plan
@@ -541,7 +547,7 @@ class BucketStatsKernel:
 
     def run(
         self, flat: torch.Tensor, plan: BucketPlan, sketch_acc: torch.Tensor | None, sq_norms: torch.Tensor, squared: bool = True,
-        row_norms: torch.Tensor | None = None,
+        row_norms: torch.Tensor | None = None, overwrite_sketch: bool = False,
     ) -> None:  # fmt: skip
         """Write ``|g_j|^2`` of every parameter into ``sq_norms``; add the sketch into ``sketch_acc``.
 
@@ -561,6 +567,8 @@ class BucketStatsKernel:
                 (``|g_j|^2`` is the squared norm of its ``rows`` entries), written instead of
                 ``sq_norms``, for a caller that takes those sums with other norms of its step (FSDP2:
                 one operation a step, not one a reduce-scatter).
+            overwrite_sketch: write the sketch over ``sketch_acc`` instead of adding into it (the
+                step's first bucket: no zeroing of the sketch before it).
         """
         if row_norms is not None and not self.takes_row_norms(plan):
             raise ValueError(f"a plan of {plan.rows} rows, {len(plan.lengths)} parameters and {plan.n_chunks} chunks has no norms by row")
@@ -596,7 +604,7 @@ class BucketStatsKernel:
             signs, row_signs = one_chunk
             segments = None if len(plan.lengths) == 1 else product.split(plan.lengths)
             cached = self._one_chunk[id(plan)] = (plan, product, rows_t, signs, row_signs, segments)
-            self._pass_one_chunk(cached, flat, sketch_acc, sq_norms, squared)
+            self._pass_one_chunk(cached, flat, sketch_acc, sq_norms, squared, overwrite_sketch)
             return
         if one_chunk is not None and band is not None and sketching and not by_column:
             # A band of FSDP2's rows in one chunk: the same, read through the row stride. One
@@ -607,7 +615,7 @@ class BucketStatsKernel:
             product, rows_t = views[plan.numel]
             signs, row_signs = one_chunk
             torch.mul(signs.view(band), flat, out=product.view(band))
-            sketch_acc.addmv_(rows_t, row_signs)
+            sketch_acc.addmv_(rows_t, row_signs, beta=0.0 if overwrite_sketch else 1.0)
             params = len(plan.lengths)
             if params == 1:
                 torch.dot(product, product, out=sq_norms[0])
@@ -655,8 +663,8 @@ class BucketStatsKernel:
                     product.copy_(signs)
                     into.mul_(chunk)
                 # rows weighted by their signs, summed into bins: s += rows^T v (a partial last row
-                # is padded with zeros, see _prepare)
-                sketch_acc.addmv_(rows_t, row_signs)
+                # is padded with zeros, see _prepare); the first chunk writes over it where asked
+                sketch_acc.addmv_(rows_t, row_signs, beta=0.0 if overwrite_sketch and c == 0 else 1.0)
             else:
                 into.copy_(chunk)  # a plan of rows without a sketch: the chunk in fp32
             if by_column:
@@ -721,22 +729,25 @@ def _segment_norms(flat: torch.Tensor, lengths: list[int], out: torch.Tensor, sq
         out.square_()
 
 
-def squared_norms_of_buffers(buffers: list[torch.Tensor], lengths: list[list[int]], out: torch.Tensor) -> None:
+def squared_norms_of_buffers(buffers: list[torch.Tensor], lengths: list[list[int]], out: torch.Tensor, squared: bool = True) -> None:
     """``out``, in order, the squared norms of every segment of several flat buffers (buffer ``b``
     cut into ``lengths[b]``), summed in fp32: one multi-tensor norm, its stack and a square,
     whatever the number of buffers and segments (a buffer of one segment is its own view). The
     reduced gradients' norms of a step (DDP's buckets, FSDP2's shards); fp64 buffers keep fp64
-    sums, buffer by buffer."""
+    sums, buffer by buffer. ``squared=False``: the norms, one operation fewer (the compact wire
+    squares DDP's on the host, ``fleet_stats.KeptWire``)."""
     if any(buffer.dtype == torch.float64 for buffer in buffers):
         offset = 0
         for buffer, sizes in zip(buffers, lengths):
-            squared_norms(buffer, list(sizes), out[offset : offset + len(sizes)])
+            squared_norms(buffer, list(sizes), out[offset : offset + len(sizes)], squared=squared)
             offset += len(sizes)
         return
     segments = []
     for buffer, sizes in zip(buffers, lengths):
         segments.extend((buffer,) if len(sizes) == 1 else buffer.split_with_sizes(list(sizes)))
-    torch.stack(torch._foreach_norm(segments, 2, dtype=torch.float32), out=out).square_()
+    torch.stack(torch._foreach_norm(segments, 2, dtype=torch.float32), out=out)
+    if squared:
+        out.square_()
 
 
 def squared_norms(flat: torch.Tensor, lengths: list[int], out: torch.Tensor, fused: bool = False, squared: bool = True) -> None:

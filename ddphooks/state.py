@@ -28,7 +28,7 @@ from ddphooks.pipeline import StepPipeline
 from ddphooks.records import RecordBuilder, is_detail_step
 from ddphooks.sinks import Sink
 from ddphooks.sinks.base import bind_sink
-from ddphooks.sketch import ACCELERATOR_CHUNK_ELEMS, CPU_CHUNK_ELEMS, BucketStatsKernel, SignTable, sketch_bins
+from ddphooks.sketch import ACCELERATOR_CHUNK_ELEMS, CPU_CHUNK_ELEMS, BucketStatsKernel, SignTable, sketch_bins, squared_norms_of_buffers
 from ddphooks.stats import FAILED, STATUS, BucketLayout, SilentStats, slot_size
 from ddphooks.writer import RecordWriter
 
@@ -47,6 +47,7 @@ class StepRecord:
         self.step = step
         self.layouts: list[BucketLayout] = []  # the step's bucket (DDP) or group (FSDP2) layouts, in order
         self.local_sq: list[torch.Tensor] = []  # this rank's squared norms per parameter, one tensor per layout
+        self.local_norms: list[torch.Tensor] | None = None  # their square roots, where the kernel has them
         self.fingerprinted: list[str] = []  # names of the tensors fingerprinted on a replica-check step
         self.fingerprint: torch.Tensor | None = None
         self.gathered: torch.Tensor | None = None  # the all-reduced statistics (whole slots or the compact wire), a copy
@@ -62,6 +63,8 @@ class StepRecord:
         self.replica_check: object = None  # after a replica check: that step's FleetStats
         self.shard_counts: torch.Tensor | None = None  # HSDP: its replica group's parameter histograms (fleet.count_shards)
         self.shard_checks: torch.Tensor | None = None  # HSDP, on a shard's first replica: what it sends of them
+        self.kept: fleet_stats.KeptWire | None = None  # where the step lies in the array kept of it (_keep_fleet)
+        self.kept_host: PendingHost | None = None  # that array's one copy to the host
 
 
 class BaseSilentState:
@@ -131,7 +134,7 @@ class BaseSilentState:
         self._own_values: np.ndarray | None = None  # [cos_loo, cos_previous, layer level, layer parameter] of _own_values_step
         self._own_values_step: int | None = None
         # The last step's inputs of own_values on their way to the host: (step, layouts, layout, copy)
-        self._own_inputs: tuple[int, list[BucketLayout], fleet_stats.FleetLayout, PendingHost] | None = None
+        self._own_inputs: tuple[int, list[BucketLayout], fleet_stats.KeptWire, PendingHost] | None = None
         self._own_previous: tuple[list[BucketLayout], np.ndarray] | None = None  # layouts and sketch of the last step
         self._layer_state: tuple[list[BucketLayout], fleet.LayerState] | None = None  # layouts and this rank's layer CUSUM
         self._replica_differs: tuple[int, torch.Tensor] | None = None  # the last replica check's step and this rank's verdict (1: it differs)
@@ -498,22 +501,21 @@ class BaseSilentState:
         return widest.size
 
     def _pack_or_fail(self, record: StepRecord, slots: torch.Tensor, slot: int, status: int) -> None:
-        """Zero ``slots`` and write this rank's share of the step into them (the transport's
+        """Write ``slots``: this rank's share of the step and zeros elsewhere (the transport's
         ``_pack``: its whole slot, in row ``rank`` of ``slot`` numbers, or its parts of the compact
         wire), or, where this rank's statistics failed (its pass, or the packing itself: a bug),
-        only the status ``FAILED``.
+        zeros and the status ``FAILED``.
 
         A failure must neither raise into backward nor change the collective, which every rank
         has sized alike: the rank sends zeros and the flag, every rank then leaves the step
         unmeasured (``SilentStats.failed_ranks``), and the gradients' reduction is unchanged."""
-        slots.zero_()
         if record.error is None:
             try:
                 self._pack(record, slots, slot, status)
                 return
             except Exception as error:
                 record.error = error
-                slots.zero_()
+        slots.zero_()
         if record.fleet is None:
             self._send_failed(record.step, record.error, slots[self.rank * slot : (self.rank + 1) * slot])
         else:
@@ -522,13 +524,15 @@ class BaseSilentState:
         record.failed, record.error = True, None
 
     def _pack(self, record: StepRecord, slots: torch.Tensor, slot: int, status: int) -> None:
-        """Write this rank's share of the step into the zeroed ``slots`` (see ``_pack_or_fail``)."""
+        """Write every number of ``slots``: this rank's share of the step, zeros elsewhere (see
+        ``_pack_or_fail``)."""
         raise NotImplementedError
 
-    def _pack_fleet(self, record: StepRecord, out: torch.Tensor, status: int) -> None:
-        """Write this rank's parts of the compact wire into the zeroed ``out`` (``fleet.pack``):
+    def _pack_fleet(self, record: StepRecord, out: torch.Tensor, status: int, reduced: torch.Tensor | None = None) -> None:
+        """Write the compact wire ``out``, this rank's parts and zeros elsewhere (``fleet.pack``):
         its row with its values of the previous instrumented step, the sampled ranks chosen from
-        the previous step's layer levels, its replica verdict after a check, its layer rises."""
+        the previous step's layer levels, its replica verdict after a check, its layer rises (and
+        FSDP2's ``reduced``, its shards' squared norms)."""
         self._compute_own_values()
         record.cosines_step = self._own_values_step if self._own_values is not None else None
         # The previous step's layer levels, the same on every rank (its gathered rows): they choose
@@ -557,23 +561,34 @@ class BaseSilentState:
         matrix_row = self.hosts.of_rank[self.rank] if record.fleet.host_form else self.rank
         fleet.pack(
             record.fleet, record.sampled, self.rank, loss_sum, record.local_sq, sketch, staged, fingerprint,
-            record.absent, out, differs, record.shard_checks, matrix_row,
+            record.absent, out, differs, record.shard_checks, matrix_row, record.local_norms, reduced, count,
         )  # fmt: skip
 
-    def _keep_fleet(self, record: StepRecord, reduced: torch.Tensor) -> None:
-        """After the compact wire's all-reduce: copy ``reduced`` off the buffer (reused next
-        step), send what this rank's values of the step need to the host in one copy (its squared
-        norms and sketch, the wire's ``own_sums``: ``_compute_own_values`` reads them at its next
-        instrumented step), and after a replica check keep its verdict (``fleet.replica_differs``)."""
+    def _keep_fleet(self, record: StepRecord, wire: torch.Tensor, reduced: tuple[list[torch.Tensor], list[tuple[int, ...]]] | None = None, replicas: int = 0) -> None:
+        """After the compact wire's all-reduce, keep the step in one array (``record.kept``,
+        ``fleet_stats.KeptWire``) and send it to the host in one copy (``record.kept_host``): one
+        ``cat`` copies ``wire`` off the buffer (reused next step) with what this rank's values of
+        the step need (its squared norms and sketch: ``_compute_own_values`` reads them, with the
+        wire's sums, at its next instrumented step), and with ``reduced`` (DDP's averaged buckets
+        and their parameters' sizes) the reduced gradients' norms after them (a multi-tensor norm
+        and its stack, squared on the host); FSDP2's ``reduced_sq`` is in the wire, summed over
+        ``replicas``. After a replica check keep its verdict (``fleet.replica_differs``)."""
         self._compute_own_values()  # the step before's, if its packing did not (a failed pass)
-        record.gathered = reduced.clone()
+        own = [] if record.failed else [*record.local_sq, *([self._sketch] if self.bins else [])]
+        record.kept = fleet_stats.KeptWire(record.fleet, sum(tensor.numel() for tensor in own), replicas)
+        kept = torch.empty(record.kept.size, dtype=torch.float32, device=wire.device)
+        after_own = record.fleet.size + record.kept.own
+        torch.cat([wire, *own], out=kept[:after_own])
+        if reduced is not None:
+            squared_norms_of_buffers(*reduced, kept[after_own:], squared=False)
+        record.gathered = kept[: record.fleet.size]
+        record.kept_host = PendingHost([kept])
         if record.failed:  # this rank's statistics failed: its next row says "unknown" for this step, as a rank's
             # with nothing to compare does (every rank then reads the same step's values; the layer CUSUMs wait)
             self._own_values = np.full(fleet.OWN_VALUES, np.nan)
             self._own_values_step, self._own_previous = record.step, None
             return
-        inputs = torch.cat([*record.local_sq, *([self._sketch] if self.bins else []), fleet.own_sums(record.fleet, reduced)])
-        self._own_inputs = (record.step, list(record.layouts), record.fleet, PendingHost([inputs]))
+        self._own_inputs = (record.step, list(record.layouts), record.kept, record.kept_host)
         if record.fingerprint is not None:
             differs = fleet.replica_differs(record.fleet, record.gathered, record.fingerprint.to(record.gathered.device), record.shard_counts)
             self._replica_differs = (record.step, differs)
@@ -581,20 +596,21 @@ class BaseSilentState:
     def _compute_own_values(self) -> None:
         """This rank's values of the last step sent to the host (``fleet.own_values``, numpy): its
         cosines and layer CUSUM; keeps its sketch for the next step's cosine to it. The copy was
-        queued one step before, behind that step's all-reduce, where that step's wire was queued
-        for the host too: ``_pack_fleet`` waits for the wire's copy anyway (the previous step's
-        layer levels choose the sampled ranks), an event one step old, never the whole device."""
+        queued one step before, behind that step's all-reduce, with that step's wire:
+        ``_pack_fleet`` waits for the wire's copy anyway (the previous step's layer levels choose
+        the sampled ranks), an event one step old, never the whole device."""
         pending, self._own_inputs = self._own_inputs, None
         if pending is None:
             return
-        step, layouts, layout, copy = pending
-        (inputs,) = copy.raw()
+        step, layouts, kept, copy = pending
+        (array,) = copy.raw()
+        inputs, layout = kept.own_inputs(array), kept.layout
         n_params, bins = layout.n_params, self.bins
         sketch = inputs[n_params : n_params + bins] if bins else None
         previous = self._own_previous
         comparable = previous is not None and previous[0] == layouts
         self._own_values, layer = fleet.own_values(
-            layout, inputs[n_params + bins :], sketch, previous[1] if comparable else None, inputs[:n_params], self._layer_state_of(layouts)
+            layout, fleet.own_sums(layout, kept.wire(array)), sketch, previous[1] if comparable else None, inputs[:n_params], self._layer_state_of(layouts)
         )  # fmt: skip
         self._layer_state = (layouts, layer)
         self._own_values_step = step
@@ -607,15 +623,15 @@ class BaseSilentState:
         kept = self._layer_state
         return kept[1] if kept is not None and kept[0] == layouts else None
 
-    def _fleet_stats(self, record: StepRecord, reduced_sq: torch.Tensor) -> fleet_stats.FleetStats:
-        """The step's statistics from the compact wire (``record.gathered``) and ``reduced_sq``,
-        the P squared norms of the averaged gradient."""
+    def _fleet_stats(self, record: StepRecord) -> fleet_stats.FleetStats:
+        """The step's statistics from what ``_keep_fleet`` kept of it and sent to the host (the
+        wire and the P squared norms of the averaged gradient)."""
         return fleet_stats.FleetStats(
             record.step,
             record.layouts,
             record.fleet,
-            record.gathered,
-            reduced_sq,
+            record.kept_host,
+            None,
             record.transport,
             record.sampled,
             record.cosines_step,
@@ -623,6 +639,7 @@ class BaseSilentState:
             divided_by_present=record.divided_by_present,
             replica_check=record.replica_check,
             hosts=self.hosts if record.fleet.host_form else None,
+            kept=record.kept,
         )
 
     def _publish(self, step: int, result: SilentStats | BaseException) -> None:

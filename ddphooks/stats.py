@@ -118,6 +118,32 @@ class HostArrays:
         return self._host
 
 
+class HostParts:
+    """Arrays cut from one flat array on its way to the host (the first array of a
+    ``PendingHost`` or ``HostArrays``), read as ``HostArrays``' are: a step that came over in
+    one copy, read as the several arrays its statistics take. ``cut(flat)`` returns them; it is
+    called once, at the first read (which waits for the copy)."""
+
+    def __init__(self, source, cut) -> None:
+        self._source = source
+        self._cut = cut
+        self._host: list[np.ndarray] | None = None
+
+    def raw(self) -> list[np.ndarray]:
+        """The arrays in the dtype they travelled in (fp32), not copied where they are slices."""
+        if self._host is None:
+            self._host = self._cut(self._source.raw()[0])
+        return self._host
+
+    def arrays(self) -> list[np.ndarray]:
+        """The arrays as new float64 arrays."""
+        return [array.astype(np.float64) for array in self.raw()]
+
+    def columns(self, begin: int, end: int) -> np.ndarray:
+        """Columns ``begin`` to ``end - 1`` of the first (W x slot) array as float64."""
+        return self.raw()[0][:, begin:end].astype(np.float64)
+
+
 def slot_size(n_params: int, bins: int, n_fingerprinted: int = 0) -> int:
     """Number of fp32 entries in one rank's slot (``n_fingerprinted`` tensors on replica-check
     steps add two numbers each)."""
@@ -409,7 +435,8 @@ class SilentStats:
         step: index of the synchronised step (``SilentState.step`` when it ran).
         world_size: number of ranks W.
         buckets: layout of every bucket of the step, in bucket order.
-        gathered: W x slot tensor of every rank's slot (or a numpy array: ``StepSlots.stats``).
+        gathered: W x slot tensor of every rank's slot (or a numpy array: ``StepSlots.stats``),
+            or a ``HostParts`` giving both arrays from one copy (``reduced_sq`` None).
         reduced_sq: squared norm of the averaged gradient per parameter, in slot order (a
             tensor, or a numpy array with a numpy ``gathered``).
         bins: sketch entries (0: no sketch).
@@ -457,7 +484,12 @@ class SilentStats:
         self.n_params = sum(len(b.numels) for b in self.buckets)  # P: read on every step's path, summed once
         self.bins = bins
         self.transport = transport
-        self._host = HostArrays([gathered, reduced_sq]) if isinstance(gathered, np.ndarray) else _pending_host([gathered, reduced_sq])
+        if isinstance(gathered, HostParts):  # both already on their way, from one copy
+            self._host = gathered
+        elif isinstance(gathered, np.ndarray):
+            self._host = HostArrays([gathered, reduced_sq])
+        else:
+            self._host = _pending_host([gathered, reduced_sq])
         self._lock = threading.Lock()
         # The previous step's slots on their way to the host, not the step itself: a reference to
         # it would chain every step to the one before. Its sketch is comparable only where it used

@@ -213,10 +213,11 @@ class TritonBucketStats:
         divided in place as ``torch.div`` would (see ``run``)."""
         self._launch(flat, plan, norms, self._sketches, self._division_of(flat.dtype, divide_by), zeroed=True)
 
-    def finish_step(self, sketch: torch.Tensor, norms: list[torch.Tensor]) -> None:
-        """After the step's last bucket: the step's sketch, the sum of the copies, into ``sketch``
-        (the norms are squares already)."""
+    def finish_step(self, sketch: torch.Tensor, norms: list[torch.Tensor]) -> tuple[list[torch.Tensor], None]:
+        """After the step's last bucket: the step's sketch, the sum of the copies, into ``sketch``.
+        Returns the squared norms (``norms``: squares already) and None (no norms without squares)."""
         torch.sum(self._sketches[:, : self.bins], dim=0, out=sketch)
+        return norms, None
 
     def _division_of(self, dtype: torch.dtype, divide_by: int | None) -> tuple[bool, float] | None:
         """How the pass divides ``dtype`` by ``divide_by`` (None: it does not divide), refusing a

@@ -58,7 +58,8 @@ def _compact(layout: fleet_stats.FleetLayout, rows: list[int], ranks: list[dict]
     total = torch.zeros(layout.size)
     for rank, r in enumerate(ranks):
         out = torch.zeros(layout.size)
-        fleet.pack(layout, rows, rank, r["head"][0], r["local_sq"], r["sketch"], _staged(layout, r, None if own is None else own[rank]), None, r["absent"], out)
+        staged = _staged(layout, r, None if own is None else own[rank])
+        fleet.pack(layout, rows, rank, r["head"][0], r["local_sq"], r["sketch"], staged, None, r["absent"], out, loss_count=int(r["head"][1]))
         total += out
     return total
 

@@ -18,6 +18,7 @@ from ddphooks.sketch import (
     random_signs,
     sketch_bins,
     squared_norms,
+    squared_norms_of_buffers,
 )
 from ddphooks.stats import cosine_from_sketches
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -307,6 +308,52 @@ def test_kernel_reports_non_finite_values_in_their_segment_only():
     rows = BucketPlan([50, 50, 50], 61, 0, CPU, 1024, rows=2)  # the same values as 2 rows of 3 parameters
     BucketStatsKernel(61, CPU, _table(0, 61, 1 << 12)).run(flat, rows, torch.zeros(61), sq)
     assert math.isnan(sq[0]) and math.isfinite(sq[1]) and math.isinf(sq[2])  # columns 0 and 100 of row 1
+
+
+@pytest.mark.parametrize("chunk_elems", [1024, 1 << 17], ids=["chunks", "one-chunk"])
+@pytest.mark.parametrize("fused", [False, True], ids=["cpu", "fused"])
+def test_a_step_of_buckets_writes_its_sketch_over_the_one_before(chunk_elems, fused):
+    # The DDP hook's form: start_step does not zero the sketch, the step's first bucket writes over
+    # it (a NaN left there must not leak), the others add; finish_step returns the squares of the
+    # norms the buckets left, and those norms. Against each bucket run alone into a zero sketch.
+    bins = sketch_bins(64)
+    table = _table(3, bins, SIGN_PAGE)
+    generator = torch.Generator().manual_seed(2)
+    buckets = [[3000, 17], [40_000], [5, 6000, 1]]
+    plans, base = [], 0
+    for lengths in buckets:
+        plans.append(BucketPlan(lengths, bins, base, CPU, chunk_elems))
+        base = plans[-1].end
+    kernel = BucketStatsKernel(bins, CPU, table, fused=fused)
+    for step in range(2):  # the second step runs the prepared one-chunk views
+        flats = [torch.randn(sum(lengths), generator=generator) for lengths in buckets]
+        sketch = torch.full((bins,), math.nan if step == 0 else 1e6)
+        norms = [torch.empty(len(lengths)) for lengths in buckets]
+        kernel.start_step(sketch, norms)
+        for flat, plan, out in zip(flats, plans, norms):
+            kernel.accumulate(flat, plan, sketch, out)
+        squares, roots = kernel.finish_step(sketch, norms)
+        expected_sketch = torch.zeros(bins)
+        for flat, plan, lengths, square, root in zip(flats, plans, buckets, squares, roots):
+            alone, expected_sq = torch.zeros(bins), torch.empty(len(lengths))
+            BucketStatsKernel(bins, CPU, table, fused=fused).run(flat, plan, alone, expected_sq)
+            expected_sketch += alone
+            torch.testing.assert_close(square, expected_sq, rtol=1e-6, atol=0)
+            torch.testing.assert_close(root, expected_sq.sqrt(), rtol=1e-6, atol=0)
+        torch.testing.assert_close(sketch, expected_sketch, rtol=1e-5, atol=1e-5)
+
+
+def test_the_reduced_norms_unsquared_are_the_roots_of_the_squared():
+    lengths = [[5, 200_000, 3], [7], [1000, 1]]
+    generator = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        buffers = [torch.randn(sum(sizes), generator=generator).to(dtype) for sizes in lengths]
+        squared, norms = torch.empty(6), torch.empty(6)
+        squared_norms_of_buffers(buffers, lengths, squared)
+        squared_norms_of_buffers(buffers, lengths, norms, squared=False)
+        expected = torch.stack([p.double().pow(2).sum() for b, sizes in zip(buffers, lengths) for p in b.split(sizes)])
+        torch.testing.assert_close(squared.double(), expected, rtol=1e-5, atol=0)
+        torch.testing.assert_close(norms.double(), expected.sqrt(), rtol=1e-5, atol=0)
 
 
 def test_squared_norms_of_reduced_buckets():
