@@ -195,11 +195,22 @@ def _backward_step(model: torch.nn.Module, state, x: torch.Tensor):
     return step
 
 
-def _warm_then_count(step, state) -> tuple:
-    """``count(step)`` after WARMUP steps, then the state (if any) closed."""
+def _warm_then_count(step, state, mode: bool = False, check=None) -> tuple:
+    """``count(step)`` after WARMUP steps and ``check()`` (``mode``: a ``ThreadLocalCount`` over
+    STEPS steps, for the fake group, where every callback runs on the training thread), then the
+    state (if any) closed."""
     for _ in range(WARMUP):
         step()
-    result = count(step)
+    if check is not None:
+        check()
+    if mode:
+        counter = ThreadLocalCount()
+        with counter:
+            for _ in range(STEPS):
+                step()
+        result = (counter.ops / STEPS, counter.views / STEPS, 0.0)
+    else:
+        result = count(step)
     if state is not None:
         state.close()
     return result
@@ -214,21 +225,12 @@ def _ddp_extra(rank: int, shape: tuple, hook, settings: dict | None, mode: bool 
     else:
         state = ddphooks.attach(model, **settings)
     step = _backward_step(model, state, torch.randn(4, shape[0], generator=torch.Generator().manual_seed(rank)))
-    for _ in range(WARMUP):
-        step()
-    if state is not None:
-        assert len(state._buckets) == shape[2], f"{len(state._buckets)} buckets, expected {shape[2]}"
-    if mode:
-        counter = ThreadLocalCount()
-        with counter:
-            for _ in range(STEPS):
-                step()
-        result = (counter.ops / STEPS, counter.views / STEPS, 0.0)
-    else:
-        result = count(step)
-    if state is not None:
-        state.close()
-    return result
+
+    def check() -> None:
+        if state is not None:
+            assert len(state._buckets) == shape[2], f"{len(state._buckets)} buckets, expected {shape[2]}"
+
+    return _warm_then_count(step, state, mode, check)
 
 
 def _fit(measure, units: int) -> dict:
@@ -260,8 +262,9 @@ def _ddp_rows(rank: int) -> dict:
     return rows
 
 
-def _fsdp_extra(rank: int, groups: int, measured: bool, per_group: int = 1) -> tuple:
-    """FSDP2 with ``groups`` reduce-scatters a step, each of ``per_group`` Linear(32, 32) weights."""
+def _fsdp_extra(rank: int, groups: int, measured: bool, per_group: int = 1, mode: bool = False) -> tuple:
+    """FSDP2 with ``groups`` reduce-scatters a step, each of ``per_group`` Linear(32, 32) weights
+    (``mode``: counted on the training thread, see ``_warm_then_count``)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -272,7 +275,7 @@ def _fsdp_extra(rank: int, groups: int, measured: bool, per_group: int = 1) -> t
     fully_shard(model, mesh=mesh)
     state = ddphooks.attach(model) if measured else None
     step = _backward_step(model, state, torch.randn(4, SMALL[0], generator=torch.Generator().manual_seed(rank)))
-    return _warm_then_count(step, state)
+    return _warm_then_count(step, state, mode)
 
 
 def _deepspeed_extra(rank: int, layers: int, measured: bool) -> tuple:
@@ -309,11 +312,12 @@ def _completed(tensor: torch.Tensor) -> torch.futures.Future:
 
 
 def _compact_wire() -> dict:
-    """DDP at W = COMPACT_WORLD, above ``gather_max_world``: the compact wire (``ddphooks.fleet``:
-    its packing, and after the all-reduce the one array each rank keeps of the step), on
-    PyTorch's fake process group in this one process. Its collectives complete at once, so every
-    callback runs inline on the training thread, where a ``TorchDispatchMode`` sees it: counted
-    by one, against ``allreduce_hook``, at SMALL's buckets and half of them (``_fit``)."""
+    """DDP and FSDP2 at W = COMPACT_WORLD, above ``gather_max_world``: the compact wire
+    (``ddphooks.fleet``: its packing, and after the all-reduce the one array each rank keeps of
+    the step), on PyTorch's fake process group in this one process. Its collectives complete at
+    once, so every callback runs inline on the training thread, where a ``TorchDispatchMode``
+    sees it: counted by one, against ``allreduce_hook`` (plain FSDP2), at SMALL's buckets
+    (SHARDED_LAYERS groups) and half of them (``_fit``)."""
     from scale import _DoneWork  # the fake group's collectives as completed work (benchmarks/scale.py)
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -327,21 +331,19 @@ def _compact_wire() -> dict:
         state = ddphooks.attach(model) if measured else None
         if state is None:
             model.register_comm_hook(None, allreduce_hook)
-        step = _backward_step(model, state, x)
-        for _ in range(WARMUP):
-            step()
-        counter = ThreadLocalCount()
-        with counter:
-            for _ in range(STEPS):
-                step()
-        if state is not None:
-            state.close()
-        return counter.ops / STEPS, counter.views / STEPS, 0.0
+        return _warm_then_count(_backward_step(model, state, x), state, mode=True)
 
+    rows = {}
     try:
-        return {"compact_4KB": _fit(lambda n: (extra(n, True), extra(n, False)), SMALL[2])}
-    except Exception as error:
-        return {"compact_4KB": _skip(error)}
+        for key, measure, units in (
+            ("compact_4KB", lambda n: (extra(n, True), extra(n, False)), SMALL[2]),
+            ("compact_fsdp2", lambda n: (_fsdp_extra(0, n, True, mode=True), _fsdp_extra(0, n, False, mode=True)), SHARDED_LAYERS),
+        ):
+            try:
+                rows[key] = _fit(measure, units)
+            except Exception as error:
+                rows[key] = _skip(error)
+        return rows
     finally:
         dist.all_reduce = all_reduce
         dist.destroy_process_group()
@@ -504,6 +506,7 @@ if __name__ == "__main__":
         (f"FSDP2 fully_shard x {SHARDED_LAYERS} groups of 4 Linear(32, 32)", "fsdp2_4", "reduce-scatter", GOALS["bucket"], GOALS["step"]),
         (f"DeepSpeed ZeRO-2 x {SHARDED_LAYERS} Linear(32, 32)", "deepspeed", "gradient hook", GOALS["bucket"], GOALS["step"]),
         (f"DDP {d} x 4 KB at W = {COMPACT_WORLD}, compact wire, fake group", "compact_4KB", "bucket", GOALS["bucket"], GOALS["step"]),
+        (f"FSDP2 x {SHARDED_LAYERS} Linear(32, 32) at W = {COMPACT_WORLD}, compact wire", "compact_fsdp2", "reduce-scatter", GOALS["bucket"], GOALS["step"]),
     ]
     lines = [f"{'rank 0, ops beyond the plain reduction':<58} {'unit':<15} {'per unit':<26} {'per step':<26} goal (unit; step)"]
     for name, key, unit, goal_unit, goal_step in table:

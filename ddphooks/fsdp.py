@@ -90,6 +90,7 @@ class _ShardedStep(StepRecord):
         self.outputs: list[tuple[torch.Tensor, list[int]]] = []  # reduced shard, its lengths
         self.streams: list[object] = []  # where the measurements ran (accelerators)
         self.by_row: list[tuple[int, _GroupEntry]] = []  # groups measured by row: their index in local_sq
+        self.sketch_written = False  # a band wrote the step's sketch (over the step before's: no zeroing)
 
 
 class _MeasuredReduceScatter(ReduceScatter):
@@ -250,7 +251,7 @@ class ShardedSilentState(BaseSilentState):
             if record is None:
                 self._pipeline.process()  # the previous step to the detector, alerts of the one before
                 record = self._current = _ShardedStep(self.step)
-                self._reset_sketch(flat.device)
+                self._sketch_on(flat.device)  # not zeroed: the step's first band writes over it
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish_step)
             if not self._instrumented(record.step):
                 return
@@ -265,13 +266,14 @@ class ShardedSilentState(BaseSilentState):
             try:  # what the bands leave out is FSDP2's zero padding (see _entry)
                 kernel, sketch = self._kernel(flat.device), self._sketch if self.bins else None
                 for band in entry.bands:
+                    overwrite, record.sketch_written = not record.sketch_written, True
                     if entry.row_norms is not None:  # its one band: its norms summed by row at the step's end
-                        kernel.run(band.source(flat, entry.width), band.plan, sketch, entry.sq_norms, row_norms=entry.row_norms)
+                        kernel.run(band.source(flat, entry.width), band.plan, sketch, entry.sq_norms, row_norms=entry.row_norms, overwrite_sketch=overwrite)
                         record.by_row.append((len(record.local_sq) - 1, entry))
                     elif band.sq_norms is None:
-                        kernel.run(band.source(flat, entry.width), band.plan, sketch, entry.sq_norms)
+                        kernel.run(band.source(flat, entry.width), band.plan, sketch, entry.sq_norms, overwrite_sketch=overwrite)
                     else:
-                        kernel.run(band.source(flat, entry.width), band.plan, sketch, band.sq_norms)
+                        kernel.run(band.source(flat, entry.width), band.plan, sketch, band.sq_norms, overwrite_sketch=overwrite)
                         entry.sq_norms[band.params].add_(band.sq_norms)
                 if flat.device.type != "cpu":
                     record.streams.append(torch.accelerator.current_stream(flat.device))
@@ -370,6 +372,8 @@ class ShardedSilentState(BaseSilentState):
         if not record.layouts:  # no group's layout could be built (_entry): alike on every rank, so none joins the all-reduce
             return record.error or RuntimeError(f"no reduce-scatter of step {record.step} was measured")
         device = record.local_sq[0].device
+        if self.bins and not record.sketch_written:  # no band ran: the step before's sketch is still there
+            self._sketch.zero_()
         if record.streams:  # accelerators: the measurements ran on FSDP2's reduce-scatter stream
             current = torch.accelerator.current_stream(device)
             for stream in record.streams:

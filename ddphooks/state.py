@@ -383,11 +383,16 @@ class BaseSilentState:
 
     def _reset_sketch(self, device: torch.device) -> None:
         """Zero this step's sketch accumulator (allocated once per device)."""
-        if self.bins:
-            if self._sketch is None or self._sketch.device != device:
-                self._sketch = torch.zeros(self.bins, dtype=torch.float32, device=device)
-            else:
-                self._sketch.zero_()
+        if self.bins and not self._sketch_on(device):
+            self._sketch.zero_()
+
+    def _sketch_on(self, device: torch.device) -> bool:
+        """Allocate the sketch accumulator on ``device`` (zeroed) where it is not there yet; whether
+        it was allocated."""
+        if self.bins and (self._sketch is None or self._sketch.device != device):
+            self._sketch = torch.zeros(self.bins, dtype=torch.float32, device=device)
+            return True
+        return False
 
     def _head(self, status: int, device: torch.device) -> torch.Tensor:
         """``[loss_sum, loss_count, status]`` of this rank's step, on ``device`` (a buffer reused

@@ -182,10 +182,14 @@ class TritonBucketStats:
         """Never: the launch sums each parameter over its rows itself (``BucketStatsKernel.takes_row_norms``)."""
         return False
 
-    def run(self, flat: torch.Tensor, plan: BucketPlan, sketch_acc: torch.Tensor | None, sq_norms: torch.Tensor, divide_by: int | None = None) -> None:
-        """Write ``|g_j|^2`` of every segment into ``sq_norms``; add the sketch into ``sketch_acc``;
-        with ``divide_by`` (W), also divide ``flat`` by it in place, after reading it, as
-        ``torch.div`` would (only where ``divides_like_torch(flat.dtype, W)`` said so)."""
+    def run(
+        self, flat: torch.Tensor, plan: BucketPlan, sketch_acc: torch.Tensor | None, sq_norms: torch.Tensor, divide_by: int | None = None,
+        overwrite_sketch: bool = False,
+    ) -> None:  # fmt: skip
+        """Write ``|g_j|^2`` of every segment into ``sq_norms``; add the sketch into ``sketch_acc``
+        (``overwrite_sketch``: write it over ``sketch_acc``); with ``divide_by`` (W), also divide
+        ``flat`` by it in place, after reading it, as ``torch.div`` would (only where
+        ``divides_like_torch(flat.dtype, W)`` said so)."""
         if plan.bins != self.bins or sketch_acc is None:
             raise ValueError(f"the Triton kernel sketches into {self.bins} bins; got a plan of {plan.bins} and sketch_acc={sketch_acc is not None}")
         division = self._division_of(flat.dtype, divide_by)
@@ -196,7 +200,10 @@ class TritonBucketStats:
         else:
             self._sketches.zero_()
         self._launch(flat, plan, sq_norms, self._sketches, division)
-        sketch_acc.add_(self._sketches[:, : self.bins].sum(dim=0))
+        if overwrite_sketch:
+            torch.sum(self._sketches[:, : self.bins], dim=0, out=sketch_acc)
+        else:
+            sketch_acc.add_(self._sketches[:, : self.bins].sum(dim=0))
 
     # -- a step of buckets (the DDP hook): one launch a bucket, the rest once a step ------------
     def start_step(self, sketch: torch.Tensor, norms: list[torch.Tensor]) -> None:
