@@ -74,8 +74,12 @@ def retained_tensors(state) -> list[RetainedTensor]:
     model_storages = {_storage_key(t) for t in _model_tensors(state)}
     found: dict[tuple, RetainedTensor] = {}
     for path, value in _walk(state, "state", set()):
-        if isinstance(value, np.ndarray) and isinstance(value.base, torch.Tensor):
-            value = value.base  # a numpy view of a tensor (Tensor.numpy()): the tensor's storage
+        if isinstance(value, np.ndarray):
+            owner = value
+            while isinstance(owner, np.ndarray) and owner.base is not None:
+                owner = owner.base
+            if isinstance(owner, torch.Tensor):
+                value = owner  # a numpy view of a tensor (Tensor.numpy(), or a slice of one): the tensor's storage
         if isinstance(value, torch.Tensor):
             if value.is_sparse or value.device.type == "meta":
                 continue

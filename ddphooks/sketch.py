@@ -523,8 +523,10 @@ class BucketStatsKernel:
         several parameters, one more to square several parameters' norms."""
         _, product, rows_t, signs, row_signs, segments = one_chunk
         torch.mul(signs, flat, out=product)  # sign * gradient, promoted to fp32
-        # rows weighted by their signs, summed into bins (beta = 0 ignores the sketch before, NaN too)
-        sketch.addmv_(rows_t, row_signs, beta=0.0 if overwrite_sketch else 1.0)
+        if overwrite_sketch:  # rows weighted by their signs, summed into bins, over the sketch before
+            torch.mv(rows_t, row_signs, out=sketch)
+        else:  # ... added into it
+            sketch.addmv_(rows_t, row_signs)
         if segments is None and squared:  # one parameter: its squared norm is one dot
             torch.dot(product, product, out=norms[0])
         elif segments is None:  # its norm, written as a 1-element tensor (no view to make)
@@ -615,7 +617,10 @@ class BucketStatsKernel:
             product, rows_t = views[plan.numel]
             signs, row_signs = one_chunk
             torch.mul(signs.view(band), flat, out=product.view(band))
-            sketch_acc.addmv_(rows_t, row_signs, beta=0.0 if overwrite_sketch else 1.0)
+            if overwrite_sketch:
+                torch.mv(rows_t, row_signs, out=sketch_acc)
+            else:
+                sketch_acc.addmv_(rows_t, row_signs)
             params = len(plan.lengths)
             if params == 1:
                 torch.dot(product, product, out=sq_norms[0])
@@ -664,7 +669,10 @@ class BucketStatsKernel:
                     into.mul_(chunk)
                 # rows weighted by their signs, summed into bins: s += rows^T v (a partial last row
                 # is padded with zeros, see _prepare); the first chunk writes over it where asked
-                sketch_acc.addmv_(rows_t, row_signs, beta=0.0 if overwrite_sketch and c == 0 else 1.0)
+                if overwrite_sketch and c == 0:
+                    torch.mv(rows_t, row_signs, out=sketch_acc)
+                else:
+                    sketch_acc.addmv_(rows_t, row_signs)
             else:
                 into.copy_(chunk)  # a plan of rows without a sketch: the chunk in fp32
             if by_column:

@@ -107,23 +107,15 @@ def test_the_triton_path_is_one_launch_a_bucket(table):
     assert unit[2] == 1 and unit[0] <= 1 and step[0] <= 12, table[ROWS[9]]
 
 
-def test_the_compact_wire_keeps_to_three_ops_a_bucket_and_twelve_a_step(table):
-    # Above gather_max_world: the bucket's pass as below it (3; 4 before 2026-12-07, a sum a bucket
-    # at the packing). The step: 11 ops on the CPU (145 on b65b785: the own values took 105 on the
-    # device, now computed on the host; 17 on 9147d09: the wire zeroed, a clone and a cat after the
-    # all-reduce, the reduced norms squared on the device), two copies more on an accelerator.
-    line = table[ROWS[13]]
-    if "skipped" in line:
-        pytest.skip(line)
-    (unit, step) = _counts(line)
-    assert unit[0] <= 3 and step[0] <= 12, line
-
-
-def test_fsdp2_in_the_compact_wire_keeps_to_three_ops_a_group_of_one_weight_and_twelve_a_step(table):
-    # FSDP2 above gather_max_world: 12 a step, its statistics' all-reduce included (17 on 9147d09:
-    # the wire and the sketch zeroed, a clone and a cat after the all-reduce, the reduced norms
-    # divided by the replicas on the device).
-    line = table[ROWS[14]]
+@pytest.mark.parametrize("row", [ROWS[13], ROWS[14]], ids=["ddp", "fsdp2"])
+def test_the_compact_wire_keeps_to_three_ops_a_unit_and_twelve_a_step(table, row):
+    # Above gather_max_world: the bucket's (reduce-scatter's) pass as below it (3; 4 before
+    # 2026-12-07, a sum a bucket at the packing). DDP's step: 11 ops on the CPU (145 on b65b785: the
+    # own values took 105 on the device, now computed on the host; 17 on 9147d09: the wire and the
+    # sketch zeroed, a clone and a cat after the all-reduce, the reduced norms squared on the
+    # device), two copies more on an accelerator. FSDP2's: 12, its statistics' all-reduce included
+    # (17 on 9147d09).
+    line = table[row]
     if "skipped" in line:
         pytest.skip(line)
     (unit, step) = _counts(line)

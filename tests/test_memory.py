@@ -19,6 +19,7 @@ import ddphooks
 from ddphooks.launch import spawn
 from ddphooks.memory import retained_tensors
 from ddphooks.sketch import SIGN_DRAW_ELEMS, random_signs
+from ddphooks.stats import HostArrays
 
 TIMEOUT = 240
 WIDTH = 512  # one Linear(512, 512) is 1 MB of fp32 gradient
@@ -138,3 +139,12 @@ def test_a_numpy_view_of_a_tensor_is_counted_as_the_tensor():
     assert retained_bytes(holder) == 8 * 1000 + 8 * 500
     holder["tensor"] = tensor  # the same storage, counted once
     assert retained_bytes(holder) == 8 * 1000 + 8 * 500
+
+
+def test_a_numpy_slice_of_a_tensor_is_counted_as_the_tensors_storage_once():
+    # A step's host copy read through slices (stats.HostParts): each slice's base is the array
+    # Tensor.numpy() made, whose base is the tensor; the storage is counted once, named by the first of its shortest paths.
+    tensor = torch.zeros(100)
+    held = HostArrays([tensor.numpy()[10:20].reshape(2, 5), tensor.numpy()[:5], tensor, np.zeros(7)])
+    kept = retained_tensors(held)
+    assert [(t.path, t.nbytes) for t in kept] == [("state._host[0]", 400), ("state._host[3]", 56)]
