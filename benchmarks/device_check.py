@@ -42,7 +42,8 @@ Parts (``--parts``):
                weights, bf16) under DDP with its default 25 MB buckets, one rank: the hook's extra
                GPU time in the backward and its host time, per step, against the step (forward +
                backward) of plain allreduce_hook, goal <= 1%, and of that host time the
-               statistics pass's and the reduced norms'; the extra device memory
+               statistics pass's and the reduced norms' (since 2026-12-07 with the copy of the
+               slots they are kept with, ``SilentState._keep_slots``); the extra device memory
                (memory_allocated after warm-up, max_memory_allocated during a step).
 
 Without CUDA (or with ``--small``) it runs the small form: the CPU plays the device (so every
@@ -716,8 +717,9 @@ def memory_allocated(device: torch.device) -> int | None:
 
 
 class _PartTimer:
-    """Host seconds of the hook's two per-bucket parts in the current step: the statistics pass
-    (the kernel's ``run``) and the reduced bucket's norms (in the communication callback, which
+    """Host seconds of the hook's two parts in the current step: the statistics pass (the
+    kernel's ``accumulate``, per bucket) and the reduced buckets' norms, kept with the slots
+    (``SilentState._keep_slots``, once a step in the last bucket's communication callback, which
     runs on the training thread under NCCL). The device run of 2026-12-04 needed a separate script
     to find that these, not the GPU, bound the step."""
 
@@ -745,7 +747,7 @@ class _PartTimer:
             from ddphooks.triton_stats import TritonBucketStats
 
             TritonBucketStats.accumulate = self.wrap("statistics_pass", TritonBucketStats.accumulate)
-        ddphooks.hook._reduced_norms = self.wrap("reduced_norms", ddphooks.hook._reduced_norms)
+        ddphooks.hook.SilentState._keep_slots = self.wrap("reduced_norms", ddphooks.hook.SilentState._keep_slots)
 
 
 def _cost_worker(rank: int, world: int, small: bool, kernels: list[str], rounds: int, warmup: int) -> dict:

@@ -195,24 +195,25 @@ def pack(
 ) -> None:
     """Write every number of ``out`` (``layout.size`` fp32, not zeroed first), this rank's part of
     the compact wire and zeros for the others': its row (its mean loss, ``loss_sum`` over
-    ``loss_count``, the count ``stage`` was given, 0 where None; its squared norm; from ``staged``, what ``stage`` made on the host: its
-    ``own_values`` of the previous step and its status, with the layer parameter and ``NO_LOSS``
-    where it counted no loss in it), its per-parameter squared norms (``local_sq``, one tensor per
-    bucket) where it is in ``rows`` (``choose_sampled``), and what it adds to the sums (nothing
-    but its row where it is ``absent``): its squared norms, their roots (``local_norms`` where the
-    kernel left them, else one operation more), its layer CUSUM's rises of the previous step
-    (from ``staged``, for the pooled scale), its buckets' norms, a one in ``present``, its sketch
-    and unit sketch, and FSDP2's ``reduced`` (its shards' squared norms, in ``reduced_sq``): one
-    ``cat`` writes them from the wire's start, the other ranks' rows and the sampled rows from
-    ``staged``'s zero, expanded. On a replica-check step its one in each tensor's histogram
-    (``fingerprint_bins``; under HSDP the buffers', and on a shard's first replica its group's
-    ``shard_checks``); after one, ``differs`` (``replica_differs``: 1 or 0) sets
+    ``loss_count``, the count ``stage`` was given, 0 where None; its squared norm; from ``staged``,
+    what ``stage`` made on the host: its ``own_values`` of the previous step and its status, with
+    the layer parameter and ``NO_LOSS`` where it counted no loss in it), its per-parameter squared
+    norms (``local_sq``, one tensor per bucket) where it is in ``rows`` (``choose_sampled``), and
+    what it adds to the sums (nothing but its row where it is ``absent``): its squared norms, their
+    roots (``local_norms`` where the kernel left them, else one operation more), its layer CUSUM's
+    rises of the previous step (from ``staged``, for the pooled scale), its buckets' norms, a one in
+    ``present``, its sketch and unit sketch, and FSDP2's ``reduced`` (its shards' squared norms, in
+    ``reduced_sq``): one ``cat`` writes them from the wire's start, the other ranks' rows and the
+    sampled rows from ``staged``'s zero, expanded. On a replica-check step its one in each tensor's
+    histogram (``fingerprint_bins``; under HSDP the buffers', and on a shard's first replica its
+    group's ``shard_checks``); after one, ``differs`` (``replica_differs``: 1 or 0) sets
     ``REPLICA_DIFFERS`` in its status. On a detail step (``layout.matrix_rows``) its sketch in row
-    ``matrix_row`` (its rank) of the matrix part, or with ``layout.host_form`` its unit sketch
-    added to row ``matrix_row`` (its block) and a one to that block's count (0 for a zero
-    sketch). The parts after the ``cat`` (those steps' histograms and matrix) are zeroed first:
-    one more operation, on those steps only. Some 8 device operations in all
-    (``benchmarks/launches.py``), whatever P and the buckets; nothing synchronises."""
+    ``matrix_row`` (its rank) of the matrix part, or with ``layout.host_form`` its unit sketch added
+    to row ``matrix_row`` (its block) and a one to that block's count (0 for a zero sketch). The
+    parts after the ``cat`` (those steps' histograms and matrix) are zeroed first: one more
+    operation, on those steps only. 6 device operations in all on the other steps (one more where
+    the rank is sampled, or without ``local_norms``; ``benchmarks/launches.py``), whatever P and
+    the buckets; nothing synchronises."""
     row = out[layout.part("per_rank")].view(layout.world, PER_RANK)[rank]
     if absent:
         out.zero_()

@@ -243,17 +243,18 @@ class FleetStats(SilentStats):
         hosts: HostBlocks | None = None,
         kept: KeptWire | None = None,
     ) -> None:
-        rows, after_rows = layout.part("per_rank"), layout.part("per_rank").stop
-        if kept is not None:  # reduced_wire is the host copy (``PendingHost``) of ``kept``'s array: the rows, reduced_sq and the rest cut from it
-            host = HostParts(reduced_wire, lambda array: [kept.wire(array)[rows].reshape(layout.world, PER_RANK), kept.reduced_sq(array)])
-            rest_host = HostParts(reduced_wire, lambda array: [kept.wire(array)[after_rows:]])
+        per_rank = layout.part("per_rank")
+        if kept is not None:  # reduced_wire is the host copy (``PendingHost``) of kept's array: the rows, reduced_sq and the rest cut from it
+            rows = HostParts(reduced_wire, lambda array: [kept.wire(array)[per_rank].reshape(layout.world, PER_RANK), kept.reduced_sq(array)])
+            rest_host = HostParts(reduced_wire, lambda array: [kept.wire(array)[per_rank.stop :]])
+            reduced_sq = None
         else:
             if reduced_wire.shape[0] != layout.size:
                 raise ValueError(f"the compact wire has {reduced_wire.shape[0]} numbers, its layout {layout.size}")
-            host, reduced = reduced_wire[rows].reshape(layout.world, PER_RANK), reduced_sq
-            rest = reduced_wire[after_rows:]
+            rows = reduced_wire[per_rank].reshape(layout.world, PER_RANK)
+            rest = reduced_wire[per_rank.stop :]
             rest_host = HostArrays([rest]) if isinstance(rest, np.ndarray) else _pending_host([rest])
-        super().__init__(step, layout.world, buckets, host, None if kept is not None else reduced, layout.bins, transport, fingerprinted, divided_by_present=divided_by_present)
+        super().__init__(step, layout.world, buckets, rows, reduced_sq, layout.bins, transport, fingerprinted, divided_by_present=divided_by_present)
         self.layout = layout
         self.sampled = list(sampled)
         self.parameter_rows = self.sampled

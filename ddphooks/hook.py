@@ -17,13 +17,13 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from ddphooks.config import SilentConfig
 from ddphooks.detect import DetectorConfig
-from ddphooks.devices import match_intra_op_threads
+from ddphooks.devices import PendingHost, match_intra_op_threads
 from ddphooks.identity import model_device
 from ddphooks.replicas import ReplicaTensors
 from ddphooks.sinks import Sink
 from ddphooks.sketch import BucketPlan, BucketStatsKernel, squared_norms_of_buffers
 from ddphooks.state import BaseSilentState, StepRecord, agree_across_ranks, stats_kernel_problem
-from ddphooks.stats import ABSENT, REPLICA_CHECK_REQUESTED, BucketLayout, SilentStats, slot_size
+from ddphooks.stats import ABSENT, REPLICA_CHECK_REQUESTED, BucketLayout, HostParts, KeptSlots, SilentStats, slot_size
 from ddphooks.watchdog import SyncWatchdog
 
 CommHook = Callable[[object, dist.GradBucket], torch.futures.Future]
@@ -464,14 +464,13 @@ class SilentState(BaseSilentState):
                 if record.fleet is not None:  # the wire, this rank's own inputs and the reduced norms in one array and one copy
                     self._keep_fleet(record, slots, reduced=(reduced, [layout.numels for layout in record.layouts]))
                     result = self._fleet_stats(record)
-                else:
-                    record.gathered = slots.view(self.world_size, slot).clone()
+                else:  # the slots and the reduced norms in one array and one copy
                     result = SilentStats(
                         record.step,
                         self.world_size,
                         record.layouts,
-                        record.gathered,
-                        _reduced_norms(reduced, record.layouts),
+                        self._keep_slots(record, slots, slot, reduced),
+                        None,
                         self.bins,
                         record.transport,
                         record.fingerprinted,
@@ -483,6 +482,19 @@ class SilentState(BaseSilentState):
         else:
             result = record.error
         self._publish(record.step, result)
+
+    def _keep_slots(self, record: _Step, slots: torch.Tensor, slot: int, reduced: list[torch.Tensor]) -> HostParts:
+        """The whole slots copied off the buffer (reused next step) into one array, the reduced
+        gradients' norms stacked after them (one multi-tensor norm over every bucket's averaged
+        gradient, unsquared: ``KeptSlots`` squares them on the host), and that array on its way to
+        the host in one copy. The parameters' views are made again every step: kept, they would
+        hold a rebuilt bucket's old buffer, or a ``comm_hook``'s output, alive."""
+        gathered = self.world_size * slot
+        kept = torch.empty(gathered + sum(len(layout.numels) for layout in record.layouts), dtype=torch.float32, device=slots.device)
+        kept[:gathered].copy_(slots)
+        squared_norms_of_buffers(reduced, [layout.numels for layout in record.layouts], kept[gathered:], squared=False)
+        record.gathered = kept[:gathered].view(self.world_size, slot)
+        return HostParts(PendingHost([kept]), KeptSlots(self.world_size, slot).cut)
 
 
 def _resolve_group(
@@ -651,16 +663,6 @@ def _all_reduce_divided(state: SilentState, buffer: torch.Tensor) -> torch.futur
     """allreduce_hook's all-reduce of a bucket the statistics pass has already divided by W."""
     work = dist.all_reduce(buffer, group=state.process_group, async_op=True)
     return work.get_future().then(lambda future: future.value()[0])
-
-
-def _reduced_norms(reduced: list[torch.Tensor], layouts: list[BucketLayout]) -> torch.Tensor:
-    """``|gbar_p|^2`` of every parameter of the step, in slot order, from the buckets' averaged
-    gradients ``reduced``: one multi-tensor norm over all of them (``squared_norms_of_buffers``).
-    The parameters' views are made again every step: kept, they would hold a rebuilt bucket's
-    old buffer, or a ``comm_hook``'s output, alive."""
-    out = torch.empty(sum(len(layout.numels) for layout in layouts), dtype=torch.float32, device=reduced[0].device)
-    squared_norms_of_buffers(reduced, [layout.numels for layout in layouts], out)
-    return out
 
 
 def _reduced_piggyback(state: SilentState, record: _Step, numel: int, slot: int, future: torch.futures.Future) -> torch.Tensor:

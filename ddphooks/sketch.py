@@ -523,10 +523,7 @@ class BucketStatsKernel:
         several parameters, one more to square several parameters' norms."""
         _, product, rows_t, signs, row_signs, segments = one_chunk
         torch.mul(signs, flat, out=product)  # sign * gradient, promoted to fp32
-        if overwrite_sketch:  # rows weighted by their signs, summed into bins, over the sketch before
-            torch.mv(rows_t, row_signs, out=sketch)
-        else:  # ... added into it
-            sketch.addmv_(rows_t, row_signs)
+        _into_bins(sketch, rows_t, row_signs, overwrite_sketch)
         if segments is None and squared:  # one parameter: its squared norm is one dot
             torch.dot(product, product, out=norms[0])
         elif segments is None:  # its norm, written as a 1-element tensor (no view to make)
@@ -617,10 +614,7 @@ class BucketStatsKernel:
             product, rows_t = views[plan.numel]
             signs, row_signs = one_chunk
             torch.mul(signs.view(band), flat, out=product.view(band))
-            if overwrite_sketch:
-                torch.mv(rows_t, row_signs, out=sketch_acc)
-            else:
-                sketch_acc.addmv_(rows_t, row_signs)
+            _into_bins(sketch_acc, rows_t, row_signs, overwrite_sketch)
             params = len(plan.lengths)
             if params == 1:
                 torch.dot(product, product, out=sq_norms[0])
@@ -669,10 +663,7 @@ class BucketStatsKernel:
                     into.mul_(chunk)
                 # rows weighted by their signs, summed into bins: s += rows^T v (a partial last row
                 # is padded with zeros, see _prepare); the first chunk writes over it where asked
-                if overwrite_sketch and c == 0:
-                    torch.mv(rows_t, row_signs, out=sketch_acc)
-                else:
-                    sketch_acc.addmv_(rows_t, row_signs)
+                _into_bins(sketch_acc, rows_t, row_signs, overwrite_sketch and c == 0)
             else:
                 into.copy_(chunk)  # a plan of rows without a sketch: the chunk in fp32
             if by_column:
@@ -735,6 +726,15 @@ def _segment_norms(flat: torch.Tensor, lengths: list[int], out: torch.Tensor, sq
             out.copy_(torch.stack(norms))
     if squared:
         out.square_()
+
+
+def _into_bins(sketch: torch.Tensor, rows_t: torch.Tensor, row_signs: torch.Tensor, overwrite: bool) -> None:
+    """A chunk's rows weighted by their signs, summed into the sketch's bins: written over the
+    sketch (the step's first chunk: no zeroing before it) or added into it. One operation."""
+    if overwrite:
+        torch.mv(rows_t, row_signs, out=sketch)
+    else:
+        sketch.addmv_(rows_t, row_signs)
 
 
 def squared_norms_of_buffers(buffers: list[torch.Tensor], lengths: list[list[int]], out: torch.Tensor, squared: bool = True) -> None:

@@ -144,6 +144,22 @@ class HostParts:
         return self.raw()[0][:, begin:end].astype(np.float64)
 
 
+@dataclass(frozen=True)
+class KeptSlots:
+    """Where a whole-slot DDP step lies in the flat fp32 array it keeps of it and copies to the host
+    in one copy (``SilentState._step_reduced``): the ``world x slot`` gathered slots, then the P
+    reduced norms ``|gbar_p|``, unsquared (squared here, in fp32 as torch squares them: one device
+    operation fewer). ``cut`` is ``HostParts``'."""
+
+    world: int
+    slot: int
+
+    def cut(self, kept: np.ndarray) -> list[np.ndarray]:
+        """The gathered slots and the reduced squared norms."""
+        end = self.world * self.slot
+        return [kept[:end].reshape(self.world, self.slot), np.square(kept[end:])]
+
+
 def slot_size(n_params: int, bins: int, n_fingerprinted: int = 0) -> int:
     """Number of fp32 entries in one rank's slot (``n_fingerprinted`` tensors on replica-check
     steps add two numbers each)."""

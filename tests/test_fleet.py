@@ -128,6 +128,54 @@ def test_sampled_ranks_move_on_every_step_and_cover_every_rank():
     assert seen == set(range(4096))
 
 
+@pytest.mark.parametrize("replicas", [0, 1, 3], ids=["ddp", "fsdp2", "hsdp"])
+def test_the_step_kept_in_one_array_reads_as_its_parts(replicas):
+    # What _keep_fleet copies to the host in one copy: the wire, the rank's own inputs, and DDP's
+    # reduced norms unsquared after them (FSDP2: reduced_sq summed over its replicas, in the wire).
+    # Read through KeptWire and HostParts, the step's statistics are those of the wire and the
+    # squared norms as the device would have computed them, bit for bit.
+    from ddphooks.devices import PendingHost
+
+    world = 6
+    layout = fleet_stats.FleetLayout(world, N_PARAMS, len(BUCKETS), BINS, sampled=4, reduced=N_PARAMS if replicas else 0)
+    wire = _compact(layout, [0, 1, 2, 3], _ranks(world, 1, ()), None)
+    own = torch.rand(N_PARAMS + BINS)
+    norms = torch.rand(N_PARAMS) + 0.5
+    if replicas:
+        wire[layout.part("reduced_sq")] = norms * max(replicas, 1)
+        reduced_sq = wire[layout.part("reduced_sq")] / replicas if replicas > 1 else wire[layout.part("reduced_sq")]
+        kept_array = torch.cat([wire, own])
+    else:
+        reduced_sq = norms.square()  # the device's square, which the host's must equal
+        kept_array = torch.cat([wire, own, norms])
+    kept = fleet_stats.KeptWire(layout, own.numel(), replicas)
+    assert kept.size == kept_array.numel()
+    np.testing.assert_array_equal(kept.own_inputs(kept_array.numpy()), own.numpy())
+    np.testing.assert_array_equal(kept.reduced_sq(kept_array.numpy()), reduced_sq.numpy())
+    separate = fleet_stats.FleetStats(0, BUCKETS, layout, wire, reduced_sq, "piggyback", [0, 1, 2, 3], None)
+    together = fleet_stats.FleetStats(0, BUCKETS, layout, PendingHost([kept_array]), None, "piggyback", [0, 1, 2, 3], None, kept=kept)
+    assert together.summary() == separate.summary()
+    np.testing.assert_array_equal(together.sampled_param_sq, separate.sampled_param_sq)
+    a, b = together.slots(), separate.slots()
+    for name in ("rows", "rest", "reduced_sq"):
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+
+
+def test_whole_slots_kept_in_one_array_read_as_the_slots_and_the_squares():
+    from ddphooks.devices import PendingHost
+    from ddphooks.stats import HostParts, KeptSlots
+
+    world, ranks = 6, _ranks(6, 1, ())
+    gathered = torch.stack([torch.cat([r["head"], *r["local_sq"], r["sketch"]]) for r in ranks])
+    norms = torch.rand(N_PARAMS) + 0.5
+    kept = HostParts(PendingHost([torch.cat([gathered.reshape(-1), norms])]), KeptSlots(world, gathered.shape[1]).cut)
+    together = SilentStats(0, world, BUCKETS, kept, None, BINS, "piggyback")
+    separate = SilentStats(0, world, BUCKETS, gathered, norms.square(), BINS, "piggyback")
+    assert together.summary() == separate.summary()
+    np.testing.assert_array_equal(together.slots().gathered, separate.slots().gathered)
+    np.testing.assert_array_equal(together.slots().reduced_sq, separate.slots().reduced_sq)
+
+
 @pytest.mark.parametrize("absent", [(), (2,)])
 def test_compact_wire_gives_the_whole_slots_statistics(absent):
     world = 6
