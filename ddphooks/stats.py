@@ -107,41 +107,33 @@ class HostArrays:
 
     def columns(self, begin: int, end: int) -> np.ndarray:
         """Columns ``begin`` to ``end - 1`` of the first (W x slot) array as float64."""
-        return self._host[0][:, begin:end].astype(np.float64)
+        return self.raw()[0][:, begin:end].astype(np.float64)
 
     def arrays(self) -> list[np.ndarray]:
         """The arrays as new float64 arrays (fp32 widens exactly: what ``PendingHost`` gives)."""
-        return [array.astype(np.float64) for array in self._host]
+        return [array.astype(np.float64) for array in self.raw()]
 
     def raw(self) -> list[np.ndarray]:
         """The arrays as they travelled (not copied)."""
         return self._host
 
 
-class HostParts:
+class HostParts(HostArrays):
     """Arrays cut from one flat array on its way to the host (the first array of a
     ``PendingHost`` or ``HostArrays``), read as ``HostArrays``' are: a step that came over in
     one copy, read as the several arrays its statistics take. ``cut(flat)`` returns them; it is
     called once, at the first read (which waits for the copy)."""
 
     def __init__(self, source, cut) -> None:
+        super().__init__([])
         self._source = source
         self._cut = cut
-        self._host: list[np.ndarray] | None = None
 
     def raw(self) -> list[np.ndarray]:
         """The arrays in the dtype they travelled in (fp32), not copied where they are slices."""
-        if self._host is None:
+        if not self._host:
             self._host = self._cut(self._source.raw()[0])
         return self._host
-
-    def arrays(self) -> list[np.ndarray]:
-        """The arrays as new float64 arrays."""
-        return [array.astype(np.float64) for array in self.raw()]
-
-    def columns(self, begin: int, end: int) -> np.ndarray:
-        """Columns ``begin`` to ``end - 1`` of the first (W x slot) array as float64."""
-        return self.raw()[0][:, begin:end].astype(np.float64)
 
 
 @dataclass(frozen=True)
