@@ -415,7 +415,6 @@ class DeepSpeedSilentState(BaseSilentState):
             self._warn_no_loss(record.step)
         record.fingerprinted, record.fingerprint = self._scheduled_fingerprint(record.step, device)
         slot, slots = self._whole_slots(n_params, len(record.fingerprinted), device)
-        rows = slots.view(self.world_size, slot + n_params)
         self._pack_or_fail(record, slots, slot + n_params, 0)  # a failure sends zeros and FAILED: every rank waits in the all-reduce
         dist.all_reduce(slots, group=self.process_group)
         accumulation = record.accumulation
@@ -429,7 +428,7 @@ class DeepSpeedSilentState(BaseSilentState):
             )  # fmt: skip
         try:
             return DeepSpeedStats(
-                record.step, self.world_size, [self._layout], rows[:, :slot].clone(), rows[:, slot:].sum(dim=0), self.bins,
+                record.step, self.world_size, [self._layout], self._keep_slot_rows(slots, slot), None, self.bins,
                 f"deepspeed-zero{self._stage}", record.fingerprinted, previous=self._previous_stats, accumulation=accumulation,
             )  # fmt: skip
         except Exception as error:

@@ -399,13 +399,9 @@ class ShardedSilentState(BaseSilentState):
             if record.fleet is not None:  # reduced_sq in the wire, divided by the replicas on the host
                 self._keep_fleet(record, slots, replicas=self._replicas)
                 return self._fleet_stats(record)
-            rows = slots.view(self.world_size, stride)
-            reduced = rows[:, slot:].sum(dim=0)
-            if self._replicas > 1:  # every replica holds the same shards
-                reduced.div_(self._replicas)
             return SilentStats(
-                record.step, self.world_size, record.layouts, rows[:, :slot].clone(), reduced, self.bins, record.transport,
-                record.fingerprinted, previous=self._previous_stats, replica_groups=self._replica_groups,
+                record.step, self.world_size, record.layouts, self._keep_slot_rows(slots, slot, self._replicas), None, self.bins,
+                record.transport, record.fingerprinted, previous=self._previous_stats, replica_groups=self._replica_groups,
             )  # fmt: skip
         except Exception as error:
             return error

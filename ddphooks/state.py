@@ -29,7 +29,7 @@ from ddphooks.records import RecordBuilder, is_detail_step
 from ddphooks.sinks import Sink
 from ddphooks.sinks.base import bind_sink
 from ddphooks.sketch import ACCELERATOR_CHUNK_ELEMS, CPU_CHUNK_ELEMS, BucketStatsKernel, SignTable, sketch_bins, squared_norms_of_buffers
-from ddphooks.stats import FAILED, STATUS, BucketLayout, SilentStats, slot_size
+from ddphooks.stats import FAILED, STATUS, BucketLayout, HostParts, KeptSlotRows, SilentStats, slot_size
 from ddphooks.writer import RecordWriter
 
 logger = logging.getLogger("ddphooks")
@@ -455,6 +455,13 @@ class BaseSilentState:
         widest = slot_size(n_params, self.bins, len(replicas or ()))
         capacity = self.world_size * (widest + n_params)
         return slot, self._stats_buffer("_slots", self.world_size * (slot + n_params), torch.float32, device, capacity)
+
+    def _keep_slot_rows(self, slots: torch.Tensor, slot: int, replicas: int = 1) -> HostParts:
+        """``_whole_slots``' buffer after its all-reduce, copied off it (it is reused next step)
+        and on its way to the host in one copy: one device operation a step. The host cuts the
+        slots and sums the rows' parts of the reduced squared norms (``KeptSlotRows``): no sum,
+        no second copy on the device."""
+        return HostParts(PendingHost([slots.clone()]), KeptSlotRows(self.world_size, slot, replicas).cut)
 
     # -- the compact wire (ddphooks.fleet): one implementation for every transport that sends it ----
     def _fleet_layout(self, record: StepRecord, n_params: int, reduced: int = 0) -> fleet_stats.FleetLayout | None:

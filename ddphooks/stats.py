@@ -152,6 +152,28 @@ class KeptSlots:
         return [kept[:end].reshape(self.world, self.slot), np.square(kept[end:])]
 
 
+@dataclass(frozen=True)
+class KeptSlotRows:
+    """Where a whole-slot step of a transport whose slots travel in an all-reduce of their own
+    (FSDP2, DeepSpeed: ``BaseSilentState._keep_slot_rows``) lies in its one copy: ``world`` rows,
+    each a rank's slot of ``slot`` numbers then its part of the P reduced squared norms (its
+    shards' or its partition's). The reduced squared norms are the sum of those parts over the
+    rows, in fp32 as torch sums them on the device (to fp32 rounding: the order may differ),
+    divided by ``replicas`` (HSDP: every replica holds the same shards). ``cut`` is ``HostParts``'."""
+
+    world: int
+    slot: int
+    replicas: int = 1
+
+    def cut(self, kept: np.ndarray) -> list[np.ndarray]:
+        """The gathered slots (a view of the rows) and the reduced squared norms."""
+        rows = kept.reshape(self.world, -1)
+        reduced = rows[:, self.slot :].sum(axis=0)
+        if self.replicas > 1:
+            reduced /= np.float32(self.replicas)
+        return [rows[:, : self.slot], reduced]
+
+
 def slot_size(n_params: int, bins: int, n_fingerprinted: int = 0) -> int:
     """Number of fp32 entries in one rank's slot (``n_fingerprinted`` tensors on replica-check
     steps add two numbers each)."""

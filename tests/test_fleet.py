@@ -176,6 +176,27 @@ def test_whole_slots_kept_in_one_array_read_as_the_slots_and_the_squares():
     np.testing.assert_array_equal(together.slots().reduced_sq, separate.slots().reduced_sq)
 
 
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_slot_rows_kept_in_one_array_read_as_the_slots_and_the_summed_reduced_norms(replicas):
+    """FSDP2's and DeepSpeed's rows (each rank's slot, then its part of the reduced squared
+    norms), cut on the host: the slots as they were, the parts summed over the ranks (and divided
+    by the replicas) in fp32, against torch's sum on the device."""
+    from ddphooks.devices import PendingHost
+    from ddphooks.stats import HostParts, KeptSlotRows
+
+    world, ranks = 6, _ranks(6, 1, ())
+    gathered = torch.stack([torch.cat([r["head"], *r["local_sq"], r["sketch"]]) for r in ranks])
+    parts = torch.rand(world, N_PARAMS) * 10.0 ** torch.randint(-3, 3, (world, N_PARAMS))
+    rows = torch.cat([gathered, parts], dim=1)
+    kept = HostParts(PendingHost([rows.reshape(-1)]), KeptSlotRows(world, gathered.shape[1], replicas).cut)
+    together = SilentStats(0, world, BUCKETS, kept, None, BINS, "fsdp2")
+    separate = SilentStats(0, world, BUCKETS, gathered, parts.sum(dim=0) / replicas, BINS, "fsdp2")
+    np.testing.assert_array_equal(together.slots().gathered, separate.slots().gathered)
+    np.testing.assert_allclose(together.slots().reduced_sq, separate.slots().reduced_sq, rtol=1e-6)
+    assert together.slots().reduced_sq.dtype == np.float32
+    np.testing.assert_allclose(together.reduced_param_sq, rows[:, gathered.shape[1] :].double().sum(dim=0).numpy() / replicas, rtol=1e-6)
+
+
 @pytest.mark.parametrize("absent", [(), (2,)])
 def test_compact_wire_gives_the_whole_slots_statistics(absent):
     world = 6
