@@ -165,4 +165,4 @@ def test_every_run_of_a_campaign_has_its_own_seed():
     specs = workloads.plan([2], len(workloads.HEALTHY_SEEDS), len(workloads.FAULT_SEEDS))
     for family in workloads.FAMILIES:
         seeds = [spec.seed for spec in specs if spec.family == family]
-        assert len(seeds) == len(set(seeds)) == 50 + 20 * len(workloads.fault_kinds(family)), family  # 50 healthy seeds, 20 a fault kind
+        assert len(seeds) == len(set(seeds)) == 70 + 20 * len(workloads.fault_kinds(family)), family  # 70 healthy seeds, 20 a fault kind
