@@ -149,7 +149,7 @@ def test_norm_gap_dprime_against_the_plain_computation():
 
 def test_more_runs_than_fixed_seeds_is_a_one_line_error():
     # Fault run r of kind k uses seed FAULT_SEEDS[r] + 10 k: past the fixed seeds a run would repeat another's.
-    for option, fixed in (("--healthy-runs", 50), ("--fault-runs", 20)):
+    for option, fixed in (("--healthy-runs", 70), ("--fault-runs", 20)):
         result = subprocess.run([sys.executable, str(SCRIPT), option, str(fixed + 1)], capture_output=True, text=True, timeout=120)
         assert result.returncode == 2 and f"{option} {fixed + 1}: at most {fixed}" in result.stderr, result.stderr
 
