@@ -493,7 +493,6 @@ class SilentState(BaseSilentState):
         kept = torch.empty(gathered + sum(len(layout.numels) for layout in record.layouts), dtype=torch.float32, device=slots.device)
         kept[:gathered].copy_(slots)
         squared_norms_of_buffers(reduced, [layout.numels for layout in record.layouts], kept[gathered:], squared=False)
-        record.gathered = kept[:gathered].view(self.world_size, slot)
         return HostParts(PendingHost([kept]), KeptSlots(self.world_size, slot).cut)
 
 

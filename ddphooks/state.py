@@ -50,7 +50,7 @@ class StepRecord:
         self.local_norms: list[torch.Tensor] | None = None  # their square roots, where the kernel has them
         self.fingerprinted: list[str] = []  # names of the tensors fingerprinted on a replica-check step
         self.fingerprint: torch.Tensor | None = None
-        self.gathered: torch.Tensor | None = None  # the all-reduced statistics (whole slots or the compact wire), a copy
+        self.gathered: torch.Tensor | None = None  # the all-reduced compact wire, a copy (its replica check reads it)
         self.transport = ""
         self.absent = False  # this rank has joined under DDP's Join: it contributes zeros and is left out
         self.divided_by_present = False  # the sum was divided by the ranks present (Join, divide_by_initial_world_size=False)

@@ -139,7 +139,7 @@ class HostParts(HostArrays):
 @dataclass(frozen=True)
 class KeptSlots:
     """Where a whole-slot DDP step lies in the flat fp32 array it keeps of it and copies to the host
-    in one copy (``SilentState._step_reduced``): the ``world x slot`` gathered slots, then the P
+    in one copy (``SilentState._keep_slots``): the ``world x slot`` gathered slots, then the P
     reduced norms ``|gbar_p|``, unsquared (squared here, in fp32 as torch squares them: one device
     operation fewer). ``cut`` is ``HostParts``'."""
 
